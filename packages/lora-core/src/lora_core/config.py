@@ -100,7 +100,7 @@ class LoraConfig(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid")
 
     enable: StrictBool = False
-    rank: StrictInt | None = Field(default=None, ge=0)
+    rank: StrictInt | None = None
     alpha: float | None = Field(default=None, gt=0)
     target_modules: tuple[str, ...] = DEFAULT_TARGET_MODULES
     exclude_modules: tuple[str, ...] = ()
@@ -123,9 +123,20 @@ class LoraConfig(BaseModel):
                 "unknown lora key(s) {unknown}; valid keys are {valid}{hint}",
                 {"unknown": [str(k) for k in unknown], "valid": valid, "hint": hint},
             )
-        if data.get("alpha") is None and data.get("rank") is not None:
+        rank = data.get("rank")
+        # Only a usable rank supplies the alpha default; rank 0 must fail as a *rank* error.
+        if data.get("alpha") is None and isinstance(rank, int) and rank > 0:
             data = {**data, "alpha": data["rank"]}
         return data
+
+    @field_validator("rank")
+    @classmethod
+    def _rank_nonnegative(cls, value: int | None) -> int | None:
+        if value is not None and value < 0:
+            raise ValueError(
+                f"lora.rank must be a positive integer (or 0 when disabled), got {value}"
+            )
+        return value
 
     @field_validator("target_modules", "exclude_modules", mode="before")
     @classmethod
@@ -179,7 +190,7 @@ class LoraConfig(BaseModel):
         """
         source, text = _read_source(path_or_text)
         try:
-            doc = yaml.load(text, Loader=_StrictLoader)  # noqa: S506 - a SafeLoader subclass
+            doc = yaml.load(text, Loader=_StrictLoader)  # a SafeLoader subclass
         except yaml.YAMLError as exc:
             raise LoraConfigError(f"{source}: invalid YAML: {exc}") from exc
         node: Any = doc

@@ -53,7 +53,8 @@ class PeftTensorLayout(enum.StrEnum):
     IDENTITY = "identity"  # same shape and element order
     # Per-expert A ``[E, r, in]`` <-> PEFT's stacked ``lora_A [E*r, in]`` (row e*r + j = A[e, j]).
     EXPERT_STACKED_A = "expert_stacked_a"
-    # Per-expert B ``[E, out, r]`` <-> PEFT's stacked ``lora_B [out, E*r]`` (col e*r + j = B[e, :, j]).
+    # Per-expert B ``[E, out, r]`` <-> PEFT's stacked ``lora_B [out, E*r]``
+    # (col e*r + j = B[e, :, j]).
     EXPERT_STACKED_B = "expert_stacked_b"
 
 
@@ -206,7 +207,9 @@ class AdaptationResult:
                 )
         stray = sorted(set(self.peft_exports) - set(names))
         if stray:
-            raise ContractError(f"AdaptationResult.peft_exports names unknown parameters {stray[:8]}")
+            raise ContractError(
+                f"AdaptationResult.peft_exports names unknown parameters {stray[:8]}"
+            )
         for n, e in self.peft_exports.items():
             if not isinstance(e, PeftExport):
                 raise ContractError(

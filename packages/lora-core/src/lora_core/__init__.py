@@ -1,0 +1,44 @@
+"""lora-core: LoRA config, deterministic init, ``LoRALinear``, injection and shared contracts.
+
+The FSDP sync layer is the separate submodule ``lora_core.fsdp`` (import it explicitly).
+"""
+
+from lora_core._version import __version__
+from lora_core.config import DEFAULT_TARGET_MODULES, LoraConfig, LoraConfigError
+from lora_core.contracts import (
+    ADAPTATION_RESULT_SCHEMA_VERSION,
+    AdaptationResult,
+    ComponentVersion,
+    ContractError,
+    ParameterOwnership,
+    PeftExport,
+    PeftTensorLayout,
+)
+from lora_core.initialization import init_lora_tensor
+from lora_core.injection import (
+    LoraTargetError,
+    enable_lora_training,
+    matches_module,
+    remap_checkpoint_keys,
+)
+from lora_core.layers import LoRALinear
+
+__all__ = [
+    "ADAPTATION_RESULT_SCHEMA_VERSION",
+    "DEFAULT_TARGET_MODULES",
+    "AdaptationResult",
+    "ComponentVersion",
+    "ContractError",
+    "LoRALinear",
+    "LoraConfig",
+    "LoraConfigError",
+    "LoraTargetError",
+    "ParameterOwnership",
+    "PeftExport",
+    "PeftTensorLayout",
+    "__version__",
+    "enable_lora_training",
+    "init_lora_tensor",
+    "matches_module",
+    "remap_checkpoint_keys",
+]

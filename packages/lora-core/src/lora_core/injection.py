@@ -1,0 +1,298 @@
+"""Put :class:`LoRALinear` on the targeted ``nn.Linear`` modules of a model.
+
+Matching rule (shared by ``target_modules`` and ``exclude_modules``): a target matches a
+module when the target's dot-separated components equal the *trailing whole components* of
+the module's fully-qualified name. ``o_proj`` matches ``model.layers.0.self_attn.o_proj``
+but never ``model.layers.0.foo_proj``; ``self_attn.q_proj`` matches
+``model.layers.0.self_attn.q_proj`` but not ``model.layers.0.cross_attn.q_proj``. Excludes
+are applied after targets. Only ``nn.Linear`` modules are replaced.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterable, Mapping
+from typing import Any
+
+from torch import nn
+
+from lora_core.config import LoraConfig
+from lora_core.contracts import (
+    AdaptationResult,
+    ComponentVersion,
+    ContractError,
+    ParameterOwnership,
+    PeftExport,
+)
+from lora_core.layers import LoRALinear
+
+__all__ = [
+    "LoraTargetError",
+    "enable_lora_training",
+    "matches_module",
+    "remap_checkpoint_keys",
+]
+
+logger = logging.getLogger(__name__)
+
+_PEFT_PREFIX = "base_model.model."
+
+
+class LoraTargetError(ValueError):
+    """``target_modules``/``exclude_modules`` selected no ``nn.Linear`` of the model."""
+
+
+def matches_module(name: str, patterns: Iterable[str]) -> bool:
+    """Whether any pattern equals the trailing whole dotted components of ``name``.
+
+    Args:
+        name: fully-qualified module name, e.g. ``"model.layers.0.self_attn.q_proj"``.
+        patterns: module names or dotted suffixes, e.g. ``["q_proj", "self_attn.o_proj"]``.
+
+    Returns:
+        True if some pattern matches; ``"o_proj"`` does not match ``"x.foo_proj"``.
+    """
+    parts = name.split(".")
+    for pattern in patterns:
+        want = pattern.split(".")
+        if len(want) <= len(parts) and parts[len(parts) - len(want):] == want:
+            return True
+    return False
+
+
+def _empty_result(config: LoraConfig | None) -> AdaptationResult:
+    return AdaptationResult.create(
+        adapted_layers=(),
+        named_optimizer_parameters=(),
+        ownership={},
+        producer=ComponentVersion.of("lora-core"),
+        lora_config=config,
+    )
+
+
+def _select(
+    model: nn.Module, config: LoraConfig
+) -> tuple[list[tuple[str, nn.Linear | LoRALinear]], list[str]]:
+    """Matched ``(name, module)`` in module order, and every Linear name (for errors)."""
+    adapters = {n for n, m in model.named_modules() if isinstance(m, LoRALinear)}
+    seen: dict[int, str] = {}
+    chosen: list[tuple[str, nn.Linear | LoRALinear]] = []
+    linear_names: list[str] = []
+    excluded: list[str] = []
+    # remove_duplicate=False: a Linear reachable under two names cannot be wrapped for both.
+    for name, module in model.named_modules(remove_duplicate=False):
+        if not name or any(name.startswith(a + ".") for a in adapters):
+            continue
+        if not isinstance(module, nn.Linear | LoRALinear):
+            continue
+        if isinstance(module, nn.Linear):
+            linear_names.append(name)
+        if not matches_module(name, config.target_modules):
+            continue
+        if matches_module(name, config.exclude_modules):
+            excluded.append(name)
+            continue
+        if id(module) in seen:
+            raise LoraTargetError(
+                f"module {name!r} is the same object as {seen[id(module)]!r} (a shared or "
+                "tied Linear); adapting one name would leave the other unadapted. Exclude one "
+                "of them with lora.exclude_modules or untie them"
+            )
+        seen[id(module)] = name
+        chosen.append((name, module))
+    if not chosen:
+        sample = linear_names[:12]
+        more = f" (and {len(linear_names) - len(sample)} more)" if len(linear_names) > 12 else ""
+        why = (
+            f"; {len(excluded)} matched but all were removed by lora.exclude_modules "
+            f"{list(config.exclude_modules)}: {excluded[:6]}"
+            if excluded
+            else ""
+        )
+        raise LoraTargetError(
+            f"lora.target_modules {list(config.target_modules)} matched no nn.Linear module of "
+            f"{type(model).__name__}{why}. Linear modules that exist: {sample}{more}. "
+            "A target matches whole trailing components of a module name (e.g. 'q_proj' or "
+            "'self_attn.q_proj'), never a substring"
+        )
+    return chosen, linear_names
+
+
+def enable_lora_training(
+    model: nn.Module, config: LoraConfig | None, *, prepare_for_fsdp: bool = False
+) -> AdaptationResult:
+    """Wrap the targeted ``nn.Linear`` modules in :class:`LoRALinear` and freeze the rest.
+
+    Matching: a target (or exclude) matches a module when it equals the trailing whole
+    dotted components of the module's name (``o_proj`` matches ``a.o_proj``, not
+    ``a.foo_proj``; ``self_attn.q_proj`` is a dotted suffix). Excludes apply after targets.
+    Layers that are already :class:`LoRALinear` are left as they are and reported in
+    ``already_adapted_layers`` (a repeated call never double-wraps).
+
+    Every parameter of ``model`` is frozen except the ``lora_A``/``lora_B`` weights of the
+    matched layers (LoRA-only training), so call this *before* other adapter producers
+    (e.g. ``moe_experts.adapt``) that set their own trainable parameters.
+
+    Adapter values are ``init_lora_tensor(f"{fqn}.lora_A"/"lora_B", ..., seed=init_seed)``,
+    so they never depend on module-creation order. With ``prepare_for_fsdp=True`` no values
+    are built: ``lora_A``/``lora_B`` are created on the meta device (the model may itself be
+    on meta), and ``result.missing_parameter_initializer(model)`` fills them after the model
+    is materialised (``to_empty``) and the base checkpoint is loaded with
+    :func:`remap_checkpoint_keys`; the result is bitwise equal to the eager path.
+
+    Args:
+        model: the model to adapt in place.
+        config: the LoRA config; ``None`` or ``enable=False`` adapts nothing and returns an
+            empty result.
+        prepare_for_fsdp: build adapters on the meta device for the FSDP2 loader path.
+
+    Returns:
+        An :class:`AdaptationResult` covering every matched layer: ``<fqn>.lora_A.weight`` and
+        ``<fqn>.lora_B.weight`` per layer in module order, all ``REPLICATED``; checkpoint key
+        aliases ``<fqn>.weight -> <fqn>.base_layer.weight`` (and bias); PEFT export keys
+        ``base_model.model.<fqn>.lora_A.weight``; sorted unique leaf names as
+        ``peft_target_modules``.
+
+    Raises:
+        TypeError: if ``config`` is not a :class:`LoraConfig`.
+        LoraTargetError: if nothing matched (names the targets and existing Linear modules)
+            or a matched Linear is shared under two names.
+        ValueError: if the model is on the meta device and ``prepare_for_fsdp`` is False.
+    """
+    if config is None or (isinstance(config, LoraConfig) and not config.enable):
+        logger.info("LoRA is not enabled (config=%s): no LoRA applied", config)
+        return _empty_result(config)
+    if not isinstance(config, LoraConfig):
+        raise TypeError(
+            f"enable_lora_training config must be a lora_core.LoraConfig, got "
+            f"{type(config).__name__}; build it with LoraConfig.model_validate(...)"
+        )
+    if config.rank is None or config.alpha is None:  # unreachable for a validated config
+        raise ValueError("lora.rank must be set when lora.enable is true")
+    chosen, _ = _select(model, config)
+    adapted: list[str] = []
+    repeated: list[str] = []
+    layers: list[tuple[str, LoRALinear]] = []
+    for name, module in chosen:
+        if isinstance(module, LoRALinear):
+            repeated.append(name)
+            layers.append((name, module))
+            continue
+        if module.weight.is_meta and not prepare_for_fsdp:
+            raise ValueError(
+                f"{name}.weight is on the meta device, so adapter values cannot be built "
+                "eagerly; pass prepare_for_fsdp=True and call "
+                "result.missing_parameter_initializer(model) after materialising the model"
+            )
+        wrapped = LoRALinear(
+            module,
+            config.rank,
+            config.alpha,
+            config.dropout,
+            fqn=name,
+            init_seed=config.init_seed,
+            device="meta" if prepare_for_fsdp else None,
+        )
+        parent_name, _, leaf = name.rpartition(".")
+        model.get_submodule(parent_name).register_module(leaf, wrapped)
+        adapted.append(name)
+        layers.append((name, wrapped))
+    if repeated:
+        logger.info("%d layer(s) already carry LoRA and were left as they were: %s",
+                    len(repeated), repeated[:8])
+
+    for p in model.parameters():
+        p.requires_grad_(False)
+    named: list[tuple[str, nn.Parameter]] = []
+    aliases: dict[str, str] = {}
+    exports: dict[str, PeftExport] = {}
+    for name, layer in layers:
+        for leaf in ("lora_A", "lora_B"):
+            p = getattr(layer, leaf).weight
+            p.requires_grad_(True)
+            key = f"{name}.{leaf}.weight"
+            named.append((key, p))
+            exports[key] = PeftExport(key=_PEFT_PREFIX + key)
+        aliases[f"{name}.weight"] = f"{name}.base_layer.weight"
+        if layer.base_layer.bias is not None:
+            aliases[f"{name}.bias"] = f"{name}.base_layer.bias"
+    logger.info("LoRA r=%s alpha=%s on %d layer(s) (%d new)", config.rank, config.alpha,
+                len(layers), len(adapted))
+
+    initializer = None
+    if prepare_for_fsdp:
+        initializer = _Initializer(tuple(name for name, _ in layers))
+    return AdaptationResult.create(
+        adapted_layers=adapted,
+        already_adapted_layers=repeated,
+        named_optimizer_parameters=named,
+        ownership=dict.fromkeys((k for k, _ in named), ParameterOwnership.REPLICATED),
+        producer=ComponentVersion.of("lora-core"),
+        lora_config=config,
+        checkpoint_key_aliases=aliases,
+        peft_exports=exports,
+        peft_target_modules=sorted({name.rpartition(".")[2] for name, _ in layers}),
+        missing_parameter_initializer=initializer,
+    )
+
+
+class _Initializer:
+    """``missing_parameter_initializer``: fills every adapter of the named layers."""
+
+    def __init__(self, layer_names: tuple[str, ...]) -> None:
+        self.layer_names = layer_names
+
+    def __call__(self, model: nn.Module) -> int:
+        """Fill ``lora_A``/``lora_B`` of each layer in ``model``; return how many tensors."""
+        filled = 0
+        for name in self.layer_names:
+            try:
+                layer = model.get_submodule(name)
+            except AttributeError as exc:
+                raise ContractError(
+                    f"missing_parameter_initializer: model has no module {name!r}; pass the "
+                    "same model (or its FSDP-wrapped self) that enable_lora_training adapted"
+                ) from exc
+            if not isinstance(layer, LoRALinear):
+                raise ContractError(
+                    f"missing_parameter_initializer: {name!r} is a {type(layer).__name__}, "
+                    "expected a LoRALinear"
+                )
+            filled += layer.reset_lora_parameters()
+        return filled
+
+    def __repr__(self) -> str:
+        return f"lora_core missing_parameter_initializer({len(self.layer_names)} layers)"
+
+
+def remap_checkpoint_keys(
+    state_dict: Mapping[str, Any], result: AdaptationResult
+) -> dict[str, Any]:
+    """Rename base-checkpoint keys to the adapted module tree via ``checkpoint_key_aliases``.
+
+    ``x.weight`` becomes ``x.base_layer.weight`` for every adapted ``x``; other keys pass
+    unchanged, in their original order. Load the result with
+    ``model.load_state_dict(remapped, strict=False)`` (the adapter keys are the missing ones)
+    and then call ``result.missing_parameter_initializer``.
+
+    Args:
+        state_dict: base checkpoint, e.g. from ``safetensors.torch.load_file``.
+        result: the :class:`AdaptationResult` of the adaptation.
+
+    Returns:
+        A new dict with the remapped keys (values are the same objects).
+
+    Raises:
+        ContractError: if a key and its alias target are both present (ambiguous).
+    """
+    aliases = result.checkpoint_key_aliases
+    out: dict[str, Any] = {}
+    for key, value in state_dict.items():
+        new = aliases.get(key, key)
+        if new in out or (new != key and new in state_dict):
+            raise ContractError(
+                f"state_dict has both {key!r} and {new!r}; it is already partly in the adapted "
+                "layout, so remapping is ambiguous. Pass the base checkpoint unchanged"
+            )
+        out[new] = value
+    return out

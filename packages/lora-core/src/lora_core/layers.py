@@ -1,0 +1,202 @@
+"""``LoRALinear``: a frozen ``nn.Linear`` plus a trainable low-rank update.
+
+The attribute layout (``base_layer``, ``lora_A``, ``lora_B``) is a contract: it gives the
+state-dict suffixes ``.base_layer.weight``, ``.lora_A.weight`` ``[r, in]`` and
+``.lora_B.weight`` ``[out, r]`` that PEFT uses in ``adapter_model.safetensors``.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+from torch import nn
+
+from lora_core.initialization import init_lora_tensor
+
+__all__ = ["LoRALinear"]
+
+
+def _join(prefix: str, leaf: str) -> str:
+    return f"{prefix}.{leaf}" if prefix else leaf
+
+
+def _full(t: torch.Tensor) -> torch.Tensor:
+    """Plain tensor with the global value of ``t`` (gathers a DTensor)."""
+    from torch.distributed.tensor import DTensor
+
+    return t.full_tensor() if isinstance(t, DTensor) else t
+
+
+class LoRALinear(nn.Module):
+    """``y = base(x) + (alpha / rank) * B(A(dropout(x)))`` around a frozen ``nn.Linear``.
+
+    Args:
+        base_layer: the ``nn.Linear`` to adapt (``[out, in]`` weight, optional bias). Its
+            parameters are frozen (``requires_grad=False``) and kept as they are.
+        rank: LoRA rank ``r`` (positive).
+        alpha: LoRA alpha (positive); ``scaling = alpha / rank``.
+        dropout: dropout probability on the LoRA branch input, in ``[0, 1)``.
+        fqn: fully-qualified name of this module in its model; the adapter values are
+            ``init_lora_tensor(f"{fqn}.lora_A" / f"{fqn}.lora_B", ..., seed=init_seed)``.
+        init_seed: ``LoraConfig.init_seed``.
+        device: device of ``lora_A``/``lora_B`` (default: the base weight's). On ``meta`` no
+            values are built; fill them later with :meth:`reset_lora_parameters`.
+        dtype: dtype of ``lora_A``/``lora_B`` (default: the base weight's).
+
+    Attributes:
+        base_layer: the wrapped ``nn.Linear``.
+        lora_A: ``nn.Linear(in, r, bias=False)``; weight ``[r, in]``.
+        lora_B: ``nn.Linear(r, out, bias=False)``; weight ``[out, r]``, zeros at init.
+        rank, alpha, scaling: as above.
+        merged: whether the update is currently folded into ``base_layer.weight``.
+
+    Raises:
+        TypeError: if ``base_layer`` is not an ``nn.Linear``.
+        ValueError: if ``rank``, ``alpha`` or ``dropout`` is out of range.
+    """
+
+    def __init__(
+        self,
+        base_layer: nn.Linear,
+        rank: int,
+        alpha: float,
+        dropout: float = 0.0,
+        *,
+        fqn: str = "",
+        init_seed: int = 0,
+        device: torch.device | str | None = None,
+        dtype: torch.dtype | None = None,
+    ) -> None:
+        super().__init__()
+        if not isinstance(base_layer, nn.Linear):
+            raise TypeError(
+                f"LoRALinear base_layer must be an nn.Linear, got {type(base_layer).__name__}"
+            )
+        if isinstance(rank, bool) or not isinstance(rank, int) or rank <= 0:
+            raise ValueError(f"LoRALinear rank must be a positive int, got {rank!r}")
+        if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not (
+            math.isfinite(alpha) and alpha > 0
+        ):
+            raise ValueError(f"LoRALinear alpha must be a positive number, got {alpha!r}")
+        if not isinstance(dropout, int | float) or not 0.0 <= dropout < 1.0:
+            raise ValueError(f"LoRALinear dropout must be in [0, 1), got {dropout!r}")
+        weight = base_layer.weight
+        device = weight.device if device is None else torch.device(device)
+        dtype = weight.dtype if dtype is None else dtype
+        self.base_layer = base_layer
+        self.rank = rank
+        self.alpha = alpha
+        self.scaling = alpha / rank
+        self.merged = False
+        self.fqn = fqn
+        self.init_seed = init_seed
+        self.lora_A = nn.Linear(
+            base_layer.in_features, rank, bias=False, device="meta", dtype=dtype
+        )
+        self.lora_B = nn.Linear(
+            rank, base_layer.out_features, bias=False, device="meta", dtype=dtype
+        )
+        # Built on meta first: nn.Linear's own init would consume the global RNG for nothing.
+        if device.type != "meta":
+            self.lora_A.to_empty(device=device)
+            self.lora_B.to_empty(device=device)
+            self.reset_lora_parameters()
+        self.dropout: nn.Module = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
+        for p in base_layer.parameters():
+            p.requires_grad_(False)
+
+    @property
+    def in_features(self) -> int:
+        """Input features of the wrapped layer."""
+        return self.base_layer.in_features
+
+    @property
+    def out_features(self) -> int:
+        """Output features of the wrapped layer."""
+        return self.base_layer.out_features
+
+    @torch.no_grad()
+    def reset_lora_parameters(self) -> int:
+        """Fill ``lora_A``/``lora_B`` from :func:`lora_core.init_lora_tensor`; returns 2.
+
+        Handles DTensor parameters (e.g. sharded by FSDP2): the full value is computed on
+        every rank and only the local shard is copied, with no communication.
+
+        Raises:
+            RuntimeError: if the parameters are still on the meta device.
+        """
+        for leaf, lin in (("lora_A", self.lora_A), ("lora_B", self.lora_B)):
+            _fill(lin.weight, _join(self.fqn, leaf), self.init_seed)
+        return 2
+
+    def delta_weight(self) -> torch.Tensor:
+        """The update ``scaling * B @ A`` as a plain ``[out, in]`` tensor in float32."""
+        a = _full(self.lora_A.weight).float()
+        b = _full(self.lora_B.weight).float()
+        return (b @ a) * self.scaling
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """Apply the layer to ``x`` of shape ``[..., in]``; returns ``[..., out]``."""
+        result = self.base_layer(x)
+        if self.merged:
+            return result
+        lora_dtype = self.lora_A.weight.dtype
+        h = self.dropout(x if x.dtype == lora_dtype else x.to(lora_dtype))
+        update = self.lora_B(self.lora_A(h)) * self.scaling
+        return result + update.to(result.dtype)
+
+    @torch.no_grad()
+    def merge(self) -> None:
+        """Fold the update into ``base_layer.weight`` (no-op if already merged).
+
+        The delta is computed in float32 and rounded once into the base dtype, so
+        :meth:`unmerge` restores the weight up to that dtype's rounding.
+        """
+        if self.merged:
+            return
+        _add_into(self.base_layer.weight, self.delta_weight())
+        self.merged = True
+
+    @torch.no_grad()
+    def unmerge(self) -> None:
+        """Subtract the update from ``base_layer.weight`` again (no-op if not merged)."""
+        if not self.merged:
+            return
+        _add_into(self.base_layer.weight, -self.delta_weight())
+        self.merged = False
+
+    def extra_repr(self) -> str:
+        """Rank, alpha, scaling and merge state for ``repr``."""
+        return (
+            f"rank={self.rank}, alpha={self.alpha}, scaling={self.scaling:g}, "
+            f"merged={self.merged}"
+        )
+
+
+def _local_target(p: torch.Tensor, full: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Return ``(destination, value)``: the local shard of ``p`` and the matching slice."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
+    if isinstance(p, DTensor):
+        full = full.to(device=p.to_local().device)
+        # Every rank computes the same full value, so no data needs to travel from rank 0.
+        local = distribute_tensor(full, p.device_mesh, p.placements, src_data_rank=None)
+        return p.to_local(), local.to_local()
+    return p, full
+
+
+def _fill(p: torch.Tensor, name: str, seed: int) -> None:
+    if p.is_meta:
+        raise RuntimeError(
+            f"cannot initialise {name}: its parameter is on the meta device; materialise the "
+            "model first (e.g. model.to_empty(device=...))"
+        )
+    full = init_lora_tensor(name, tuple(p.shape), p.dtype, seed=seed)
+    dst, value = _local_target(p, full)
+    dst.copy_(value)
+
+
+def _add_into(w: torch.Tensor, delta: torch.Tensor) -> None:
+    dst, value = _local_target(w, delta)
+    dst.copy_((dst.float() + value.to(dst.device)).to(dst.dtype))
