@@ -19,6 +19,7 @@ from lora_core.injection import (
     LoraTargetError,
     enable_lora_training,
     matches_module,
+    rebind_parameters,
     remap_checkpoint_keys,
 )
 from lora_core.layers import LoRALinear
@@ -40,5 +41,6 @@ __all__ = [
     "enable_lora_training",
     "init_lora_tensor",
     "matches_module",
+    "rebind_parameters",
     "remap_checkpoint_keys",
 ]

@@ -10,6 +10,7 @@ are applied after targets. Only ``nn.Linear`` modules are replaced.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 from collections.abc import Iterable, Mapping
 from typing import Any
@@ -30,6 +31,7 @@ __all__ = [
     "LoraTargetError",
     "enable_lora_training",
     "matches_module",
+    "rebind_parameters",
     "remap_checkpoint_keys",
 ]
 
@@ -296,3 +298,39 @@ def remap_checkpoint_keys(
             )
         out[new] = value
     return out
+
+
+def rebind_parameters(result: AdaptationResult, model: nn.Module) -> AdaptationResult:
+    """Return ``result`` with its optimizer parameters re-read from ``model`` by name.
+
+    ``model.to_empty(...)`` (meta -> real device), ``fully_shard`` and
+    ``load_state_dict(assign=True)`` replace ``Parameter`` objects, which leaves the
+    tensors held by an earlier result stale. Call this after such a step and build the
+    optimizer from the returned value. Every other field is kept.
+
+    Args:
+        result: the result whose ``named_optimizer_parameters`` name parameters of ``model``.
+        model: the (materialised, possibly FSDP-wrapped) model.
+
+    Returns:
+        A new :class:`AdaptationResult` pointing at ``model``'s current parameters.
+
+    Raises:
+        ContractError: if a name is not a parameter of ``model`` or its shape changed.
+    """
+    fresh: list[tuple[str, nn.Parameter]] = []
+    for name, old in result.named_optimizer_parameters:
+        try:
+            new = model.get_parameter(name)
+        except AttributeError as exc:
+            raise ContractError(
+                f"rebind_parameters: {type(model).__name__} has no parameter {name!r}; pass "
+                "the model the result was produced for"
+            ) from exc
+        if tuple(new.shape) != tuple(old.shape):
+            raise ContractError(
+                f"rebind_parameters: {name!r} has shape {list(new.shape)} in the model but "
+                f"{list(old.shape)} in the result"
+            )
+        fresh.append((name, new))
+    return dataclasses.replace(result, named_optimizer_parameters=tuple(fresh))
