@@ -1,0 +1,335 @@
+"""Strict checkpoint loading, verification and in-place restore."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from lora_core.contracts import AdaptationResult
+from torch import nn
+
+from lora_checkpoint import _dist, _fs
+from lora_checkpoint._safetensors_io import (
+    dtype_name,
+    read_file_bytes,
+    tensor_sha256,
+    tensors_from_buffer,
+)
+from lora_checkpoint.errors import (
+    CheckpointError,
+    DigestMismatchError,
+    DtypeMismatchError,
+    MissingFileError,
+    MissingTensorError,
+    ShapeMismatchError,
+    UnexpectedTensorError,
+    UnsafeFileError,
+)
+from lora_checkpoint.manifest import FileEntry, Manifest, TensorKind, parse_manifest
+from lora_checkpoint.save import MANIFEST, training_state_files
+from lora_checkpoint.training_state import TrainingState
+
+__all__ = ["LoadedCheckpoint", "load", "resolve_checkpoint", "restore", "verify"]
+
+# Extensions whose usual readers (torch.load, pickle) can execute code.
+UNSAFE_SUFFIXES = frozenset({".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt", ".joblib"})
+_SAFE_SUFFIXES = (".safetensors", ".json")
+
+
+@dataclass(frozen=True)
+class LoadedCheckpoint:
+    """A verified checkpoint in memory.
+
+    Attributes:
+        manifest: the checkpoint's manifest.
+        tensors: parameter name -> CPU tensor (this rank's rank-local tensors included).
+        training_state: this rank's training state, or None if none was saved.
+        path: the checkpoint directory that was read.
+    """
+
+    manifest: Manifest
+    tensors: Mapping[str, torch.Tensor]
+    training_state: TrainingState | None
+    path: Path
+
+
+def resolve_checkpoint(directory: str | os.PathLike[str]) -> Path:
+    """Return the checkpoint directory: ``directory`` itself, or the root's ``latest`` target.
+
+    Raises:
+        MissingFileError: neither ``manifest.json`` nor a valid ``latest`` pointer exists.
+    """
+    path = Path(directory)
+    if not path.is_dir():
+        raise MissingFileError(f"checkpoint directory {str(path)!r} does not exist")
+    if (path / MANIFEST).exists():
+        return path
+    latest = path / _fs.LATEST
+    if not latest.is_file():
+        raise MissingFileError(
+            f"{str(path)!r} holds neither {MANIFEST} (a checkpoint) nor {_fs.LATEST!r} "
+            "(a checkpoint root); pass a directory written by lora_checkpoint.save"
+        )
+    name = latest.read_text(encoding="utf-8", errors="replace").strip()
+    if not name or "/" in name or "\\" in name or name.startswith("."):
+        raise UnsafeFileError(f"{str(latest)!r} names {name!r}, which is not a checkpoint name")
+    target = path / name
+    if not (target / MANIFEST).is_file():
+        raise MissingFileError(
+            f"{str(latest)!r} points at {name!r}, but {str(target / MANIFEST)!r} does not exist"
+        )
+    return target
+
+
+def _looks_like_pickle(path: Path) -> bool:
+    with open(path, "rb") as f:
+        head = f.read(4)
+    # Pickle protocol 2+ starts with PROTO (0x80, version); torch.save zips start with PK.
+    return (len(head) >= 2 and head[0] == 0x80 and 2 <= head[1] <= 5) or head.startswith(b"PK\x03\x04")
+
+
+def _check_unsafe(ckpt: Path, manifest: Manifest) -> None:
+    listed = {f.file for f in manifest.files}
+    for f in manifest.files:
+        if not f.file.endswith(_SAFE_SUFFIXES):
+            raise UnsafeFileError(
+                f"{ckpt / f.file}: the manifest lists a {Path(f.file).suffix or 'suffix-less'} file; "
+                f"only {list(_SAFE_SUFFIXES)} are read, never pickle"
+            )
+    for child in ckpt.iterdir():
+        if child.name in listed or child.name == MANIFEST or not child.is_file():
+            continue
+        if child.suffix.lower() in UNSAFE_SUFFIXES or _looks_like_pickle(child):
+            raise UnsafeFileError(
+                f"{child}: a pickle-capable file is in the checkpoint and is refused (it is never "
+                "opened with torch.load/pickle); delete it or convert it to safetensors"
+            )
+
+
+def _read_safetensors_file(
+    ckpt: Path, entry: FileEntry, manifest: Manifest, verify: bool
+) -> dict[str, torch.Tensor]:
+    path = ckpt / entry.file
+    if not path.is_file():
+        raise MissingFileError(f"{path}: listed in the manifest but missing")
+    buf, digest = read_file_bytes(path, expected_size=entry.size, compute_sha256=verify)
+    expected = [t for t in manifest.tensors if t.file == entry.file]
+    if verify and digest != entry.sha256:
+        bad: list[str] = []
+        try:
+            found = tensors_from_buffer(buf, entry.file)
+            bad = [t.key for t in expected
+                   if t.key in found and tensor_sha256(found[t.key]) != t.sha256]
+        except CheckpointError:
+            bad = ["<safetensors header>"]
+        where = f"tensor keys {bad}" if bad else "the safetensors header"
+        raise DigestMismatchError(
+            f"{path}: sha256 {digest} differs from the manifest's {entry.sha256}; corrupted "
+            f"bytes are in {where}; restore the file from a good copy"
+        )
+    tensors = tensors_from_buffer(buf, entry.file)
+    want = {t.key: t for t in expected}
+    missing = sorted(set(want) - set(tensors))
+    if missing:
+        raise MissingTensorError(f"{path}: keys {missing[:8]} listed in the manifest are absent")
+    extra = sorted(set(tensors) - set(want))
+    if extra:
+        raise UnexpectedTensorError(f"{path}: keys {extra[:8]} are not listed in the manifest")
+    for key, t in want.items():
+        got = tensors[key]
+        if tuple(got.shape) != t.shape:
+            raise ShapeMismatchError(
+                f"{path}: key {key!r} has shape {list(got.shape)}, the manifest expects {list(t.shape)}"
+            )
+        if dtype_name(got.dtype) != t.dtype:
+            raise DtypeMismatchError(
+                f"{path}: key {key!r} has dtype {dtype_name(got.dtype)}, the manifest expects {t.dtype}"
+            )
+    return tensors
+
+
+def _read_json_file(ckpt: Path, entry: FileEntry, verify: bool) -> bytes:
+    path = ckpt / entry.file
+    if not path.is_file():
+        raise MissingFileError(f"{path}: listed in the manifest but missing")
+    buf, digest = read_file_bytes(path, expected_size=entry.size, compute_sha256=verify)
+    if verify and digest != entry.sha256:
+        raise DigestMismatchError(
+            f"{path}: sha256 {digest} differs from the manifest's {entry.sha256}; the file is corrupted"
+        )
+    return bytes(buf)
+
+
+def _read_manifest(ckpt: Path) -> Manifest:
+    path = ckpt / MANIFEST
+    if not path.is_file():
+        raise MissingFileError(f"{path} does not exist")
+    return parse_manifest(path.read_bytes(), str(path))
+
+
+def load(
+    directory: str | os.PathLike[str], *, verify: bool = True, rank: int | None = None
+) -> LoadedCheckpoint:
+    """Read and verify a checkpoint.
+
+    Args:
+        directory: a checkpoint root (its ``latest`` is followed) or one checkpoint directory.
+        verify: check every file's sha256 against the manifest (sizes and headers are always
+            checked).
+        rank: whose rank-local tensors and training state to read (default: this process's
+            rank, 0 without a process group).
+
+    Returns:
+        The manifest, the parameter tensors by name, and the training state.
+
+    Raises:
+        CheckpointError: a subclass naming the file and key for anything missing, unexpected,
+            mis-shaped, mis-typed, corrupted, unsafe or of an unknown format version.
+    """
+    ckpt = resolve_checkpoint(directory)
+    manifest = _read_manifest(ckpt)
+    _check_unsafe(ckpt, manifest)
+    if rank is None:
+        rank = _dist.rank_and_world()[0]
+    if not 0 <= rank < manifest.world_size:
+        raise CheckpointError(
+            f"{ckpt}: rank {rank} asked for, but the checkpoint was written by world_size "
+            f"{manifest.world_size}; pass rank= in [0, {manifest.world_size})"
+        )
+    tensors: dict[str, torch.Tensor] = {}
+    by_file: dict[str, dict[str, torch.Tensor]] = {}
+    ts_json: bytes | None = None
+    st_file, js_file = training_state_files(rank)
+    for entry in manifest.files:
+        if entry.rank is not None and entry.rank != rank:
+            continue
+        if entry.file.endswith(".safetensors"):
+            by_file[entry.file] = _read_safetensors_file(ckpt, entry, manifest, verify)
+        elif entry.file == js_file:
+            ts_json = _read_json_file(ckpt, entry, verify)
+        elif verify:
+            _read_json_file(ckpt, entry, verify)
+    for t in manifest.tensors:
+        if t.kind is TensorKind.PARAMETER and t.file in by_file:
+            tensors[t.name] = by_file[t.file][t.key]
+    for p in manifest.parameters:
+        if p.name not in tensors:
+            raise MissingTensorError(
+                f"{ckpt}: parameter {p.name!r} has no stored tensor for rank {rank}; the manifest "
+                "lists it but no file holds it"
+            )
+        got = tensors[p.name]
+        if p.dtype != dtype_name(got.dtype):
+            raise DtypeMismatchError(
+                f"{ckpt}: parameter {p.name!r} is stored as {dtype_name(got.dtype)}, the manifest "
+                f"expects {p.dtype}"
+            )
+    extra = sorted(set(tensors) - {p.name for p in manifest.parameters})
+    if extra:
+        raise UnexpectedTensorError(f"{ckpt}: stored tensors {extra[:8]} are not manifest parameters")
+    state = None
+    if manifest.training_state is not None:
+        if ts_json is None or st_file not in by_file:
+            raise MissingFileError(
+                f"{ckpt}: the manifest records a training state but lists no {st_file}/{js_file}"
+            )
+        state = TrainingState.from_files(by_file[st_file], ts_json, str(ckpt / js_file))
+    return LoadedCheckpoint(manifest=manifest, tensors=tensors, training_state=state, path=ckpt)
+
+
+def verify(directory: str | os.PathLike[str]) -> Manifest:
+    """Verify every file of every rank of a checkpoint (what the CLI's ``verify`` runs).
+
+    Raises:
+        CheckpointError: the first problem found.
+    """
+    ckpt = resolve_checkpoint(directory)
+    manifest = _read_manifest(ckpt)
+    for r in range(manifest.world_size):
+        load(ckpt, verify=True, rank=r)
+    return manifest
+
+
+def _local_part(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import Replicate, Shard
+
+    mesh = param.device_mesh
+    coord = mesh.get_coordinate()
+    t = full
+    for dim, placement in enumerate(param.placements):
+        if isinstance(placement, Replicate):
+            continue
+        if not isinstance(placement, Shard) or coord is None:
+            raise CheckpointError(f"cannot restore into a DTensor with placement {placement}")
+        chunks = torch.chunk(t, mesh.size(dim), dim=placement.dim)
+        if coord[dim] < len(chunks):
+            t = chunks[coord[dim]]
+        else:
+            t = t.narrow(placement.dim, 0, 0)
+    return t
+
+
+def restore(target: nn.Module | AdaptationResult, loaded: LoadedCheckpoint) -> tuple[str, ...]:
+    """Copy loaded tensors into existing parameters in place (Parameter objects are kept).
+
+    Args:
+        target: an AdaptationResult (its named parameters) or a module (its
+            ``named_parameters()``; every trainable one must be in the checkpoint).
+        loaded: what :func:`load` returned.
+
+    Returns:
+        The names restored, in checkpoint order.
+
+    Raises:
+        MissingTensorError: a target parameter has no tensor in the checkpoint.
+        UnexpectedTensorError: a checkpoint tensor has no target parameter.
+        ShapeMismatchError, DtypeMismatchError: a tensor does not fit its parameter.
+    """
+    if isinstance(target, AdaptationResult):
+        params = dict(target.named_optimizer_parameters)
+        expected = set(params)
+    elif isinstance(target, nn.Module):
+        params = dict(target.named_parameters())
+        expected = {n for n, p in params.items() if p.requires_grad}
+    else:
+        raise CheckpointError(
+            f"restore expects an nn.Module or AdaptationResult, got {type(target).__name__}"
+        )
+    unexpected = sorted(set(loaded.tensors) - set(params))
+    if unexpected:
+        raise UnexpectedTensorError(
+            f"{loaded.path}: checkpoint tensors {unexpected[:8]} match no parameter of the target"
+        )
+    missing = sorted(expected - set(loaded.tensors))
+    if missing:
+        raise MissingTensorError(
+            f"{loaded.path}: target parameters {missing[:8]} have no tensor in the checkpoint"
+        )
+    plan = []
+    for name, src in loaded.tensors.items():
+        p = params[name]
+        if _dist.is_dtensor(p):
+            src = _local_part(src, p)
+            dst = p.to_local()
+        else:
+            dst = p
+        if tuple(src.shape) != tuple(dst.shape):
+            raise ShapeMismatchError(
+                f"{loaded.path}: tensor {name!r} has shape {list(src.shape)}, the parameter "
+                f"{list(dst.shape)}"
+            )
+        if src.dtype != dst.dtype:
+            raise DtypeMismatchError(
+                f"{loaded.path}: tensor {name!r} has dtype {dtype_name(src.dtype)}, the parameter "
+                f"{dtype_name(dst.dtype)}"
+            )
+        plan.append((dst, src))
+    # Validate everything first so a failed restore leaves the parameters untouched.
+    with torch.no_grad():
+        for dst, src in plan:
+            dst.copy_(src)
+    return tuple(loaded.tensors)
+
