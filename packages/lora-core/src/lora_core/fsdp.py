@@ -1,0 +1,635 @@
+"""The FSDP sync layer: LoRA adapters next to FSDP2-sharded base weights.
+
+There are two ways to train LoRA under FSDP2 (``torch.distributed.fsdp.fully_shard``). Pick
+one per model; never both, or the LoRA gradients would be averaged twice.
+
+**Replicate path (post-load).** The base model is loaded and ``fully_shard``-ed first, and
+LoRA is added afterwards (``enable_lora_training(model, config)``, the eager default). FSDP
+does not manage the adapters. :func:`replicate_lora_parameters` turns every ``lora_A`` /
+``lora_B`` weight into a *replicated* DTensor on the mesh FSDP already built (broadcast from
+the first rank, then checked), and installs input/output hooks so the adapter matmuls run on
+replicated DTensors while the FSDP-unsharded base runs on plain tensors. After
+``loss.backward()`` and before clipping, :func:`sync_replicated_lora_gradients` averages the
+adapter gradients over the replicated mesh dims in a few coalesced all-reduces. Use it when
+the adapters are small (the usual LoRA case), when LoRA is attached to an already sharded or
+already loaded model, or when some ranks may skip an adapter in their forward (the sync
+zero-fills a missing gradient, so every rank still joins every collective).
+
+**FSDP-native path.** ``enable_lora_training(model, config, prepare_for_fsdp=True)`` builds
+the adapters on the meta device *before* ``fully_shard``, so FSDP puts them into its own
+parameter groups and shards them like any other parameter (``Shard(0)``, or
+``(Replicate(), Shard(0))`` for HSDP). Materialise with ``model.to_empty(...)``, load the base
+checkpoint through ``lora_core.remap_checkpoint_keys(state_dict, result)`` (the
+``checkpoint_key_aliases`` map ``x.weight`` to ``x.base_layer.weight``), then call
+``result.missing_parameter_initializer(model)`` to fill the adapter shards with the same
+values the eager path builds. FSDP itself reduce-scatters the adapter gradients; do not call
+:func:`replicate_lora_parameters`, and :func:`sync_replicated_lora_gradients` skips such
+sharded parameters (it only touches fully replicated DTensors and plain tensors). Use it for
+large adapters or many of them, when the whole model is built on meta and loaded shard by
+shard, or when the adapters' optimizer state should be sharded too. If ranks may skip an
+adapter in their forward, enable ``FSDPModule.set_reduce_scatter_unused_params(True)``.
+
+Plain tensors passed to :func:`sync_replicated_lora_gradients` (for example the expert LoRA
+buffers of ``moe_experts``, replicated by construction) are averaged over ``group``.
+
+Every collective here is preceded by a small fingerprint exchange (count and hash of the
+ordered names, shapes, dtypes and layouts) bounded by ``check_timeout``; ranks that disagree
+raise :class:`LoraStateMismatchError` naming the rank and the parameter instead of hanging.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import warnings
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.distributed.device_mesh import DeviceMesh
+from torch.distributed.tensor import DTensor, Replicate, distribute_module
+
+from lora_core.contracts import AdaptationResult, ParameterOwnership
+from lora_core.layers import LoRALinear
+
+__all__ = [
+    "DEFAULT_BUCKET_BYTES",
+    "DEFAULT_CHECK_TIMEOUT",
+    "FsdpLayoutError",
+    "LoraStateMismatchError",
+    "SyncStats",
+    "replicate_lora_parameters",
+    "sync_replicated_lora_gradients",
+]
+
+logger = logging.getLogger(__name__)
+
+# 25 MiB, DDP's default bucket cap: large enough that a typical LoRA model needs one bucket.
+DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
+# Bounds the fingerprint exchange, the first collective of every call: a rank that never
+# arrives (crashed, or took another code path) turns into an error instead of a hang.
+DEFAULT_CHECK_TIMEOUT = timedelta(seconds=120)
+
+NamedTensors = Iterable[tuple[str, torch.Tensor]]
+
+
+class FsdpLayoutError(ValueError):
+    """The model or the parameters are not in a layout this layer can handle."""
+
+
+class LoraStateMismatchError(RuntimeError):
+    """Ranks disagree about the LoRA parameters; raised on every rank, naming the culprit.
+
+    Attributes:
+        rank: the first rank whose state differs from rank 0 (or that reported an error).
+        parameter: the first parameter name that differs (``None`` if only counts differ).
+    """
+
+    def __init__(self, message: str, *, rank: int, parameter: str | None) -> None:
+        super().__init__(message)
+        self.rank = rank
+        self.parameter = parameter
+
+
+@dataclass
+class SyncStats:
+    """Counters filled by :func:`sync_replicated_lora_gradients` when passed as ``stats``.
+
+    Attributes:
+        parameters: parameters whose gradients were averaged.
+        zero_filled: of those, how many had no gradient on this rank and contributed zeros.
+        skipped: parameters left alone (sharded DTensors owned by FSDP, non-replicated ones).
+        buckets: flat buffers reduced.
+        collectives: collective calls issued (fingerprint exchange included).
+        bytes: bytes of gradient data reduced on this rank.
+    """
+
+    parameters: int = 0
+    zero_filled: int = 0
+    skipped: int = 0
+    buckets: int = 0
+    collectives: int = 0
+    bytes: int = 0
+
+
+@dataclass(frozen=True)
+class _Entry:
+    """One tensor to reduce: its name, parameter, and the groups to average it over."""
+
+    name: str
+    param: torch.Tensor
+    groups: tuple[dist.ProcessGroup, ...]
+    descriptor: str
+
+
+def _is_initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _rank(group: dist.ProcessGroup | None) -> int:
+    return dist.get_rank(group)
+
+
+def _describe_layout(t: torch.Tensor) -> str:
+    if isinstance(t, DTensor):
+        names = t.device_mesh.mesh_dim_names
+        return (
+            f"DTensor(mesh={tuple(t.device_mesh.shape)}, dims={names}, "
+            f"placements={tuple(str(p) for p in t.placements)})"
+        )
+    return "Tensor"
+
+
+def _descriptor(name: str, t: torch.Tensor) -> str:
+    dtype = str(t.dtype).removeprefix("torch.")
+    return f"{name}|{list(t.shape)}|{dtype}|{_describe_layout(t)}"
+
+
+def _digest(items: Sequence[str]) -> int:
+    h = hashlib.blake2b(digest_size=8)
+    for item in items:
+        h.update(item.encode("utf-8"))
+        h.update(b"\0")
+    return int.from_bytes(h.digest(), "little", signed=True)
+
+
+def _first_difference(
+    descriptors: list[list[str]], errors: list[list[tuple[str, str]]]
+) -> tuple[int, str | None, str]:
+    """The first rank (and parameter) whose state differs from the majority's, and why."""
+    for rank, errs in enumerate(errors):
+        if errs:
+            name, message = errs[0]
+            more = f" (and {len(errs) - 1} more)" if len(errs) > 1 else ""
+            return rank, name, f"rank {rank}: {message}{more}"
+    # The majority is the reference (ties: the lowest rank), so a lone odd rank is named.
+    keys = [tuple(d) for d in descriptors]
+    ref_rank = max(range(len(keys)), key=lambda r: (keys.count(keys[r]), -r))
+    ref = descriptors[ref_rank]
+    for rank, mine in enumerate(descriptors):
+        if mine == ref:
+            continue
+        ref_names = {d.split("|", 1)[0] for d in ref}
+        mine_names = {d.split("|", 1)[0] for d in mine}
+        for i in range(max(len(ref), len(mine))):
+            a = ref[i] if i < len(ref) else None
+            b = mine[i] if i < len(mine) else None
+            if a == b:
+                continue
+            if b is not None and b.split("|", 1)[0] not in ref_names:
+                name = b.split("|", 1)[0]
+                why = f"rank {rank} has parameter '{name}' that rank {ref_rank} does not have"
+            elif a is not None and a.split("|", 1)[0] not in mine_names:
+                name = a.split("|", 1)[0]
+                why = f"rank {rank} lacks parameter '{name}' that rank {ref_rank} has"
+            else:
+                name = (b or a or "|").split("|", 1)[0]
+                why = (
+                    f"parameter '{name}' differs: rank {ref_rank} has {a!r}, "
+                    f"rank {rank} has {b!r}"
+                )
+            return rank, name, (
+                f"{why} (rank {ref_rank}: {len(ref)} parameters, rank {rank}: {len(mine)})"
+            )
+    return 0, None, "fingerprints differ but the gathered descriptors are identical"
+
+
+def _check_consistent(
+    descriptors: list[str],
+    local_errors: list[tuple[str, str]],
+    group: dist.ProcessGroup | None,
+    timeout: timedelta,
+    what: str,
+    stats: SyncStats | None = None,
+) -> None:
+    """Exchange a fingerprint of ``descriptors``; raise on every rank if any rank differs.
+
+    Raises:
+        LoraStateMismatchError: if the ranks' descriptors or error lists disagree.
+    """
+    fp = torch.tensor([len(descriptors), _digest(descriptors), len(local_errors)],
+                      dtype=torch.int64)
+    gathered = [torch.empty_like(fp) for _ in range(dist.get_world_size(group))]
+    work = dist.all_gather(gathered, fp, group=group, async_op=True)
+    try:
+        work.wait(timeout=timeout)
+    except RuntimeError as exc:
+        raise LoraStateMismatchError(
+            f"{what}: rank {_rank(group)} waited {timeout} for the other ranks' LoRA "
+            "fingerprint; some rank did not call this function (crashed, or took a different "
+            "code path). Every rank must call it with the same parameters",
+            rank=_rank(group),
+            parameter=None,
+        ) from exc
+    if stats is not None:
+        stats.collectives += 1
+    if all(torch.equal(g, gathered[0]) for g in gathered) and all(int(g[2]) == 0 for g in gathered):
+        return
+    # The rare failure path may afford a pickled exchange to say exactly what differs.
+    objects: list[Any] = [None] * len(gathered)
+    dist.all_gather_object(objects, (descriptors, local_errors), group=group)
+    rank, name, why = _first_difference([o[0] for o in objects], [o[1] for o in objects])
+    if group is not None:
+        # Ranks inside ``group`` differ from global ranks; say both where they differ.
+        glob = dist.get_global_rank(group, rank)
+        why = f"{why} [group rank {rank} is global rank {glob}]" if glob != rank else why
+        rank = glob
+    raise LoraStateMismatchError(
+        f"{what}: LoRA state differs across ranks: {why}. Every rank must hold the same LoRA "
+        "parameters (names, shapes, dtypes), prepared for the current world size "
+        f"{len(gathered)}",
+        rank=rank,
+        parameter=name,
+    )
+
+
+def _mesh_problem(name: str, t: DTensor) -> tuple[str, str] | None:
+    """Why the mesh of ``t`` cannot be used in the current process group, if it cannot."""
+    mesh = t.device_mesh
+    world = dist.get_world_size()
+    for dim in range(mesh.ndim):
+        try:
+            size = dist.get_world_size(mesh.get_group(dim))
+        except Exception as exc:  # a destroyed or foreign group raises several types
+            return name, (
+                f"parameter '{name}' lives on a device mesh {tuple(mesh.shape)} whose dim {dim} "
+                f"process group is unusable in this process group of {world} ranks ({exc}); "
+                "re-run fully_shard and replicate_lora_parameters after init_process_group"
+            )
+        if size != mesh.size(dim):
+            return name, (
+                f"parameter '{name}' was prepared for a device mesh {tuple(mesh.shape)} "
+                f"(world size {mesh.size()}) but its dim {dim} group now has {size} ranks "
+                f"(current world size {world}); rebuild the model in this process group"
+            )
+    if mesh.get_coordinate() is None:
+        return name, f"parameter '{name}' lives on a device mesh that does not include this rank"
+    return None
+
+
+def _named_inputs(
+    model_or_params: nn.Module | AdaptationResult | NamedTensors,
+) -> list[tuple[str, torch.Tensor]]:
+    if isinstance(model_or_params, nn.Module):
+        pairs = [(n, p) for n, p in model_or_params.named_parameters() if p.requires_grad]
+    elif isinstance(model_or_params, AdaptationResult):
+        pairs = [
+            (n, p)
+            for n, p in model_or_params.named_optimizer_parameters
+            if model_or_params.ownership[n] is ParameterOwnership.REPLICATED
+        ]
+    elif isinstance(model_or_params, Iterable) and not isinstance(model_or_params, str | bytes):
+        pairs = []
+        for item in model_or_params:
+            if (
+                not isinstance(item, tuple)
+                or len(item) != 2
+                or not isinstance(item[0], str)
+                or not isinstance(item[1], torch.Tensor)
+            ):
+                raise FsdpLayoutError(
+                    "sync_replicated_lora_gradients expects (name, tensor) pairs, got an item "
+                    f"of type {type(item).__name__}; pass model.named_parameters() or an "
+                    "AdaptationResult"
+                )
+            pairs.append(item)
+    else:
+        raise FsdpLayoutError(
+            "sync_replicated_lora_gradients model_or_params must be an nn.Module, an "
+            f"AdaptationResult or an iterable of (name, tensor), got "
+            f"{type(model_or_params).__name__}"
+        )
+    names = [n for n, _ in pairs]
+    dupes = sorted({n for n in names if names.count(n) > 1})
+    if dupes:
+        raise FsdpLayoutError(f"sync_replicated_lora_gradients got duplicate names {dupes[:8]}")
+    # Sorted by name: the order never depends on how each rank built or wrapped its model.
+    return sorted(pairs, key=lambda item: item[0])
+
+
+def _collect(
+    pairs: list[tuple[str, torch.Tensor]], group: dist.ProcessGroup | None
+) -> tuple[list[_Entry], list[tuple[str, str]], int]:
+    """Entries to reduce, rank-local problems (exchanged before any reduction), skip count."""
+    entries: list[_Entry] = []
+    errors: list[tuple[str, str]] = []
+    skipped = 0
+    for name, p in pairs:
+        if p.is_meta:
+            errors.append((name,
+                f"parameter '{name}' is on the meta device; materialise and initialise it "
+                "(result.missing_parameter_initializer) before training"
+            ))
+            continue
+        if isinstance(p, DTensor):
+            if not all(pl.is_replicate() for pl in p.placements):
+                # Sharded (FSDP/HSDP-managed) or partial: its owner reduces it, never us.
+                skipped += 1
+                continue
+            problem = _mesh_problem(name, p)
+            if problem is not None:
+                errors.append(problem)
+                continue
+            grad = p.grad
+            if isinstance(grad, DTensor) and tuple(grad.placements) != tuple(p.placements):
+                errors.append((name,
+                    f"parameter '{name}' has a gradient with placements {grad.placements}, "
+                    f"expected {p.placements} like the parameter"
+                ))
+                continue
+            mesh = p.device_mesh
+            groups = tuple(mesh.get_group(d) for d in range(mesh.ndim))
+        else:
+            groups = (group if group is not None else dist.group.WORLD,)
+        entries.append(_Entry(name, p, groups, _descriptor(name, p)))
+    return entries, errors, skipped
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _reduce_bucket(
+    bucket: list[_Entry], groups: tuple[dist.ProcessGroup, ...], dtype: torch.dtype,
+    stats: SyncStats,
+) -> None:
+    """Average the gradients of ``bucket`` over ``groups`` through one flat buffer."""
+    flats: list[torch.Tensor] = []
+    for e in bucket:
+        local_param = _local(e.param)
+        if e.param.grad is None:
+            stats.zero_filled += 1
+            flats.append(torch.zeros(local_param.numel(), dtype=dtype, device=local_param.device))
+        else:
+            flats.append(_local(e.param.grad).reshape(-1).to(dtype))
+    flat = torch.cat(flats) if len(flats) > 1 else flats[0].clone()
+    divisor = 1
+    for g in groups:
+        # SUM then one division: gloo has no AVG, and one rounding step keeps ranks identical.
+        dist.all_reduce(flat, op=dist.ReduceOp.SUM, group=g)
+        divisor *= dist.get_world_size(g)
+        stats.collectives += 1
+    flat.div_(divisor)
+    stats.buckets += 1
+    stats.bytes += flat.numel() * flat.element_size()
+    offset = 0
+    for e in bucket:
+        local_param = _local(e.param)
+        n = local_param.numel()
+        value = flat[offset:offset + n].view(local_param.shape)
+        offset += n
+        grad = e.param.grad
+        if grad is not None:
+            # In place keeps the gradient tensor (and any view of it held elsewhere) alive.
+            _local(grad).copy_(value)
+        elif isinstance(e.param, DTensor):
+            e.param.grad = DTensor.from_local(
+                value.to(e.param.dtype).clone(),
+                e.param.device_mesh,
+                e.param.placements,
+                run_check=False,
+                shape=e.param.shape,
+                stride=e.param.stride(),
+            )
+        else:
+            e.param.grad = value.to(e.param.dtype).clone()
+        stats.parameters += 1
+
+
+@torch.no_grad()
+def sync_replicated_lora_gradients(
+    model_or_params: nn.Module | AdaptationResult | NamedTensors,
+    *,
+    group: dist.ProcessGroup | None = None,
+    bucket_bytes: int = DEFAULT_BUCKET_BYTES,
+    check_timeout: timedelta = DEFAULT_CHECK_TIMEOUT,
+    stats: SyncStats | None = None,
+) -> int:
+    """Average replicated LoRA gradients across ranks; call after backward, before clipping.
+
+    Parameters are walked sorted by name. Fully replicated DTensors are averaged over every
+    dim of their mesh (the mesh FSDP built); plain tensors over ``group``. DTensors with a
+    ``Shard``/``Partial`` placement belong to FSDP (the FSDP-native path) and are skipped.
+    A rank without a gradient for a parameter contributes zeros and receives the average, so
+    every rank joins every collective and ends with identical gradients. Gradients are
+    packed into flat buckets per (process groups, dtype) of at most ``bucket_bytes``.
+
+    Args:
+        model_or_params: a module (its ``requires_grad`` parameters), an
+            :class:`AdaptationResult` (its ``REPLICATED`` optimizer parameters) or an
+            iterable of ``(name, tensor)``.
+        group: process group for plain tensors (default: the world group); it also carries
+            the fingerprint exchange, so every rank of it must call this function.
+        bucket_bytes: maximum bytes per flat bucket (positive); a larger tensor gets its own.
+        check_timeout: how long to wait for the other ranks' fingerprint.
+        stats: if given, filled with counters (collectives issued, buckets, ...).
+
+    Returns:
+        The number of parameters whose gradients were averaged (0 without a process group).
+
+    Raises:
+        FsdpLayoutError: for malformed inputs or a non-positive ``bucket_bytes``.
+        LoraStateMismatchError: if ranks hold different LoRA parameters or a parameter was
+            prepared for another world size (raised on every rank, naming rank and parameter).
+    """
+    if isinstance(bucket_bytes, bool) or not isinstance(bucket_bytes, int) or bucket_bytes <= 0:
+        raise FsdpLayoutError(
+            f"sync_replicated_lora_gradients bucket_bytes must be a positive int, got "
+            f"{bucket_bytes!r}"
+        )
+    stats = stats if stats is not None else SyncStats()
+    pairs = _named_inputs(model_or_params)
+    if not _is_initialized():
+        return 0
+    entries, errors, skipped = _collect(pairs, group)
+    stats.skipped += skipped
+    _check_consistent(
+        [e.descriptor for e in entries], errors, group, check_timeout,
+        "sync_replicated_lora_gradients", stats,
+    )
+    open_buckets: dict[tuple[tuple[str, ...], torch.dtype], tuple[list[_Entry], int]] = {}
+    for e in entries:
+        key = (tuple(g.group_name for g in e.groups), e.param.dtype)
+        nbytes = _local(e.param).numel() * e.param.element_size()
+        bucket, size = open_buckets.get(key, ([], 0))
+        if bucket and size + nbytes > bucket_bytes:
+            _reduce_bucket(bucket, e.groups, e.param.dtype, stats)
+            bucket, size = [], 0
+        bucket.append(e)
+        open_buckets[key] = (bucket, size + nbytes)
+    # Insertion order of the dict is the same on every rank, so the flush order is too.
+    for bucket, _ in open_buckets.values():
+        if bucket:
+            _reduce_bucket(bucket, bucket[0].groups, bucket[0].param.dtype, stats)
+    return len(entries)
+
+
+def _replicated_input(_module: nn.Module, inputs: Any, mesh: DeviceMesh) -> Any:
+    """Forward pre-hook: plain tensors enter the adapter as replicated DTensors."""
+    placements = [Replicate()] * mesh.ndim
+    return tuple(
+        DTensor.from_local(x, mesh, placements, run_check=False)
+        if isinstance(x, torch.Tensor) and not isinstance(x, DTensor)
+        else x
+        for x in inputs
+    )
+
+
+def _local_output(_module: nn.Module, outputs: Any, _mesh: DeviceMesh) -> Any:
+    """Forward hook: hand a plain tensor back to ``LoRALinear`` (its base output is plain)."""
+    return outputs.to_local() if isinstance(outputs, DTensor) else outputs
+
+
+def _bytes_digest(t: torch.Tensor) -> int:
+    data = t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
+    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little", signed=True)
+
+
+def _lora_layers(model: nn.Module) -> list[tuple[str, LoRALinear]]:
+    layers = [(n, m) for n, m in model.named_modules() if isinstance(m, LoRALinear)]
+    return sorted(layers, key=lambda item: item[0])
+
+
+@torch.no_grad()
+def replicate_lora_parameters(
+    model: nn.Module, *, check_timeout: timedelta = DEFAULT_CHECK_TIMEOUT
+) -> int:
+    """Make every LoRA A/B of an FSDP2-sharded model a replicated DTensor on FSDP's mesh.
+
+    The replicate path: call after ``fully_shard`` and ``enable_lora_training`` (which adds
+    the adapters as plain parameters FSDP does not manage). Values are broadcast from the
+    first rank of the mesh along each mesh dim in flat buckets and then checked bitwise
+    (a rank whose adapters differed before the broadcast gets a warning naming it). Each
+    adapter ``nn.Linear`` gets hooks (``distribute_module``) so it consumes and returns plain
+    tensors, and its weight is trainable while the base stays frozen.
+
+    Args:
+        model: the model, already ``fully_shard``-ed, carrying :class:`LoRALinear` layers.
+        check_timeout: how long to wait for the other ranks' fingerprint.
+
+    Returns:
+        The number of LoRA parameters that are now replicated DTensors; 0 (and nothing is
+        changed) without a process group or when no LoRA base weight is a DTensor.
+
+    Raises:
+        FsdpLayoutError: if some LoRA bases are sharded and others are not, they sit on
+            different meshes, the mesh does not span the world, an adapter is still on meta,
+            or an adapter is already FSDP-sharded (the FSDP-native path).
+        LoraStateMismatchError: if ranks hold different LoRA layers, or the values still
+            differ after the broadcast.
+    """
+    if not _is_initialized():
+        return 0
+    layers = _lora_layers(model)
+    sharded = [(n, m) for n, m in layers if isinstance(m.base_layer.weight, DTensor)]
+    if not sharded:
+        return 0
+    plain = [n for n, m in layers if not isinstance(m.base_layer.weight, DTensor)]
+    if plain:
+        raise FsdpLayoutError(
+            f"LoRA layer {plain[0]!r} has a plain base weight while {sharded[0][0]!r} is "
+            "FSDP-sharded; apply fully_shard so that every adapted layer is covered "
+            "(e.g. fully_shard(model) on the root) before replicate_lora_parameters"
+        )
+    mesh = sharded[0][1].base_layer.weight.device_mesh
+    for n, m in sharded:
+        if m.base_layer.weight.device_mesh != mesh:
+            raise FsdpLayoutError(
+                f"LoRA layer {n!r} is sharded on mesh {m.base_layer.weight.device_mesh} but "
+                f"{sharded[0][0]!r} on {mesh}; replicate_lora_parameters reuses one FSDP mesh"
+            )
+    if mesh.size() != dist.get_world_size():
+        raise FsdpLayoutError(
+            f"the FSDP mesh {tuple(mesh.shape)} covers {mesh.size()} of "
+            f"{dist.get_world_size()} ranks; replicate_lora_parameters needs a mesh that "
+            "spans the whole world"
+        )
+    placements = [Replicate()] * mesh.ndim
+    todo: list[tuple[str, nn.Linear]] = []
+    descriptors: list[str] = []
+    errors: list[tuple[str, str]] = []
+    for n, m in sharded:
+        for leaf in ("lora_A", "lora_B"):
+            lin: nn.Linear = getattr(m, leaf)
+            w = lin.weight
+            name = f"{n}.{leaf}.weight"
+            if isinstance(w, DTensor):
+                if not (w.device_mesh == mesh and all(p.is_replicate() for p in w.placements)):
+                    raise FsdpLayoutError(
+                        f"{name} is already a DTensor with placements {w.placements}: it is "
+                        "managed by FSDP (the FSDP-native path, prepare_for_fsdp=True), whose "
+                        "reduce-scatter already averages it; do not call "
+                        "replicate_lora_parameters on such a model"
+                    )
+            elif w.is_meta:
+                raise FsdpLayoutError(
+                    f"{name} is on the meta device; call result.missing_parameter_initializer"
+                    "(model) (or build the adapters eagerly) before replicate_lora_parameters"
+                )
+            todo.append((name, lin))
+            descriptors.append(_descriptor(name, _local(w)))
+    _check_consistent(descriptors, errors, None, check_timeout, "replicate_lora_parameters")
+    locals_ = [_local(lin.weight).detach() for _, lin in todo]
+    before = torch.tensor([_bytes_digest(t) for t in locals_], dtype=torch.int64)
+    _broadcast_from_mesh_origin(locals_, mesh)
+    after = torch.tensor([_bytes_digest(t) for t in locals_], dtype=torch.int64)
+    world = dist.get_world_size()
+    both = torch.stack([before, after]).reshape(-1)
+    gathered = [torch.empty_like(both) for _ in range(world)]
+    dist.all_gather(gathered, both, group=None)
+    src = int(mesh.mesh.reshape(-1)[0])
+    ref = gathered[src].view(2, -1)
+    for rank, g in enumerate(gathered):
+        g = g.view(2, -1)
+        bad_after = (g[1] != ref[1]).nonzero()
+        if bad_after.numel():
+            name = todo[int(bad_after[0])][0]
+            raise LoraStateMismatchError(
+                f"replicate_lora_parameters: after the broadcast rank {rank} still holds a "
+                f"different value of '{name}' than rank {src}",
+                rank=rank,
+                parameter=name,
+            )
+        bad_before = (g[0] != ref[0]).nonzero()
+        if bad_before.numel() and rank == dist.get_rank():
+            name = todo[int(bad_before[0])][0]
+            warnings.warn(
+                f"rank {rank}: LoRA parameter '{name}' (and {bad_before.numel() - 1} more) "
+                f"differed from rank {src} before replication; rank {src}'s values were "
+                "broadcast. Initialise adapters identically on every rank (same "
+                "LoraConfig.init_seed) to avoid this",
+                RuntimeWarning,
+                stacklevel=2,
+            )
+    for (_name, lin), value in zip(todo, locals_, strict=True):
+        if not isinstance(lin.weight, DTensor):
+            lin.weight = nn.Parameter(
+                DTensor.from_local(value, mesh, placements, run_check=False),
+                requires_grad=True,
+            )
+            distribute_module(lin, mesh, input_fn=_replicated_input, output_fn=_local_output)
+        lin.weight.requires_grad_(True)
+    for _n, m in sharded:
+        for p in m.base_layer.parameters():
+            p.requires_grad_(False)
+    logger.info("replicated %d LoRA parameters on mesh %s", len(todo), tuple(mesh.shape))
+    return len(todo)
+
+
+def _broadcast_from_mesh_origin(tensors: list[torch.Tensor], mesh: DeviceMesh) -> None:
+    """Overwrite ``tensors`` in place with mesh coordinate ``(0, ..., 0)``'s values."""
+    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
+    for t in tensors:
+        by_dtype.setdefault(t.dtype, []).append(t)
+    for group_tensors in by_dtype.values():
+        flat = torch.cat([t.reshape(-1) for t in group_tensors])
+        for dim in range(mesh.ndim):
+            dist.broadcast(flat, group=mesh.get_group(dim), group_src=0)
+        offset = 0
+        for t in group_tensors:
+            t.copy_(flat[offset:offset + t.numel()].view(t.shape))
+            offset += t.numel()
