@@ -1,0 +1,256 @@
+"""``adapt``: LoRA on every wrapped expert bank, published as one ``AdaptationResult``."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import kt_kernel
+import torch
+from lora_core import LoraConfig, enable_lora_training, init_lora_tensor, matches_module
+from lora_core.contracts import (
+    AdaptationResult,
+    ComponentVersion,
+    ParameterOwnership,
+    PeftExport,
+    PeftTensorLayout,
+)
+from torch import nn
+
+from moe_experts.architectures import MoEBlockSite
+from moe_experts.errors import AdaptError
+from moe_experts.kernel_experts import KernelExperts
+from moe_experts.placeholders import named_placeholders
+from moe_experts.wrapping import WeightDType, experts_sites, wrap
+
+__all__ = ["adapt", "adapt_model", "peft_key_prefix"]
+
+LoraLayout = Literal["fused", "split"]
+_PEFT_ROOT = "base_model.model."
+# Our buffer name -> (projection for init names, PEFT layout, transformers parameter attr).
+_FUSED = {
+    "gate_up_lora_a": ("gate_up", PeftTensorLayout.EXPERT_STACKED_A, "gate_up_param"),
+    "gate_up_lora_b": ("gate_up", PeftTensorLayout.EXPERT_STACKED_B, "gate_up_param"),
+    "down_lora_a": ("down", PeftTensorLayout.EXPERT_STACKED_A, "down_param"),
+    "down_lora_b": ("down", PeftTensorLayout.EXPERT_STACKED_B, "down_param"),
+}
+
+
+def _component() -> ComponentVersion:
+    return ComponentVersion.of("moe-experts")
+
+
+def _strip_peft_root(name: str) -> str:
+    return name.removeprefix(_PEFT_ROOT)
+
+
+def peft_key_prefix(experts_fqn: str, depth: int) -> str:
+    """PEFT's state-dict prefix for the ``depth``-th nested ``ParamWrapper`` of an experts module.
+
+    PEFT wraps the targeted parameters of one module in registration order, each new
+    ``ParamWrapper`` around the previous one, so with ``gate_up_proj`` and ``down_proj`` both
+    targeted, ``gate_up_proj``'s adapter saves under ``<experts>.base_layer.lora_A.weight`` and
+    ``down_proj``'s under ``<experts>.lora_A.weight`` (verified against peft 0.21
+    ``save_pretrained``).
+
+    Args:
+        experts_fqn: experts module name in the transformers model (no ``base_model.model.``).
+        depth: number of ``.base_layer`` hops (0 for the outermost wrapper).
+
+    Returns:
+        e.g. ``"base_model.model.model.layers.0.mlp.experts.base_layer"``.
+    """
+    return _PEFT_ROOT + _strip_peft_root(experts_fqn) + ".base_layer" * depth
+
+
+def _init_fn(experts_fqn: str, seed: int):  # noqa: ANN202 - local closure type
+    def init(name: str, tensor: torch.Tensor) -> None:
+        proj, kind = name.rsplit("_lora_", 1)
+        # Names like "model.layers.3.mlp.experts.gate_up.lora_A": stable across ranks/orders.
+        full = f"{_strip_peft_root(experts_fqn)}.{proj}.lora_{kind.upper()}"
+        tensor.copy_(init_lora_tensor(full, tuple(tensor.shape), tensor.dtype, seed=seed))
+
+    return init
+
+
+def _targeted(site: MoEBlockSite, config: LoraConfig) -> bool:
+    return not matches_module(site.experts_name, config.exclude_modules)
+
+
+def _own_lora(
+    site: MoEBlockSite, kernel: KernelExperts, config: LoraConfig, layout: LoraLayout
+) -> tuple[bool, kt_kernel.LoraBuffers]:
+    """Create (or find) the kernel LoRA buffers; returns (already_there, buffers)."""
+    rank, alpha = int(config.rank or 0), float(config.alpha or config.rank or 1)
+    if kernel.lora is not None:
+        lora = kernel.lora
+        if (lora.rank, lora.alpha, lora.layout) != (rank, alpha, layout):
+            raise AdaptError(
+                f"{site.experts_name} already has expert LoRA rank={lora.rank} alpha={lora.alpha} "
+                f"layout={lora.layout!r}; adapt was called with rank={rank} alpha={alpha} "
+                f"layout={layout!r}. Use the same config, or rebuild the model"
+            )
+        return True, lora
+    dtype = getattr(kernel, kernel.gate_up_name).dtype
+    lora = kt_kernel.LoraBuffers(
+        kernel.spec, rank, alpha, layout, dtype=dtype,
+        init=_init_fn(site.experts_name, config.init_seed),
+    )
+    kernel.set_lora(lora)
+    return False, lora
+
+
+def adapt(
+    model: nn.Module, config: LoraConfig, *, layout: LoraLayout = "fused"
+) -> AdaptationResult:
+    """Put LoRA on the gate, up and down projections of every wrapped expert bank.
+
+    ``layout="fused"`` (default) is PEFT ``target_parameters`` on transformers' fused experts:
+    one adapter on ``gate_up_proj`` (``gate_up_lora_a [E, r, H]``, ``gate_up_lora_b [E, 2I, r]``)
+    and one on ``down_proj``; these export to PEFT's ``adapter_model.safetensors`` keys.
+    ``layout="split"`` gives gate and up their own A (no PEFT export for gate/up, since PEFT
+    cannot express that on a fused parameter). Values come from
+    ``lora_core.init_lora_tensor("<experts>.<gate_up|down|gate|up>.lora_A", [E, r, in])``
+    (B is zero), so they are a pure function of ``config.init_seed`` and the name.
+    If PEFT LoRA was adopted by :func:`wrap`, its parameters are published as they are.
+    Experts modules matched by ``config.exclude_modules`` are skipped; ``target_modules`` only
+    selects dense layers (see :func:`adapt_model`). Calling ``adapt`` again with the same config
+    changes nothing and reports the layers in ``already_adapted_layers``.
+
+    Args:
+        model: a model wrapped by :func:`moe_experts.wrap`.
+        config: the LoRA config (rank, alpha, init_seed, exclude_modules).
+        layout: ``"fused"`` or ``"split"``.
+
+    Returns:
+        An :class:`~lora_core.contracts.AdaptationResult`: names
+        ``<experts>.lora.<buffer>`` (e.g. ``model.layers.0.mlp.experts.lora.gate_up_lora_a``),
+        all ``REPLICATED``; every placeholder; PEFT export keys and ``peft_target_parameters``.
+
+    Raises:
+        AdaptError: the model is not wrapped, or has expert LoRA from a different config.
+        TypeError: ``config`` is not a :class:`lora_core.LoraConfig`.
+    """
+    if not isinstance(config, LoraConfig):
+        raise TypeError(
+            f"adapt config must be a lora_core.LoraConfig, got {type(config).__name__}"
+        )
+    if layout not in ("fused", "split"):
+        raise AdaptError(f"layout must be 'fused' or 'split', got {layout!r}")
+    sites = experts_sites(model)
+    if not sites:
+        raise AdaptError(
+            f"{type(model).__name__} has no experts on kt-kernel; call moe_experts.wrap(model) "
+            "before moe_experts.adapt(model, config)"
+        )
+    placeholders = [n for n, _ in named_placeholders(model)]
+    if not config.enable:
+        return AdaptationResult.create(
+            adapted_layers=(), named_optimizer_parameters=(), ownership={},
+            producer=_component(), lora_config=config, placeholders=placeholders,
+        )
+    fqn_of = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
+    adapted: list[str] = []
+    repeated: list[str] = []
+    params: list[tuple[str, nn.Parameter]] = []
+    exports: dict[str, PeftExport] = {}
+    targets: list[str] = []
+    for site, kernel in sites:
+        if not _targeted(site, config):
+            continue
+        arch = site.arch
+        rel = f"{site.name.rsplit('.', 1)[-1]}.{arch.experts_attr}" if site.name else arch.experts_attr
+        if kernel.adopted_peft:
+            repeated.append(site.experts_name)
+            for name, p in model.named_parameters():
+                if name.startswith(site.experts_name + ".") and p.requires_grad:
+                    params.append((name, p))
+                    key = _PEFT_ROOT + _strip_peft_root(name).replace(
+                        f".{kernel.peft_adapter}.weight", ".weight"
+                    )
+                    exports[name] = PeftExport(key, PeftTensorLayout.IDENTITY)
+            targets += [f"{rel}.{n}" for n in kernel.peft_parameter_names]
+            continue
+        again, lora = _own_lora(site, kernel, config, layout)
+        (repeated if again else adapted).append(site.experts_name)
+        lora.requires_grad_(True)
+        exported = ("gate_up", "down") if layout == "fused" else ("down",)
+        order = [arch.gate_up_param, arch.down_param]
+        kept = [p for p, proj in zip(order, ("gate_up", "down"), strict=True) if proj in exported]
+        for name, p in lora.named_lora_parameters():
+            fqn = fqn_of.get(id(p), f"{site.experts_name}.lora.{name}")
+            params.append((fqn, p))
+            spec = _FUSED.get(name)
+            if spec is None or spec[0] not in exported:
+                continue
+            proj, peft_layout, attr = spec
+            param_name = getattr(arch, attr)
+            depth = len(kept) - 1 - kept.index(param_name)
+            suffix = "lora_A.weight" if name.endswith("_a") else "lora_B.weight"
+            exports[fqn] = PeftExport(
+                f"{peft_key_prefix(site.experts_name, depth)}.{suffix}", peft_layout
+            )
+        targets += [f"{rel}.{p}" for p in kept]
+    return AdaptationResult.create(
+        adapted_layers=adapted,
+        already_adapted_layers=repeated,
+        named_optimizer_parameters=params,
+        ownership={n: ParameterOwnership.REPLICATED for n, _ in params},
+        producer=_component(),
+        lora_config=config,
+        placeholders=placeholders,
+        peft_exports=exports,
+        peft_target_parameters=sorted(set(targets)),
+    )
+
+
+def adapt_model(
+    model: nn.Module,
+    config: LoraConfig,
+    *,
+    dense_config: LoraConfig | None = None,
+    weight_dtype: WeightDType = "bf16",
+    layout: LoraLayout = "fused",
+) -> AdaptationResult:
+    """Wrap (if needed), put dense LoRA on attention/routers and expert LoRA on the experts.
+
+    The two-call pattern it implements, in this order (``enable_lora_training`` freezes every
+    parameter it does not create, so it must run before ``adapt``)::
+
+        dense = lora_core.enable_lora_training(model, dense_config or config)
+        experts = moe_experts.adapt(model, config)
+        result = dense.merge(experts)
+
+    Args:
+        model: a supported transformers MoE model (wrapped or not).
+        config: expert LoRA config (rank, alpha, init_seed).
+        dense_config: dense LoRA config (``target_modules`` such as q/k/v/o_proj or a router
+            ``nn.Linear``); ``None`` uses ``config``; a disabled config adds no dense LoRA.
+        weight_dtype: kernel storage dtype when the model still needs wrapping.
+        layout: expert LoRA layout (see :func:`adapt`).
+
+    Returns:
+        The merged :class:`~lora_core.contracts.AdaptationResult`.
+    """
+    if not experts_sites(model):
+        wrap(model, weight_dtype=weight_dtype)
+    dense = enable_lora_training(model, dense_config if dense_config is not None else config)
+    experts = adapt(model, config, layout=layout)
+    if dense.lora_config is not None and dense.lora_config != config:
+        # merge() refuses two different configs; the expert config is the one recorded.
+        dense = AdaptationResult.create(
+            adapted_layers=dense.adapted_layers,
+            already_adapted_layers=dense.already_adapted_layers,
+            named_optimizer_parameters=dense.named_optimizer_parameters,
+            ownership=dense.ownership,
+            producer=dense.producer,
+            lora_config=None,
+            placeholders=dense.placeholders,
+            rank_local_names=dense.rank_local_names,
+            checkpoint_key_aliases=dense.checkpoint_key_aliases,
+            components=dense.components,
+            peft_exports=dense.peft_exports,
+            peft_target_modules=dense.peft_target_modules,
+            peft_target_parameters=dense.peft_target_parameters,
+            missing_parameter_initializer=dense.missing_parameter_initializer,
+        )
+    return dense.merge(experts)

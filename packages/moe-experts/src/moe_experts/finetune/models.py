@@ -1,0 +1,129 @@
+"""The built-in tiny model and loading of local Hugging Face model directories."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from moe_experts.finetune.data import ByteTokenizer
+from moe_experts.finetune.errors import FinetuneError
+
+__all__ = ["BUILTIN_MODELS", "LoadedModel", "builtin_model_dir", "load_model"]
+
+# Small enough to train on two CPU cores in well under a minute, large enough to have real
+# routing (8 experts, top-2) and every kind of layer the toolkit adapts.
+BUILTIN_MODELS: dict[str, dict[str, Any]] = {
+    "tiny-qwen3-moe": {
+        "model_type": "qwen3_moe",
+        "vocab_size": ByteTokenizer.vocab_size,
+        "hidden_size": 64,
+        "intermediate_size": 128,
+        "moe_intermediate_size": 64,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 4,
+        "num_key_value_heads": 2,
+        "head_dim": 16,
+        "num_experts": 8,
+        "num_experts_per_tok": 2,
+        "norm_topk_prob": True,
+        "max_position_embeddings": 512,
+        "bos_token_id": ByteTokenizer.bos_token_id,
+        "eos_token_id": ByteTokenizer.eos_token_id,
+        "pad_token_id": ByteTokenizer.pad_token_id,
+        "tie_word_embeddings": False,
+    },
+}
+BUILTIN_SEED = 1234
+
+
+@dataclass
+class LoadedModel:
+    """A causal LM ready for adaptation, with the tokenizer's encode function."""
+
+    model: nn.Module
+    encode: Any  # Callable[[str], list[int]]
+    source: Path
+    builtin: bool
+
+
+def _cache_root() -> Path:
+    env = os.environ.get("MOE_EXPERTS_CACHE")
+    if env:
+        return Path(env)
+    return Path(os.environ.get("XDG_CACHE_HOME", Path.home() / ".cache")) / "moe-experts"
+
+
+def builtin_model_dir(name: str) -> Path:
+    """Return the cached directory of a built-in model, creating it on first use.
+
+    The weights are random, drawn from a fixed seed, and saved with ``save_pretrained`` so
+    that training then loads them through the ordinary ``from_pretrained`` path.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    target = _cache_root() / name
+    if (target / "config.json").is_file():
+        return target
+    spec = dict(BUILTIN_MODELS[name])
+    config = AutoConfig.for_model(spec.pop("model_type"), **spec)
+    torch.manual_seed(BUILTIN_SEED)
+    model = AutoModelForCausalLM.from_config(config)
+    target.parent.mkdir(parents=True, exist_ok=True)
+    # Publish with one rename so a concurrent or interrupted first run never sees half a model.
+    tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
+    try:
+        model.save_pretrained(tmp)
+        try:
+            tmp.rename(target)
+        except OSError:
+            if not (target / "config.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return target
+
+
+def load_model(model: str, *, dtype: torch.dtype = torch.float32) -> LoadedModel:
+    """Load a built-in model name or a local Hugging Face directory, with its tokenizer.
+
+    Raises:
+        FinetuneError: if the path does not exist or holds no loadable causal LM.
+    """
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    builtin = model in BUILTIN_MODELS
+    if builtin:
+        source = builtin_model_dir(model)
+    else:
+        source = Path(model)
+        if not (source / "config.json").is_file():
+            raise FinetuneError(
+                f"--model {model}: not a built-in model ({', '.join(BUILTIN_MODELS)}) and not a "
+                "local Hugging Face model directory (no config.json there)"
+            )
+    try:
+        lm = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
+    except (OSError, ValueError, KeyError) as exc:
+        raise FinetuneError(f"--model {model}: transformers could not load it: {exc}") from exc
+    if builtin:
+        encode = ByteTokenizer().encode
+    else:
+        try:
+            tok = AutoTokenizer.from_pretrained(source)
+        except (OSError, ValueError, KeyError) as exc:
+            raise FinetuneError(
+                f"--model {model}: the directory has no tokenizer transformers can load ({exc})"
+            ) from exc
+
+        def encode(text: str) -> list[int]:
+            ids = tok(text)["input_ids"]
+            return ids + ([tok.eos_token_id] if tok.eos_token_id is not None else [])
+
+    return LoadedModel(lm, encode, source, builtin)

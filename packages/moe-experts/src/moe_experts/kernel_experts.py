@@ -1,0 +1,182 @@
+"""``KernelExperts``: the module that replaces a transformers experts module and calls kt-kernel.
+
+It is called exactly like the transformers experts module it replaces,
+``experts(hidden [T, H], top_k_index [T, k], top_k_weights [T, k]) -> [T, H]``, so the MoE
+block and its router run unchanged (routing stays bit-identical to transformers). The base
+weights live in a :class:`kt_kernel.ExpertWeights`; the module tree keeps zero-storage
+placeholders under the original parameter names.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+import kt_kernel
+import torch
+from torch import nn
+
+from moe_experts.placeholders import make_placeholder
+
+__all__ = ["KernelExperts", "Policy"]
+
+Policy = Literal["save", "recompute"]
+
+
+class _KernelCall(nn.Module):
+    """Holds adopted LoRA buffers so ``torch.func.functional_call`` can substitute PEFT views."""
+
+    def __init__(self, weights: kt_kernel.ExpertWeights, lora: kt_kernel.LoraBuffers) -> None:
+        """Keep the kernel weights and the adopted LoRA buffers (shared with PEFT's storage)."""
+        super().__init__()
+        self.weights = weights
+        self.lora = lora
+
+    def forward(
+        self, x: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, policy: Policy
+    ) -> torch.Tensor:
+        """Run the kernel with whatever tensors ``self.lora`` currently holds."""
+        return kt_kernel.moe_experts_forward(x, ids, w, self.weights, self.lora, policy=policy)
+
+
+@dataclass
+class _PeftAdoption:
+    """PEFT ``ParamWrapper`` LoRA adopted by a :class:`KernelExperts` (not a submodule)."""
+
+    caller: _KernelCall  # kernel buffers that share storage with PEFT's parameters
+    wrappers: tuple[nn.Module, ...]  # the ParamWrapper chain, outermost first
+    adapter: str  # PEFT adapter name, e.g. "default"
+    # kernel buffer name -> (PEFT Parameter, "a" | "b"); names absent here are zero (untargeted)
+    sources: Mapping[str, tuple[nn.Parameter, str]]
+
+
+class KernelExperts(nn.Module):
+    """Routed SwiGLU experts of one MoE block, running on kt-kernel.
+
+    Attributes:
+        expert_weights: the frozen base weights in kernel-owned storage.
+        spec: the :class:`kt_kernel.ExpertSpec`.
+        lora: :class:`kt_kernel.LoraBuffers` created by :func:`moe_experts.adapt`, or ``None``.
+        policy: kt-kernel activation policy (``"save"`` or ``"recompute"``).
+        num_experts: E (transformers code reads this attribute).
+    """
+
+    def __init__(
+        self,
+        weights: kt_kernel.ExpertWeights,
+        *,
+        gate_up_like: torch.Tensor,
+        down_like: torch.Tensor,
+        gate_up_name: str,
+        down_name: str,
+        label: str,
+        policy: Policy = "save",
+    ) -> None:
+        """Register placeholders named like the original parameters and keep the weights."""
+        super().__init__()
+        self.expert_weights = weights
+        self.spec = weights.spec
+        self.num_experts = weights.spec.num_experts
+        self.hidden_dim = weights.spec.hidden_size
+        self.intermediate_dim = weights.spec.intermediate_size
+        self.policy: Policy = policy
+        self.gate_up_name = gate_up_name
+        self.down_name = down_name
+        self.register_parameter(
+            gate_up_name, make_placeholder(gate_up_like, f"{label}.{gate_up_name}")
+        )
+        self.register_parameter(down_name, make_placeholder(down_like, f"{label}.{down_name}"))
+        self.lora: kt_kernel.LoraBuffers | None = None
+        self._peft: _PeftAdoption | None = None
+
+    @property
+    def adopted_peft(self) -> bool:
+        """True when the LoRA comes from PEFT ``ParamWrapper`` parameters (adopted in place)."""
+        return self._peft is not None
+
+    @property
+    def peft_adapter(self) -> str | None:
+        """Name of the adopted PEFT adapter (e.g. ``"default"``), or ``None``."""
+        return None if self._peft is None else self._peft.adapter
+
+    @property
+    def peft_parameter_names(self) -> tuple[str, ...]:
+        """Targeted expert parameter names in PEFT's wrapping order (innermost first)."""
+        if self._peft is None:
+            return ()
+        return tuple(w.parameter_name for w in reversed(self._peft.wrappers))
+
+    def set_lora(self, lora: kt_kernel.LoraBuffers) -> None:
+        """Attach LoRA buffers as the child module ``lora`` (names ``<fqn>.lora.<buffer>``)."""
+        self.lora = lora
+
+    def adopt_peft(self, adoption: _PeftAdoption) -> None:
+        """Use PEFT's LoRA parameters (through views) instead of own buffers."""
+        self._peft = adoption
+
+    def _run(
+        self, hidden: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, use_lora: bool
+    ) -> torch.Tensor:
+        x = hidden.to(self.expert_weights.dtype)
+        if self._peft is not None and use_lora:
+            views = {}
+            e = self.spec.num_experts
+            for name, (param, kind) in self._peft.sources.items():
+                # Differentiable views: autograd delivers the gradient to PEFT's own parameter.
+                views[f"lora.{name}"] = (
+                    kt_kernel.unstack_lora_a(param, e)
+                    if kind == "a"
+                    else kt_kernel.unstack_lora_b(param, e)
+                )
+            y = torch.func.functional_call(
+                self._peft.caller, views, (x, ids, w, self.policy), strict=False
+            )
+        else:
+            lora = self.lora if use_lora else None
+            y = kt_kernel.moe_experts_forward(
+                x, ids, w, self.expert_weights, lora, policy=self.policy
+            )
+        return y.to(hidden.dtype)
+
+    def forward(
+        self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor
+    ) -> torch.Tensor:
+        """``[T, H]`` routed expert output, same contract as transformers' experts module.
+
+        Args:
+            hidden_states: ``[T, H]`` tokens.
+            top_k_index: ``[T, k]`` expert ids chosen by the model's own router.
+            top_k_weights: ``[T, k]`` routing weights (gradients flow back into the router).
+
+        Returns:
+            ``[T, H]`` in ``hidden_states.dtype``.
+        """
+        return self._run(hidden_states, top_k_index, top_k_weights, use_lora=True)
+
+    def peft_forward(
+        self,
+        hidden_states: torch.Tensor,
+        top_k_index: torch.Tensor,
+        top_k_weights: torch.Tensor,
+    ) -> torch.Tensor:
+        """Forward installed on PEFT's outermost ``ParamWrapper``: honours disabled adapters.
+
+        PEFT's own forward would parametrize the base weight, which now lives in the kernel;
+        the kernel applies the same LoRA from the same PEFT tensors instead.
+        """
+        peft = self._peft
+        enabled = peft is not None and not any(
+            getattr(wr, "disable_adapters", False) for wr in peft.wrappers
+        )
+        if enabled and peft is not None:
+            active = getattr(peft.wrappers[0], "active_adapters", [peft.adapter])
+            enabled = peft.adapter in active
+        return self._run(hidden_states, top_k_index, top_k_weights, use_lora=enabled)
+
+    def extra_repr(self) -> str:
+        """Spec, storage dtype and policy."""
+        return (
+            f"{self.spec}, weight_dtype={self.expert_weights.weight_dtype}, "
+            f"policy={self.policy!r}, peft={self.adopted_peft}"
+        )

@@ -1,0 +1,256 @@
+"""``wrap``: move every MoE block's expert weights into kt-kernel and run the experts there."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Literal
+
+import kt_kernel
+import torch
+from torch import nn
+
+from moe_experts.architectures import MoEArchitecture, MoEBlockSite, find_architecture, iter_moe_blocks
+from moe_experts.errors import WrapError
+from moe_experts.kernel_experts import KernelExperts, Policy, _KernelCall, _PeftAdoption
+from moe_experts.placeholders import named_placeholders
+
+__all__ = ["WeightDType", "WrapReport", "experts_sites", "wrap"]
+
+WeightDType = Literal["bf16", "fp32"]
+_DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp32": torch.float32}
+
+
+@dataclass(frozen=True)
+class WrapReport:
+    """What :func:`wrap` did.
+
+    Attributes:
+        family: the architecture family, e.g. ``"qwen3_moe"``.
+        wrapped_blocks: fully-qualified names of the experts modules wrapped by this call.
+        already_wrapped: experts modules that were already on the kernel (left as they were).
+        placeholders: names of every zero-storage placeholder now in the module tree.
+        bytes_moved: bytes of expert weights that left the module tree in this call.
+        kernel_bytes: bytes now held by kt-kernel for those experts (differs from
+            ``bytes_moved`` when ``weight_dtype`` differs from the model's dtype).
+        weight_dtype: kernel storage dtype name.
+        adopted_peft: experts modules whose PEFT ``target_parameters`` LoRA was adopted.
+    """
+
+    family: str
+    wrapped_blocks: tuple[str, ...]
+    already_wrapped: tuple[str, ...]
+    placeholders: tuple[str, ...]
+    bytes_moved: int
+    kernel_bytes: int
+    weight_dtype: str
+    adopted_peft: tuple[str, ...] = ()
+
+
+def _peft_param_wrapper_type() -> type[nn.Module] | None:
+    try:
+        from peft.tuners.lora.layer import ParamWrapper
+    except ImportError:  # peft is optional: without it no model can hold ParamWrappers
+        return None
+    return ParamWrapper
+
+
+def _unwrap_peft(module: nn.Module) -> tuple[tuple[nn.Module, ...], nn.Module]:
+    """Split a PEFT ``ParamWrapper`` chain into (wrappers outermost first, innermost base)."""
+    wrapper_type = _peft_param_wrapper_type()
+    chain: list[nn.Module] = []
+    while wrapper_type is not None and isinstance(module, wrapper_type):
+        chain.append(module)
+        module = module.base_layer
+    return tuple(chain), module
+
+
+def experts_sites(model: nn.Module) -> list[tuple[MoEBlockSite, KernelExperts]]:
+    """Return ``(site, KernelExperts)`` for every wrapped MoE block, in module order.
+
+    Raises:
+        UnsupportedModelError: the model is not a supported family.
+    """
+    arch = find_architecture(model)
+    out = []
+    for site in iter_moe_blocks(model, arch):
+        _, base = _unwrap_peft(getattr(site.block, arch.experts_attr))
+        if isinstance(base, KernelExperts):
+            out.append((site, base))
+    return out
+
+
+def _check_activation(model: nn.Module, arch: MoEArchitecture) -> None:
+    act = getattr(getattr(model, "config", None), "hidden_act", "silu")
+    if act != "silu":
+        raise WrapError(
+            f"{arch.family} model has hidden_act={act!r}; kt-kernel implements SwiGLU experts "
+            "only (hidden_act='silu')"
+        )
+
+
+def _expert_spec(site: MoEBlockSite, gate_up: torch.Tensor, down: torch.Tensor) -> kt_kernel.ExpertSpec:
+    arch = site.arch
+    if gate_up.dim() != 3 or down.dim() != 3:
+        raise WrapError(
+            f"{site.experts_name}.{arch.gate_up_param} must be a fused 3D [E, 2I, H] parameter "
+            f"and {arch.down_param} [E, H, I]; got {list(gate_up.shape)} and {list(down.shape)}"
+        )
+    e, two_i, h = gate_up.shape
+    if two_i % 2 or tuple(down.shape) != (e, h, two_i // 2):
+        raise WrapError(
+            f"{site.experts_name}: gate_up_proj {list(gate_up.shape)} and down_proj "
+            f"{list(down.shape)} are not [E, 2I, H] and [E, H, I] for the same E, I, H"
+        )
+    return kt_kernel.ExpertSpec(num_experts=e, hidden_size=h, intermediate_size=two_i // 2)
+
+
+def _adopt(
+    site: MoEBlockSite, wrappers: tuple[nn.Module, ...], kernel: KernelExperts
+) -> None:
+    """Point ``kernel`` at PEFT's LoRA tensors and route PEFT's forward through the kernel."""
+    arch = site.arch
+    by_param = {w.parameter_name: w for w in wrappers}
+    unknown = sorted(set(by_param) - {arch.gate_up_param, arch.down_param})
+    if unknown:
+        raise WrapError(
+            f"{site.experts_name}: PEFT target_parameters {unknown} are not expert weights "
+            f"({arch.gate_up_param}, {arch.down_param}); remove them from target_parameters"
+        )
+    adapters = [a for a in wrappers[0].active_adapters if a in wrappers[0].lora_A]
+    if len(adapters) != 1:
+        raise WrapError(
+            f"{site.experts_name}: exactly one active PEFT adapter is supported on experts, "
+            f"got {adapters}; call peft_model.set_adapter(name) first"
+        )
+    adapter = adapters[0]
+    ranks = {w.r[adapter] for w in wrappers}
+    scalings = {float(w.scaling[adapter]) for w in wrappers}
+    if len(ranks) != 1 or len(scalings) != 1:
+        raise WrapError(
+            f"{site.experts_name}: PEFT adapters on {sorted(by_param)} use ranks {sorted(ranks)} "
+            f"and scalings {sorted(scalings)}; kt-kernel needs one rank and alpha per experts "
+            "module (drop rank_pattern/alpha_pattern for experts)"
+        )
+    rank = ranks.pop()
+    alpha = scalings.pop() * rank
+    spec = kernel.spec
+    sources: dict[str, tuple[nn.Parameter, str]] = {}
+    tensors: dict[str, torch.Tensor] = {}
+    for param_name, ours in ((arch.gate_up_param, "gate_up"), (arch.down_param, "down")):
+        wrapper = by_param.get(param_name)
+        out_dim = 2 * spec.intermediate_size if ours == "gate_up" else spec.hidden_size
+        in_dim = spec.hidden_size if ours == "gate_up" else spec.intermediate_size
+        if wrapper is None:
+            # An untargeted projection contributes exactly zero (A = B = 0, no gradient).
+            tensors[f"{ours}_lora_a"] = torch.zeros(spec.num_experts, rank, in_dim)
+            tensors[f"{ours}_lora_b"] = torch.zeros(spec.num_experts, out_dim, rank)
+            continue
+        a = wrapper.lora_A[adapter].weight
+        b = wrapper.lora_B[adapter].weight
+        sources[f"{ours}_lora_a"] = (a, "a")
+        sources[f"{ours}_lora_b"] = (b, "b")
+        # Views of PEFT's storage: the kernel's buffers *are* PEFT's memory, no copy.
+        tensors[f"{ours}_lora_a"] = kt_kernel.unstack_lora_a(a.detach(), spec.num_experts)
+        tensors[f"{ours}_lora_b"] = kt_kernel.unstack_lora_b(b.detach(), spec.num_experts)
+    buffers = kt_kernel.LoraBuffers.from_tensors(spec, rank, alpha, "fused", tensors)
+    for p in buffers.parameters():
+        p.requires_grad_(False)  # gradients go to PEFT's parameters through the views
+    kernel.adopt_peft(
+        _PeftAdoption(
+            caller=_KernelCall(kernel.expert_weights, buffers),
+            wrappers=wrappers,
+            adapter=adapter,
+            sources=sources,
+        )
+    )
+    # The ParamWrapper chain stays in the tree (PEFT keeps saving and loading its keys); only
+    # its forward changes, because PEFT would parametrize a weight that now lives in the kernel.
+    wrappers[0].forward = kernel.peft_forward
+
+
+def wrap(
+    model: nn.Module, *, weight_dtype: WeightDType = "bf16", policy: Policy = "save"
+) -> WrapReport:
+    """Run every MoE block's routed experts on kt-kernel, in place.
+
+    Each experts module is replaced by a :class:`KernelExperts` that the block calls exactly as
+    before, with the top-k ids and weights from the model's own router. The base expert weights
+    are copied into :class:`kt_kernel.ExpertWeights` and the module tree keeps zero-storage
+    placeholders under the same names and logical shapes. PEFT ``target_parameters`` LoRA
+    already on the experts is adopted (its parameters stay the trained tensors; the kernel
+    reads them through views). Calling ``wrap`` again leaves wrapped blocks as they are.
+
+    Args:
+        model: a supported transformers MoE model (or a PEFT model around one).
+        weight_dtype: kernel storage dtype, ``"bf16"`` or ``"fp32"``; activations are cast
+            to it inside the experts and the output is cast back.
+        policy: kt-kernel activation policy, ``"save"`` or ``"recompute"``.
+
+    Returns:
+        A :class:`WrapReport`, including how many bytes left the module tree.
+
+    Raises:
+        UnsupportedModelError: the model is not a supported family (lists the supported).
+        WrapError: bad ``weight_dtype``/``policy``, unexpected expert shapes or activation.
+    """
+    if weight_dtype not in _DTYPES:
+        raise WrapError(f"weight_dtype must be one of {sorted(_DTYPES)}, got {weight_dtype!r}")
+    if policy not in ("save", "recompute"):
+        raise WrapError(f"policy must be 'save' or 'recompute', got {policy!r}")
+    arch = find_architecture(model)
+    _check_activation(model, arch)
+    wrapped: list[str] = []
+    already: list[str] = []
+    adopted: list[str] = []
+    moved = kernel_bytes = 0
+    for site in iter_moe_blocks(model, arch):
+        outer = getattr(site.block, arch.experts_attr)
+        wrappers, base = _unwrap_peft(outer)
+        if isinstance(base, KernelExperts):
+            already.append(site.experts_name)
+            continue
+        gate_up = getattr(base, arch.gate_up_param, None)
+        down = getattr(base, arch.down_param, None)
+        if not isinstance(gate_up, torch.Tensor) or not isinstance(down, torch.Tensor):
+            raise WrapError(
+                f"{site.experts_name} ({type(base).__name__}) has no tensors "
+                f"{arch.gate_up_param!r} and {arch.down_param!r}; per-expert nn.Linear experts "
+                "(transformers 4.x) are not supported by this spec"
+            )
+        spec = _expert_spec(site, gate_up, down)
+        weights = kt_kernel.ExpertWeights.from_fused(
+            spec, gate_up, down, dtype=_DTYPES[weight_dtype]
+        )
+        kernel = KernelExperts(
+            weights,
+            gate_up_like=gate_up,
+            down_like=down,
+            gate_up_name=arch.gate_up_param,
+            down_name=arch.down_param,
+            label=site.experts_name,
+            policy=policy,
+        )
+        moved += gate_up.nbytes + down.nbytes
+        kernel_bytes += weights.nbytes
+        if wrappers:
+            wrappers[-1].base_layer = kernel
+            _adopt(site, wrappers, kernel)
+            adopted.append(site.experts_name)
+        else:
+            setattr(site.block, arch.experts_attr, kernel)
+        wrapped.append(site.experts_name)
+        del gate_up, down, base
+    if not wrapped and not already:
+        raise WrapError(
+            f"{type(model).__name__} ({arch.family}) has no {arch.block_class} blocks to wrap"
+        )
+    return WrapReport(
+        family=arch.family,
+        wrapped_blocks=tuple(wrapped),
+        already_wrapped=tuple(already),
+        placeholders=tuple(n for n, _ in named_placeholders(model)),
+        bytes_moved=moved,
+        kernel_bytes=kernel_bytes,
+        weight_dtype=weight_dtype,
+        adopted_peft=tuple(adopted),
+    )
