@@ -8,6 +8,7 @@ Reading never unpickles anything: it parses JSON and wraps raw bytes with ``torc
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import json
 import math
@@ -97,9 +98,12 @@ def as_cpu_contiguous(tensor: torch.Tensor) -> torch.Tensor:
 
 
 def _byte_view(tensor: torch.Tensor) -> memoryview:
-    if tensor.numel() == 0:
+    # A zero-copy view of a contiguous CPU tensor's bytes, without needing numpy; the caller
+    # keeps ``tensor`` alive for as long as the view is used.
+    nbytes = tensor.numel() * tensor.element_size()
+    if nbytes == 0:
         return memoryview(b"")
-    return memoryview(tensor.reshape(-1).view(torch.uint8).numpy()).cast("B")
+    return memoryview((ctypes.c_char * nbytes).from_address(tensor.data_ptr())).cast("B")
 
 
 def _chunks(view: memoryview) -> list[memoryview]:
@@ -325,6 +329,7 @@ def tensors_from_buffer(buf: bytearray, file: str) -> dict[str, torch.Tensor]:
 def tensor_sha256(tensor: torch.Tensor) -> str:
     """Return the sha256 of a tensor's raw C-order bytes."""
     h = hashlib.sha256()
-    for chunk in _chunks(_byte_view(as_cpu_contiguous(tensor))):
+    owned = as_cpu_contiguous(tensor)  # keeps the memory alive while the view is read
+    for chunk in _chunks(_byte_view(owned)):
         h.update(chunk)
     return h.hexdigest()

@@ -1,0 +1,112 @@
+"""``lora-checkpoint`` command line: ``verify DIR`` and ``inspect DIR``.
+
+Exit codes:
+    0: success (``verify``: every file of every rank matches the manifest).
+    1: the checkpoint failed verification or could not be read (a ``CheckpointError``).
+    2: usage error (bad arguments, or DIR is not a directory).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+
+from lora_checkpoint.errors import CheckpointError
+from lora_checkpoint.load import resolve_checkpoint, verify
+from lora_checkpoint.manifest import Manifest, parse_manifest
+from lora_checkpoint.save import MANIFEST
+
+__all__ = ["EXIT_FAILED", "EXIT_OK", "EXIT_USAGE", "main"]
+
+EXIT_OK = 0
+EXIT_FAILED = 1
+EXIT_USAGE = 2
+
+
+def _human(n: int) -> str:
+    size = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB"):
+        if size < 1024 or unit == "GiB":
+            return f"{size:.0f} {unit}" if unit == "B" else f"{size:.1f} {unit}"
+        size /= 1024
+    return f"{n} B"
+
+
+def _table(rows: list[list[str]], header: list[str]) -> str:
+    widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True))]
+    lines.append("  ".join("-" * w for w in widths))
+    lines += ["  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
+    return "\n".join(lines)
+
+
+def render(manifest: Manifest) -> str:
+    """Return the human-readable ``inspect`` report of a manifest."""
+    out = [
+        f"checkpoint {manifest.name}  format_version {manifest.format_version}  "
+        f"created {manifest.created_at.isoformat()}  world_size {manifest.world_size}  "
+        f"peft_compatible {manifest.peft_compatible}",
+        "",
+        _table([[c.name, c.version] for c in manifest.components], ["component", "version"]),
+    ]
+    if manifest.lora_config is not None:
+        out += ["", "lora_config " + json.dumps(manifest.lora_config, sort_keys=True)]
+    if manifest.training_state is not None:
+        out += ["", f"training_state step {manifest.training_state.step}"]
+    rows = []
+    for t in manifest.tensors:
+        nbytes = 1
+        for s in t.shape:
+            nbytes *= s
+        rows.append([t.name, t.kind.value, t.file, "x".join(map(str, t.shape)) or "scalar",
+                     t.dtype, "-" if t.rank is None else str(t.rank), t.sha256[:12]])
+    out += ["", _table(rows, ["tensor", "kind", "file", "shape", "dtype", "rank", "sha256"])]
+    out += ["", _table([[f.file, _human(f.size), "-" if f.rank is None else str(f.rank),
+                         f.sha256[:12]] for f in manifest.files],
+                       ["file", "size", "rank", "sha256"])]
+    total = sum(f.size for f in manifest.files)
+    out += [f"{len(manifest.tensors)} tensors in {len(manifest.files)} files, {_human(total)}"]
+    return "\n".join(out)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run the CLI and return its exit code (see the module docstring)."""
+    parser = argparse.ArgumentParser(
+        prog="lora-checkpoint",
+        description="Verify or inspect a lora-checkpoint directory (a checkpoint or a root "
+        "with a 'latest' pointer). Exit codes: 0 ok, 1 verification failed, 2 usage error.",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    p_verify = sub.add_parser("verify", help="check every file and tensor against the manifest")
+    p_verify.add_argument("directory")
+    p_inspect = sub.add_parser("inspect", help="print tensors, files, components and versions")
+    p_inspect.add_argument("directory")
+    p_inspect.add_argument("--json", action="store_true", help="print the manifest as JSON")
+    try:
+        args = parser.parse_args(argv)
+    except SystemExit as exc:  # argparse exits 2 on usage errors, 0 on --help
+        return int(exc.code or 0)
+    from pathlib import Path
+
+    if not Path(args.directory).is_dir():
+        print(f"lora-checkpoint: {args.directory!r} is not a directory", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        if args.command == "verify":
+            manifest = verify(args.directory)
+            print(f"OK {manifest.name}: {len(manifest.tensors)} tensors in "
+                  f"{len(manifest.files)} files verified")
+            return EXIT_OK
+        ckpt = resolve_checkpoint(args.directory)
+        manifest = parse_manifest((ckpt / MANIFEST).read_bytes(), str(ckpt / MANIFEST))
+        print(manifest.to_json() if args.json else render(manifest), end="\n" if not args.json else "")
+        return EXIT_OK
+    except CheckpointError as exc:
+        print(f"lora-checkpoint: FAILED: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return EXIT_FAILED
+
+
+if __name__ == "__main__":  # pragma: no cover
+    sys.exit(main())
