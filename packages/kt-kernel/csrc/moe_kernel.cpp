@@ -1,0 +1,432 @@
+// Routed SwiGLU experts with LoRA: forward and backward on CPU.
+//
+// Layout of one call: a counting sort groups the T*k (token, slot) pairs by expert; work is
+// cut into (expert, row tile) tasks run over OpenMP threads, each doing its GEMMs with ATen
+// (MKL / oneDNN) single-threaded on contiguous gathered rows. Every output element is
+// produced by exactly one task and every reduction runs in a fixed order, so results are
+// bitwise independent of the thread count and of scheduling.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Exception.h>
+#include <omp.h>
+#include <torch/extension.h>
+
+#include <algorithm>
+#include <exception>
+#include <mutex>
+#include <vector>
+
+#include "elementwise.h"
+
+namespace kt_kernel {
+namespace {
+
+struct Routing {
+  at::Tensor perm;     // [N] flat (t*k + j) index of sorted row p
+  at::Tensor pos;      // [N] sorted row of flat index f (inverse of perm)
+  at::Tensor offsets;  // [E+1] first sorted row of each expert
+};
+
+Routing route(const at::Tensor& ids, int64_t num_experts) {
+  const int64_t n = ids.numel();
+  auto opts = at::TensorOptions().dtype(at::kLong);
+  Routing r{at::empty({n}, opts), at::empty({n}, opts), at::zeros({num_experts + 1}, opts)};
+  const int64_t* id = ids.data_ptr<int64_t>();
+  int64_t* off = r.offsets.data_ptr<int64_t>();
+  for (int64_t f = 0; f < n; ++f) {
+    TORCH_CHECK(id[f] >= 0 && id[f] < num_experts, "topk_ids must lie in [0, ", num_experts,
+                "), got id ", id[f]);
+    off[id[f] + 1]++;
+  }
+  for (int64_t e = 0; e < num_experts; ++e) off[e + 1] += off[e];
+  std::vector<int64_t> fill(off, off + num_experts);
+  int64_t* perm = r.perm.data_ptr<int64_t>();
+  int64_t* pos = r.pos.data_ptr<int64_t>();
+  // Stable: rows of one expert stay in token order, so the layout is a pure function of ids.
+  for (int64_t f = 0; f < n; ++f) {
+    const int64_t p = fill[id[f]]++;
+    perm[p] = f;
+    pos[f] = p;
+  }
+  return r;
+}
+
+struct Task {
+  int64_t expert, begin, end;
+};
+
+// Tasks in descending size so dynamic scheduling balances the tail.
+std::vector<Task> make_tasks(const at::Tensor& offsets, int64_t tile_rows) {
+  const int64_t* off = offsets.data_ptr<int64_t>();
+  const int64_t e_count = offsets.numel() - 1;
+  std::vector<Task> tasks;
+  for (int64_t e = 0; e < e_count; ++e) {
+    for (int64_t b = off[e]; b < off[e + 1]; b += tile_rows) {
+      tasks.push_back({e, b, std::min(b + tile_rows, off[e + 1])});
+    }
+  }
+  std::stable_sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& b) {
+    return (a.end - a.begin) > (b.end - b.begin);
+  });
+  return tasks;
+}
+
+// Runs fn(i) for i in [0, n) on up to at::get_num_threads() threads. Inside, nested
+// parallelism is switched off (ICV set to one thread) so every ATen/MKL/oneDNN call computes
+// exactly as it would single-threaded: results do not depend on the thread count.
+template <typename Fn>
+void run_tasks(int64_t n, const Fn& fn) {
+  if (n == 0) return;
+  const int threads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), n));
+  std::exception_ptr error;
+  std::mutex mu;
+#pragma omp parallel num_threads(threads)
+  {
+    omp_set_num_threads(1);
+    at::NoGradGuard no_grad;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < n; ++i) {
+      try {
+        fn(i);
+      } catch (...) {
+        std::lock_guard<std::mutex> lock(mu);
+        if (!error) error = std::current_exception();
+      }
+    }
+  }
+  if (error) std::rethrow_exception(error);
+}
+
+// The LoRA factors in the kernel's internal form: A_cat [E, ra, H] (gate and up A stacked for
+// the split layout), B_bd [E, 2I, ra] (block-diagonal for split, B_gate_up for fused), and
+// the down adapter.
+struct Lora {
+  bool on = false;
+  bool fused = false;
+  int64_t rank = 0;
+  at::Tensor a_cat, b_bd, a_down, b_down;
+  double s = 0;
+};
+
+Lora prepare_lora(const std::vector<at::Tensor>& t, bool fused, double scaling, int64_t inter) {
+  Lora l;
+  if (t.empty()) return l;
+  l.on = true;
+  l.fused = fused;
+  l.s = scaling;
+  if (fused) {
+    TORCH_CHECK(t.size() == 4, "fused LoRA needs 4 tensors, got ", t.size());
+    l.rank = t[0].size(1);
+    l.a_cat = t[0].contiguous();
+    l.b_bd = t[1].contiguous();
+    l.a_down = t[2].contiguous();
+    l.b_down = t[3].contiguous();
+  } else {
+    TORCH_CHECK(t.size() == 6, "split LoRA needs 6 tensors, got ", t.size());
+    const int64_t r = t[0].size(1);
+    l.rank = r;
+    l.a_cat = at::cat({t[0], t[2]}, 1);
+    l.b_bd = at::zeros({t[1].size(0), 2 * inter, 2 * r}, t[1].options());
+    l.b_bd.narrow(1, 0, inter).narrow(2, 0, r).copy_(t[1]);
+    l.b_bd.narrow(1, inter, inter).narrow(2, r, r).copy_(t[3]);
+    l.a_down = t[4].contiguous();
+    l.b_down = t[5].contiguous();
+  }
+  return l;
+}
+
+void gather_rows(const at::Tensor& src, const int64_t* perm, int64_t k, int64_t begin,
+                 int64_t end, at::Tensor& dst) {
+  const int64_t row_bytes = src.size(1) * src.element_size();
+  const char* s = static_cast<const char*>(src.data_ptr());
+  char* d = static_cast<char*>(dst.data_ptr());
+  for (int64_t p = begin; p < end; ++p) {
+    std::memcpy(d + p * row_bytes, s + (perm[p] / k) * row_bytes, row_bytes);
+  }
+}
+
+void silu_mul(const at::Tensor& gu, at::Tensor& h) {
+  const auto& kt = kernels();
+  const int64_t rows = gu.size(0), inter = h.size(1);
+  switch (gu.scalar_type()) {
+    case at::kFloat:
+      kt.silu_mul_f32(gu.data_ptr<float>(), h.data_ptr<float>(), rows, inter);
+      break;
+    case at::kDouble:
+      kt.silu_mul_f64(gu.data_ptr<double>(), h.data_ptr<double>(), rows, inter);
+      break;
+    case at::kBFloat16:
+      kt.silu_mul_bf16(reinterpret_cast<const uint16_t*>(gu.data_ptr()),
+                       reinterpret_cast<uint16_t*>(h.data_ptr()), rows, inter);
+      break;
+    default:
+      TORCH_CHECK(false, "unsupported dtype ", gu.scalar_type());
+  }
+}
+
+void silu_mul_bwd(const at::Tensor& gu, const at::Tensor& gh, const at::Tensor& w,
+                  at::Tensor& dgu, at::Tensor& h, at::Tensor& dw) {
+  const auto& kt = kernels();
+  const int64_t rows = gu.size(0), inter = h.size(1);
+  switch (gu.scalar_type()) {
+    case at::kFloat:
+      kt.silu_mul_bwd_f32(gu.data_ptr<float>(), gh.data_ptr<float>(), w.data_ptr<float>(),
+                          dgu.data_ptr<float>(), h.data_ptr<float>(), dw.data_ptr<float>(),
+                          rows, inter);
+      break;
+    case at::kDouble:
+      kt.silu_mul_bwd_f64(gu.data_ptr<double>(), gh.data_ptr<double>(), w.data_ptr<double>(),
+                          dgu.data_ptr<double>(), h.data_ptr<double>(), dw.data_ptr<double>(),
+                          rows, inter);
+      break;
+    case at::kBFloat16:
+      kt.silu_mul_bwd_bf16(reinterpret_cast<const uint16_t*>(gu.data_ptr()),
+                           reinterpret_cast<const uint16_t*>(gh.data_ptr()), w.data_ptr<float>(),
+                           reinterpret_cast<uint16_t*>(dgu.data_ptr()),
+                           reinterpret_cast<uint16_t*>(h.data_ptr()), dw.data_ptr<float>(), rows,
+                           inter);
+      break;
+    default:
+      TORCH_CHECK(false, "unsupported dtype ", gu.scalar_type());
+  }
+}
+
+// out[t] = sum_j w[t, j] * src[pos[t, j]] (w undefined: weight 1), tokens in parallel.
+at::Tensor scatter(const at::Tensor& src, const at::Tensor& pos, const at::Tensor& w,
+                   int64_t tokens, int64_t k) {
+  const int64_t hidden = src.size(1);
+  at::Tensor out = at::empty({tokens, hidden}, src.options());
+  const auto& kt = kernels();
+  const int64_t* p = pos.data_ptr<int64_t>();
+  at::parallel_for(0, tokens, 16, [&](int64_t t0, int64_t t1) {
+    switch (src.scalar_type()) {
+      case at::kFloat:
+        kt.scatter_f32(src.data_ptr<float>(), p, w.defined() ? w.data_ptr<float>() : nullptr,
+                       out.data_ptr<float>(), t0, t1, k, hidden);
+        break;
+      case at::kDouble:
+        kt.scatter_f64(src.data_ptr<double>(), p, w.defined() ? w.data_ptr<double>() : nullptr,
+                       out.data_ptr<double>(), t0, t1, k, hidden);
+        break;
+      case at::kBFloat16:
+        kt.scatter_bf16(reinterpret_cast<const uint16_t*>(src.data_ptr()), p,
+                        w.defined() ? w.data_ptr<float>() : nullptr,
+                        reinterpret_cast<uint16_t*>(out.data_ptr()), t0, t1, k, hidden);
+        break;
+      default:
+        TORCH_CHECK(false, "unsupported dtype ", src.scalar_type());
+    }
+  });
+  return out;
+}
+
+// gu = xs @ W_gu[e]^T (+ s * (xs @ A_cat^T) @ B_bd^T, keeping z = xs @ A_cat^T).
+void gate_up_rows(const at::Tensor& xs, const at::Tensor& gate_up, const Lora& l, int64_t e,
+                  at::Tensor& gu, at::Tensor* z) {
+  at::mm_out(gu, xs, gate_up[e].t());
+  if (l.on) {
+    at::mm_out(*z, xs, l.a_cat[e].t());
+    gu.addmm_(*z, l.b_bd[e].t(), 1.0, l.s);
+  }
+}
+
+std::tuple<at::Tensor, std::vector<at::Tensor>> forward(
+    at::Tensor x, at::Tensor ids, at::Tensor w, at::Tensor gate_up, at::Tensor down,
+    std::vector<at::Tensor> lora_t, double scaling, bool fused, bool save, int64_t tile_rows) {
+  at::NoGradGuard no_grad;
+  x = x.detach().contiguous();
+  ids = ids.detach().contiguous();
+  w = w.detach().contiguous();
+  for (auto& t : lora_t) t = t.detach();
+  const int64_t tokens = x.size(0), hidden = x.size(1), k = ids.size(1);
+  const int64_t num_experts = gate_up.size(0), inter = down.size(2);
+  const int64_t n = tokens * k;
+  Routing rt = route(ids, num_experts);
+  Lora l = prepare_lora(lora_t, fused, scaling, inter);
+  const int64_t ra = l.on ? l.a_cat.size(1) : 0;
+  auto opts = x.options();
+  at::Tensor xs = at::empty({n, hidden}, opts);
+  at::Tensor gu = at::empty({n, 2 * inter}, opts);
+  at::Tensor out = at::empty({n, hidden}, opts);
+  at::Tensor z = l.on ? at::empty({n, ra}, opts) : at::empty({0}, opts);
+  at::Tensor zd = l.on ? at::empty({n, l.rank}, opts) : at::empty({0}, opts);
+  const int64_t* perm = rt.perm.data_ptr<int64_t>();
+  std::vector<Task> tasks = make_tasks(rt.offsets, tile_rows);
+  run_tasks(static_cast<int64_t>(tasks.size()), [&](int64_t i) {
+    const Task& tk = tasks[i];
+    const int64_t b = tk.begin, m = tk.end - tk.begin, e = tk.expert;
+    gather_rows(x, perm, k, b, tk.end, xs);
+    at::Tensor xs_t = xs.narrow(0, b, m);
+    at::Tensor gu_t = gu.narrow(0, b, m);
+    at::Tensor z_t = l.on ? z.narrow(0, b, m) : at::Tensor();
+    gate_up_rows(xs_t, gate_up, l, e, gu_t, &z_t);
+    at::Tensor h_t = at::empty({m, inter}, opts);
+    silu_mul(gu_t, h_t);
+    at::Tensor o_t = out.narrow(0, b, m);
+    at::mm_out(o_t, h_t, down[e].t());
+    if (l.on) {
+      at::Tensor zd_t = zd.narrow(0, b, m);
+      at::mm_out(zd_t, h_t, l.a_down[e].t());
+      o_t.addmm_(zd_t, l.b_down[e].t(), 1.0, l.s);
+    }
+  });
+  at::Tensor y = scatter(out, rt.pos, w, tokens, k);
+  std::vector<at::Tensor> saved = {rt.perm, rt.pos, rt.offsets};
+  if (save) {
+    saved.push_back(gu);
+    saved.push_back(z);
+    saved.push_back(zd);
+  }
+  return {y, saved};
+}
+
+std::tuple<at::Tensor, at::Tensor, std::vector<at::Tensor>> backward(
+    at::Tensor dy, at::Tensor x, at::Tensor ids, at::Tensor w, at::Tensor gate_up,
+    at::Tensor down, std::vector<at::Tensor> lora_t, double scaling, bool fused,
+    std::vector<at::Tensor> saved, bool need_dx, int64_t tile_rows) {
+  at::NoGradGuard no_grad;
+  dy = dy.detach().contiguous();
+  for (auto& t : lora_t) t = t.detach();
+  const int64_t tokens = x.size(0), hidden = x.size(1), k = ids.size(1);
+  const int64_t num_experts = gate_up.size(0), inter = down.size(2);
+  const int64_t n = tokens * k;
+  TORCH_CHECK(saved.size() == 3 || saved.size() == 6, "corrupt saved state");
+  Routing rt{saved[0], saved[1], saved[2]};
+  const bool have_saved = saved.size() == 6;
+  Lora l = prepare_lora(lora_t, fused, scaling, inter);
+  const int64_t ra = l.on ? l.a_cat.size(1) : 0, r = l.rank;
+  auto opts = x.options();
+  const int64_t* perm = rt.perm.data_ptr<int64_t>();
+  // Per-row routing weight in sorted order (float/double), and the per-row dw.
+  at::Tensor w_rows = w.reshape({-1}).index_select(0, rt.perm).contiguous();
+  at::Tensor dw_rows = at::empty({n}, w.options());
+  const bool need_xs = l.on || !have_saved;
+  at::Tensor xs = need_xs ? at::empty({n, hidden}, opts) : at::Tensor();
+  at::Tensor dys = at::empty({n, hidden}, opts);
+  at::Tensor dgu = at::empty({n, 2 * inter}, opts);
+  at::Tensor dxs = need_dx ? at::empty({n, hidden}, opts) : at::Tensor();
+  at::Tensor h = l.on ? at::empty({n, inter}, opts) : at::Tensor();
+  at::Tensor z = have_saved ? saved[4] : (l.on ? at::empty({n, ra}, opts) : at::Tensor());
+  at::Tensor zd = have_saved ? saved[5] : (l.on ? at::empty({n, r}, opts) : at::Tensor());
+  at::Tensor q = l.on ? at::empty({n, r}, opts) : at::Tensor();
+  at::Tensor dz = l.on ? at::empty({n, ra}, opts) : at::Tensor();
+  std::vector<Task> tasks = make_tasks(rt.offsets, tile_rows);
+  run_tasks(static_cast<int64_t>(tasks.size()), [&](int64_t i) {
+    const Task& tk = tasks[i];
+    const int64_t b = tk.begin, m = tk.end - tk.begin, e = tk.expert;
+    at::Tensor gu_t;
+    if (need_xs) gather_rows(x, perm, k, b, tk.end, xs);
+    if (have_saved) {
+      gu_t = saved[3].narrow(0, b, m);
+    } else {
+      gu_t = at::empty({m, 2 * inter}, opts);
+      at::Tensor z_t = l.on ? z.narrow(0, b, m) : at::Tensor();
+      gate_up_rows(xs.narrow(0, b, m), gate_up, l, e, gu_t, &z_t);
+    }
+    gather_rows(dy, perm, k, b, tk.end, dys);
+    at::Tensor dys_t = dys.narrow(0, b, m);
+    at::Tensor gh_t = at::mm(dys_t, down[e]);
+    if (l.on) {
+      at::Tensor q_t = q.narrow(0, b, m);
+      at::mm_out(q_t, dys_t, l.b_down[e]);
+      gh_t.addmm_(q_t, l.a_down[e], 1.0, l.s);
+    }
+    at::Tensor dgu_t = dgu.narrow(0, b, m);
+    at::Tensor h_t = l.on ? h.narrow(0, b, m) : at::empty({m, inter}, opts);
+    at::Tensor dw_t = dw_rows.narrow(0, b, m);
+    silu_mul_bwd(gu_t, gh_t, w_rows.narrow(0, b, m), dgu_t, h_t, dw_t);
+    if (l.on) {
+      if (!have_saved) {
+        at::Tensor zd_t = zd.narrow(0, b, m);
+        at::mm_out(zd_t, h_t, l.a_down[e].t());
+      }
+      at::Tensor dz_t = dz.narrow(0, b, m);
+      at::mm_out(dz_t, dgu_t, l.b_bd[e]);
+    }
+    if (need_dx) {
+      at::Tensor dxs_t = dxs.narrow(0, b, m);
+      at::mm_out(dxs_t, dgu_t, gate_up[e]);
+      if (l.on) dxs_t.addmm_(dz.narrow(0, b, m), l.a_cat[e], 1.0, l.s);
+    }
+  });
+
+  std::vector<at::Tensor> grads;
+  if (l.on) {
+    // Weight gradients: one GEMM per expert over all of its rows (a fixed reduction order).
+    at::Tensor w_col = w_rows.to(opts.dtype()).unsqueeze(1);
+    at::Tensor qw = q * w_col;    // dL/d(A_down h) / s, per row
+    at::Tensor zdw = zd * w_col;  // routing weight folded into the down LoRA input
+    at::Tensor d_acat = at::zeros_like(l.a_cat);
+    at::Tensor d_bbd = fused ? at::zeros_like(l.b_bd) : at::Tensor();
+    at::Tensor d_bg = fused ? at::Tensor() : at::zeros({num_experts, inter, r}, opts);
+    at::Tensor d_bu = fused ? at::Tensor() : at::zeros({num_experts, inter, r}, opts);
+    at::Tensor d_ad = at::zeros_like(l.a_down);
+    at::Tensor d_bd = at::zeros_like(l.b_down);
+    const int64_t* off = rt.offsets.data_ptr<int64_t>();
+    run_tasks(num_experts, [&](int64_t e) {
+      const int64_t b = off[e], m = off[e + 1] - off[e];
+      if (m == 0) return;
+      at::Tensor d_bd_e = d_bd[e], d_ad_e = d_ad[e], d_acat_e = d_acat[e];
+      at::mm_out(d_bd_e, dys.narrow(0, b, m).t(), zdw.narrow(0, b, m));
+      at::mm_out(d_ad_e, qw.narrow(0, b, m).t(), h.narrow(0, b, m));
+      at::Tensor dgu_e = dgu.narrow(0, b, m), z_e = z.narrow(0, b, m);
+      if (fused) {
+        at::Tensor d_bbd_e = d_bbd[e];
+        at::mm_out(d_bbd_e, dgu_e.t(), z_e);
+      } else {
+        at::Tensor d_bg_e = d_bg[e], d_bu_e = d_bu[e];
+        at::mm_out(d_bg_e, dgu_e.narrow(1, 0, inter).t(), z_e.narrow(1, 0, r));
+        at::mm_out(d_bu_e, dgu_e.narrow(1, inter, inter).t(), z_e.narrow(1, r, r));
+      }
+      at::mm_out(d_acat_e, dz.narrow(0, b, m).t(), xs.narrow(0, b, m));
+      d_bd_e.mul_(l.s);
+      d_ad_e.mul_(l.s);
+      d_acat_e.mul_(l.s);
+      if (fused) {
+        d_bbd[e].mul_(l.s);
+      } else {
+        d_bg[e].mul_(l.s);
+        d_bu[e].mul_(l.s);
+      }
+    });
+    if (fused) {
+      grads = {d_acat, d_bbd, d_ad, d_bd};
+    } else {
+      grads = {d_acat.narrow(1, 0, r), d_bg, d_acat.narrow(1, r, r), d_bu, d_ad, d_bd};
+    }
+  }
+  at::Tensor dx = need_dx ? scatter(dxs, rt.pos, at::Tensor(), tokens, k) : at::Tensor();
+  at::Tensor dw = dw_rows.index_select(0, rt.pos).reshape({tokens, k});
+  return {dx, dw, grads};
+}
+
+std::vector<std::string> cpu_features() {
+  std::vector<std::string> out;
+#if defined(__x86_64__) && defined(__GNUC__)
+  __builtin_cpu_init();
+#define KT_FEATURE(nm) \
+  if (__builtin_cpu_supports(nm)) out.emplace_back(nm);
+  KT_FEATURE("avx2")
+  KT_FEATURE("fma")
+  KT_FEATURE("avx512f")
+  KT_FEATURE("avx512bw")
+  KT_FEATURE("avx512vl")
+  KT_FEATURE("avx512dq")
+  KT_FEATURE("avx512bf16")
+  KT_FEATURE("avx512vnni")
+#undef KT_FEATURE
+#endif
+  return out;
+}
+
+}  // namespace
+}  // namespace kt_kernel
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "kt-kernel native MoE expert forward/backward";
+  m.def("forward", &kt_kernel::forward, "expert op forward");
+  m.def("backward", &kt_kernel::backward, "expert op backward");
+  m.def("isa", []() { return std::string(kt_kernel::kernels().isa); });
+  m.def("cpu_features", &kt_kernel::cpu_features);
+  m.def("torch_version", []() { return std::string(TORCH_VERSION); });
+}

@@ -1,0 +1,49 @@
+"""kt-kernel: a native CPU kernel for routed MoE experts with LoRA, and its PyTorch oracle.
+
+The public surface is tensors plus small typed specs: :class:`ExpertSpec`,
+:class:`ExpertWeights`, :class:`LoraBuffers`, :func:`moe_experts_forward`, the PEFT converters
+and :func:`backend_info`. ``kt_kernel.reference`` holds the plain-PyTorch oracle.
+"""
+
+from kt_kernel._native import BackendInfo, backend_info
+from kt_kernel._version import __version__
+from kt_kernel.errors import KernelDTypeError, KernelInputError, NativeBackendError
+from kt_kernel.lora import FUSED_NAMES, SPLIT_NAMES, LoraBuffers
+from kt_kernel.ops import activation_memory_bytes, moe_experts_forward
+from kt_kernel.peft_mapping import (
+    copy_lora_from_peft,
+    lora_from_peft,
+    lora_to_peft,
+    peft_keys,
+    stack_lora_a,
+    stack_lora_b,
+    unstack_lora_a,
+    unstack_lora_b,
+)
+from kt_kernel.reference import moe_experts_forward_reference
+from kt_kernel.spec import ExpertSpec, ExpertWeights
+
+__all__ = [
+    "BackendInfo",
+    "ExpertSpec",
+    "ExpertWeights",
+    "FUSED_NAMES",
+    "KernelDTypeError",
+    "KernelInputError",
+    "LoraBuffers",
+    "NativeBackendError",
+    "SPLIT_NAMES",
+    "__version__",
+    "activation_memory_bytes",
+    "backend_info",
+    "copy_lora_from_peft",
+    "lora_from_peft",
+    "lora_to_peft",
+    "moe_experts_forward",
+    "moe_experts_forward_reference",
+    "peft_keys",
+    "stack_lora_a",
+    "stack_lora_b",
+    "unstack_lora_a",
+    "unstack_lora_b",
+]

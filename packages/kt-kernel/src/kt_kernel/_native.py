@@ -1,0 +1,85 @@
+"""Load the compiled extension once; fall back to the reference with one clear warning."""
+
+from __future__ import annotations
+
+import os
+import warnings
+from dataclasses import dataclass, field
+from types import ModuleType
+
+from kt_kernel.errors import NativeBackendError
+
+__all__ = ["BackendInfo", "backend_info", "native_module", "REQUIRE_NATIVE_ENV"]
+
+REQUIRE_NATIVE_ENV = "KT_KERNEL_REQUIRE_NATIVE"
+
+
+def _load() -> tuple[ModuleType | None, str | None]:
+    try:
+        from kt_kernel import _C  # type: ignore[attr-defined]
+    except Exception as exc:  # noqa: BLE001 - any load failure (missing file, ABI, symbols) falls back
+        return None, f"{type(exc).__name__}: {exc}"
+    return _C, None
+
+
+_MODULE, _ERROR = _load()
+if _MODULE is None:
+    if os.environ.get(REQUIRE_NATIVE_ENV, "0") == "1":
+        raise NativeBackendError(
+            f"kt_kernel's compiled extension kt_kernel._C failed to load ({_ERROR}) and "
+            f"{REQUIRE_NATIVE_ENV}=1 forbids the fallback; rebuild the wheel with "
+            "`pip install --no-build-isolation` against the installed torch"
+        )
+    warnings.warn(
+        f"kt_kernel: the compiled extension kt_kernel._C failed to load ({_ERROR}); "
+        "falling back to the PyTorch reference implementation (correct but slow). "
+        f"Set {REQUIRE_NATIVE_ENV}=1 to make this an ImportError.",
+        RuntimeWarning,
+        stacklevel=2,
+    )
+
+
+def native_module() -> ModuleType | None:
+    """The loaded ``kt_kernel._C`` module, or ``None`` when it failed to load."""
+    return _MODULE
+
+
+@dataclass(frozen=True)
+class BackendInfo:
+    """Which implementation ``backend="auto"`` uses and what the CPU offers it.
+
+    Attributes:
+        active: ``"native"`` (the C++ extension) or ``"reference"`` (plain PyTorch).
+        native_available: whether ``kt_kernel._C`` loaded.
+        native_error: the load error when it did not, else ``None``.
+        isa: instruction set the native elementwise loops dispatch to
+            (``"avx512"``, ``"avx2"`` or ``"scalar"``); ``None`` without the extension.
+        cpu_features: the CPU features the dispatcher detected.
+        num_threads: OpenMP threads the extension will use (``torch.get_num_threads()``).
+        torch_version: torch the extension was compiled against (``None`` without it).
+    """
+
+    active: str
+    native_available: bool
+    native_error: str | None
+    isa: str | None
+    cpu_features: tuple[str, ...] = field(default_factory=tuple)
+    num_threads: int = 1
+    torch_version: str | None = None
+
+
+def backend_info() -> BackendInfo:
+    """Report the active implementation, the load error if any, and the CPU features used."""
+    import torch
+
+    if _MODULE is None:
+        return BackendInfo("reference", False, _ERROR, None, (), torch.get_num_threads(), None)
+    return BackendInfo(
+        active="native",
+        native_available=True,
+        native_error=None,
+        isa=str(_MODULE.isa()),
+        cpu_features=tuple(_MODULE.cpu_features()),
+        num_threads=torch.get_num_threads(),
+        torch_version=str(_MODULE.torch_version()),
+    )

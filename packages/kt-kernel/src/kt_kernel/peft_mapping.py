@@ -1,0 +1,190 @@
+"""One-to-one conversion between :class:`LoraBuffers` and PEFT's adapter tensors.
+
+Fused layout (PEFT ``target_parameters=["gate_up_proj", "down_proj"]`` on transformers 5.x
+fused experts, ``peft.tuners.lora.layer.ParamWrapper``). transformers stores
+``gate_up_proj [E, 2I, H]`` (``is_transposed=False``; the first I output rows are gate) and
+``down_proj [E, H, I]``. PEFT makes ``lora_A = Linear(in, E*r)`` and ``lora_B = Linear(E*r, out)``
+and builds the per-expert delta as::
+
+    A = lora_A.weight.reshape(E, r, in)                    # row  e*r + j  of lora_A = A[e, j]
+    B = lora_B.weight.reshape(out, r, E).permute(2, 0, 1)  # col  j*E + e  of lora_B = B[e, :, j]
+    delta[e] = scaling * B[e] @ A[e]
+
+so A is stacked expert-major but B is stacked **rank-major** (column ``j*E + e``). The
+functions here implement exactly that; the tests check it against a real PEFT model.
+
+Split layout (PEFT ``target_modules`` on per-expert ``nn.Linear`` experts): expert ``e``'s
+``gate_proj``/``up_proj``/``down_proj`` adapters are ``lora_A [r, in]`` and ``lora_B [out, r]``,
+i.e. ``gate_lora_a[e]`` and ``gate_lora_b[e]`` unchanged.
+
+Keys are relative to the experts module, without the adapter name: fused
+``gate_up_proj.lora_A.weight``; split ``{e}.gate_proj.lora_A.weight``. Where the keys sit in a
+whole model's state dict (PEFT nests the two ParamWrappers, so one of them appears under
+``experts.base_layer.``) is the caller's business.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+
+import torch
+
+from kt_kernel.errors import KernelInputError
+from kt_kernel.lora import LoraBuffers, LoraLayout, lora_shapes
+from kt_kernel.spec import ExpertSpec
+
+__all__ = [
+    "lora_to_peft",
+    "lora_from_peft",
+    "copy_lora_from_peft",
+    "peft_keys",
+    "stack_lora_a",
+    "stack_lora_b",
+    "unstack_lora_a",
+    "unstack_lora_b",
+]
+
+_SPLIT_PROJ = (("gate_proj", "gate"), ("up_proj", "up"), ("down_proj", "down"))
+_FUSED_PROJ = (("gate_up_proj", "gate_up"), ("down_proj", "down"))
+
+
+def stack_lora_a(a: torch.Tensor) -> torch.Tensor:
+    """Per-expert ``A [E, r, in]`` -> PEFT ``lora_A.weight [E*r, in]`` (row ``e*r + j``)."""
+    e, r, n_in = a.shape
+    return a.reshape(e * r, n_in)
+
+
+def stack_lora_b(b: torch.Tensor) -> torch.Tensor:
+    """Per-expert ``B [E, out, r]`` -> PEFT ``lora_B.weight [out, r*E]`` (col ``j*E + e``)."""
+    e, n_out, r = b.shape
+    return b.permute(1, 2, 0).reshape(n_out, r * e)
+
+
+def unstack_lora_a(a: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """PEFT ``lora_A.weight [E*r, in]`` -> ``A [E, r, in]`` (a view)."""
+    return a.reshape(num_experts, -1, a.shape[-1])
+
+
+def unstack_lora_b(b: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """PEFT ``lora_B.weight [out, r*E]`` -> ``B [E, out, r]`` (a non-contiguous view)."""
+    return b.reshape(b.shape[0], -1, num_experts).permute(2, 0, 1)
+
+
+def peft_keys(spec: ExpertSpec, layout: LoraLayout) -> tuple[str, ...]:
+    """The relative PEFT keys :func:`lora_to_peft` produces for ``layout``, in a stable order."""
+    if layout == "fused":
+        return tuple(f"{p}.lora_{m}.weight" for p, _ in _FUSED_PROJ for m in ("A", "B"))
+    if layout == "split":
+        return tuple(
+            f"{e}.{p}.lora_{m}.weight"
+            for e in range(spec.num_experts)
+            for p, _ in _SPLIT_PROJ
+            for m in ("A", "B")
+        )
+    raise KernelInputError(f"layout must be 'split' or 'fused', got {layout!r}")
+
+
+def lora_to_peft(buffers: LoraBuffers) -> dict[str, torch.Tensor]:
+    """Export ``buffers`` as PEFT tensors (contiguous detached copies), keyed by :func:`peft_keys`.
+
+    Returns:
+        fused: ``gate_up_proj.lora_A.weight [E*r, H]``, ``gate_up_proj.lora_B.weight [2I, r*E]``,
+        ``down_proj.lora_A.weight [E*r, I]``, ``down_proj.lora_B.weight [H, r*E]``;
+        split: ``{e}.{gate,up,down}_proj.lora_{A,B}.weight`` per expert.
+    """
+    out: dict[str, torch.Tensor] = {}
+    with torch.no_grad():
+        if buffers.layout == "fused":
+            for proj, ours in _FUSED_PROJ:
+                a = getattr(buffers, f"{ours}_lora_a").detach()
+                b = getattr(buffers, f"{ours}_lora_b").detach()
+                out[f"{proj}.lora_A.weight"] = stack_lora_a(a).clone(memory_format=torch.contiguous_format)
+                out[f"{proj}.lora_B.weight"] = stack_lora_b(b).clone(memory_format=torch.contiguous_format)
+        else:
+            for e in range(buffers.spec.num_experts):
+                for proj, ours in _SPLIT_PROJ:
+                    a = getattr(buffers, f"{ours}_lora_a").detach()
+                    b = getattr(buffers, f"{ours}_lora_b").detach()
+                    out[f"{e}.{proj}.lora_A.weight"] = a[e].clone()
+                    out[f"{e}.{proj}.lora_B.weight"] = b[e].clone()
+    return out
+
+
+def _check_keys(spec: ExpertSpec, layout: LoraLayout, tensors: Mapping[str, torch.Tensor]) -> None:
+    expected = set(peft_keys(spec, layout))
+    missing = sorted(expected - set(tensors))
+    unknown = sorted(set(tensors) - expected)
+    if missing or unknown:
+        raise KernelInputError(
+            f"PEFT tensors for layout {layout!r} must have exactly the keys of "
+            f"kt_kernel.peft_keys(spec, {layout!r}); missing {missing[:6]}"
+            f"{'...' if len(missing) > 6 else ''}, unexpected {unknown[:6]}"
+            f"{'...' if len(unknown) > 6 else ''}"
+        )
+
+
+def _logical_from_peft(
+    spec: ExpertSpec, rank: int, layout: LoraLayout, tensors: Mapping[str, torch.Tensor]
+) -> dict[str, torch.Tensor]:
+    _check_keys(spec, layout, tensors)
+    e = spec.num_experts
+    logical: dict[str, torch.Tensor] = {}
+    if layout == "fused":
+        for proj, ours in _FUSED_PROJ:
+            logical[f"{ours}_lora_a"] = unstack_lora_a(tensors[f"{proj}.lora_A.weight"], e)
+            logical[f"{ours}_lora_b"] = unstack_lora_b(tensors[f"{proj}.lora_B.weight"], e)
+    else:
+        for proj, ours in _SPLIT_PROJ:
+            logical[f"{ours}_lora_a"] = torch.stack(
+                [tensors[f"{i}.{proj}.lora_A.weight"] for i in range(e)]
+            )
+            logical[f"{ours}_lora_b"] = torch.stack(
+                [tensors[f"{i}.{proj}.lora_B.weight"] for i in range(e)]
+            )
+    for name, shape in lora_shapes(spec, rank, layout).items():
+        if tuple(logical[name].shape) != shape:
+            raise KernelInputError(
+                f"PEFT tensors give {name} shape {list(logical[name].shape)}, expected "
+                f"{list(shape)} for rank {rank}; check rank and num_experts"
+            )
+    return logical
+
+
+def copy_lora_from_peft(buffers: LoraBuffers, tensors: Mapping[str, torch.Tensor]) -> None:
+    """Copy PEFT tensors (keys as :func:`peft_keys`) into ``buffers`` in place, under no_grad.
+
+    Raises:
+        KernelInputError: missing/unexpected keys or wrong shapes (named in the message).
+    """
+    logical = _logical_from_peft(buffers.spec, buffers.rank, buffers.layout, tensors)
+    with torch.no_grad():
+        for name, value in logical.items():
+            getattr(buffers, name).copy_(value)
+
+
+def lora_from_peft(
+    spec: ExpertSpec,
+    tensors: Mapping[str, torch.Tensor],
+    *,
+    rank: int,
+    alpha: float,
+    layout: LoraLayout,
+    dtype: torch.dtype | None = None,
+) -> LoraBuffers:
+    """Build new :class:`LoraBuffers` from PEFT tensors (the inverse of :func:`lora_to_peft`).
+
+    Args:
+        spec: expert shapes.
+        tensors: PEFT tensors keyed as :func:`peft_keys` (``lora_alpha`` is PEFT's ``alpha``).
+        rank: ``r``; alpha: PEFT ``lora_alpha``; layout: ``"fused"`` or ``"split"``.
+        dtype: parameter dtype; defaults to the dtype of the first tensor.
+
+    Raises:
+        KernelInputError: missing/unexpected keys or wrong shapes.
+    """
+    first = next(iter(tensors.values()), None)
+    if dtype is None:
+        dtype = first.dtype if first is not None else torch.float32
+    buffers = LoraBuffers(spec, rank, alpha, layout, dtype=dtype)
+    copy_lora_from_peft(buffers, tensors)
+    return buffers
