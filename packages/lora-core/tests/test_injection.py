@@ -10,6 +10,8 @@ import sys
 
 import pytest
 import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
 from torch import nn
 
 from lora_core import (
@@ -402,3 +404,28 @@ def test_remap_checkpoint_keys() -> None:
         "model.layers.0.self_attn.q_proj.weight"]
     with pytest.raises(ContractError, match=r"both 'model\.layers\.0\.self_attn\.q_proj"):
         remap_checkpoint_keys(mixed, result)
+
+
+_component = st.sampled_from(["q_proj", "o_proj", "foo_proj", "self_attn", "layers", "0", "1"])
+
+
+@settings(max_examples=150, deadline=None)
+@given(name=st.lists(_component, min_size=1, max_size=5),
+       target=st.lists(_component, min_size=1, max_size=3))
+def test_matching_equals_peft_string_rule(name: list[str], target: list[str]) -> None:
+    # PEFT's rule for a plain (non-regex) target: equal, or a suffix after a dot.
+    n, t = ".".join(name), ".".join(target)
+    assert matches_module(n, [t]) == (n == t or n.endswith("." + t))
+
+
+def test_adapter_internals_are_never_targets() -> None:
+    model = TinyTransformer(n=1)
+    enable_lora_training(model, CFG)
+    cfg = LoraConfig(enable=True, rank=2, target_modules=["lora_A", "base_layer", "q_proj"])
+    result = enable_lora_training(model, cfg)
+    assert result.adapted_layers == ()
+    assert result.already_adapted_layers == ("model.layers.0.self_attn.q_proj",
+                                             "model.layers.0.cross_attn.q_proj")
+    with pytest.raises(LoraTargetError) as info:
+        enable_lora_training(model, LoraConfig(enable=True, rank=2, target_modules=["lora_B"]))
+    assert "lora_B" not in str(info.value).split("exist:")[1]

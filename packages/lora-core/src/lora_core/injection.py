@@ -72,6 +72,12 @@ def _empty_result(config: LoraConfig | None) -> AdaptationResult:
     )
 
 
+def _inside(name: str, adapters: set[str]) -> bool:
+    """Whether ``name`` is a strict descendant of one of the ``adapters`` modules."""
+    parts = name.split(".")
+    return any(".".join(parts[:i]) in adapters for i in range(1, len(parts)))
+
+
 def _select(
     model: nn.Module, config: LoraConfig
 ) -> tuple[list[tuple[str, nn.Linear | LoRALinear]], list[str]]:
@@ -83,7 +89,7 @@ def _select(
     excluded: list[str] = []
     # remove_duplicate=False: a Linear reachable under two names cannot be wrapped for both.
     for name, module in model.named_modules(remove_duplicate=False):
-        if not name or any(name.startswith(a + ".") for a in adapters):
+        if not name or _inside(name, adapters):
             continue
         if not isinstance(module, nn.Linear | LoRALinear):
             continue
