@@ -1,0 +1,25 @@
+"""The public surface is curated."""
+
+import moe_experts
+
+
+def test_all_is_curated() -> None:
+    assert sorted(moe_experts.__all__) == sorted(
+        [
+            "ARCHITECTURES", "AdaptError", "ExpertPlaceholder", "KernelExperts",
+            "MoEArchitecture", "MoEBlockSite", "PlaceholderAccessError",
+            "UnsupportedModelError", "WrapError", "WrapReport", "__version__", "adapt",
+            "adapt_model", "experts_sites", "find_architecture", "is_placeholder",
+            "iter_moe_blocks", "make_placeholder", "named_placeholders", "peft_key_prefix",
+            "wrap",
+        ]
+    )
+    for name in moe_experts.__all__:
+        assert getattr(moe_experts, name) is not None
+        assert not name.startswith("_") or name == "__version__"
+
+
+def test_version_matches_metadata() -> None:
+    import importlib.metadata
+
+    assert moe_experts.__version__ == importlib.metadata.version("moe-experts")
