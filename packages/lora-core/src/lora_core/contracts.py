@@ -7,6 +7,7 @@ builder, ``lora_core.fsdp``, ``lora_checkpoint.save``) read only its typed field
 
 from __future__ import annotations
 
+import collections
 import enum
 import importlib.metadata
 from collections.abc import Callable, Iterable, Mapping
@@ -188,7 +189,8 @@ class AdaptationResult:
                 f"AdaptationResult.producer must be a ComponentVersion, got {self.producer!r}"
             )
         names = [n for n, _ in self.named_optimizer_parameters]
-        dupes = sorted({n for n in names if names.count(n) > 1})
+        # Counter, not names.count(): results with tens of thousands of expert tensors exist.
+        dupes = sorted(n for n, c in collections.Counter(names).items() if c > 1)
         if dupes:
             raise ContractError(f"AdaptationResult has duplicate parameter names: {dupes}")
         for n, p in self.named_optimizer_parameters:
