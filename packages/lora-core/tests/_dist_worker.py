@@ -45,6 +45,8 @@ CHECK_TIMEOUT = timedelta(seconds=30)
 VOCAB, DIM, FF, LAYERS, SEQ, BATCH = 32, 16, 24, 2, 6, 3
 TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "up_proj", "down_proj"]
 STEPS = 10
+# Gradients are recorded at step 1: at step 0 every lora_A gradient is zero (B starts at 0).
+RECORD_STEP = 1
 # The LoRA layer one rank skips in its forward (its gradient there is None).
 SKIPPED = "layers.1.mlp.up_proj"
 
@@ -195,7 +197,7 @@ def full(t: torch.Tensor) -> torch.Tensor:
 def train(
     model: nn.Module, rank: int, *, skip_rank: int | None, record: dict[str, Any]
 ) -> list[float]:
-    """``STEPS`` AdamW steps with sync + clip; step 0's pre/post-sync grads go to ``record``."""
+    """``STEPS`` AdamW steps with sync + clip; pre/post-sync grads of one step -> ``record``."""
     params = [p for _, p in sorted(model.named_parameters()) if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=2e-2, weight_decay=0.0)
     names = lora_names(model)
@@ -206,11 +208,11 @@ def train(
         loss = loss_fn(model, batch(rank, step))
         loss.backward()
         named = dict(model.named_parameters())
-        if step == 0:
+        if step == RECORD_STEP:
             record["pre_grads"] = {n: local(named[n].grad) for n in names}
         stats = SyncStats()
         n = sync_replicated_lora_gradients(model, check_timeout=CHECK_TIMEOUT, stats=stats)
-        if step == 0:
+        if step == RECORD_STEP:
             record["synced"] = n
             record["stats"] = [stats.parameters, stats.zero_filled, stats.skipped,
                                stats.buckets, stats.collectives]
@@ -299,9 +301,9 @@ def scenario_fsdp(rank: int, world: int, out: dict[str, Any]) -> None:
     out["base_names_unchanged"] = sorted(base0)
 
     if world == 2:
-        native, native_result = native_model(mesh)
-        for m in (native,):
-            m.set_reduce_scatter_unused_params(True)
+        native, _native_result = native_model(mesh)
+        # The last rank skips an adapter, so FSDP must reduce-scatter zeros for it.
+        native.set_reduce_scatter_unused_params(True)
         out["native_placements"] = sorted(
             {str(tuple(p.placements)) for p in native.parameters() if p.requires_grad}
         )
@@ -337,7 +339,7 @@ def scenario_fsdp(rank: int, world: int, out: dict[str, Any]) -> None:
 def scenario_hsdp(rank: int, world: int, out: dict[str, Any]) -> None:
     """2x2 HSDP mesh: LoRA averaged over both dims; a sub-group and a sharded param."""
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("replicate", "shard"))
-    model, result, n = post_load_model(mesh)
+    model, _result, n = post_load_model(mesh)
     out["replicated"] = n
     out["base_placements"] = sorted(
         {str(tuple(p.placements)) for p in model.parameters() if not p.requires_grad}
