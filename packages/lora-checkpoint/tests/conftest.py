@@ -80,7 +80,7 @@ def result() -> AdaptationResult:
     return make_result()
 
 
-@pytest.fixture
+@pytest.fixture(scope="session")
 def result_factory():  # noqa: ANN201 - returns the builder function
     """The :func:`make_result` builder, for tests that need several results."""
     return make_result
