@@ -96,6 +96,11 @@ class KernelExperts(nn.Module):
         return self._peft is not None
 
     @property
+    def kernel_lora(self) -> kt_kernel.LoraBuffers | None:
+        """The LoRA buffers the kernel reads: own ``lora``, or the views of adopted PEFT tensors."""
+        return self._peft.caller.lora if self._peft is not None else self.lora
+
+    @property
     def peft_adapter(self) -> str | None:
         """Name of the adopted PEFT adapter (e.g. ``"default"``), or ``None``."""
         return None if self._peft is None else self._peft.adapter
