@@ -31,6 +31,7 @@ from lora_core import (
     LoraConfig,
     ParameterOwnership,
     enable_lora_training,
+    rebind_parameters,
     remap_checkpoint_keys,
 )
 from lora_core.fsdp import (
@@ -154,7 +155,9 @@ def post_load_model(mesh: Any) -> tuple[TinyLM, AdaptationResult, int]:
     model.load_state_dict(base_state_dict())
     shard(model, mesh)
     result = enable_lora_training(model, lora_config())
-    return model, result, replicate_lora_parameters(model, check_timeout=CHECK_TIMEOUT)
+    n = replicate_lora_parameters(model, check_timeout=CHECK_TIMEOUT)
+    # Replication swaps the Parameter objects: the result must be re-read from the model.
+    return model, rebind_parameters(result, model), n
 
 
 def native_model(mesh: Any) -> tuple[TinyLM, AdaptationResult]:
@@ -174,7 +177,7 @@ def native_model(mesh: Any) -> tuple[TinyLM, AdaptationResult]:
     filled = result.missing_parameter_initializer(model)
     if filled != 2 * len(result.adapted_layers):
         raise RuntimeError(f"initializer filled {filled}")
-    return model, result
+    return model, rebind_parameters(result, model)
 
 
 def lora_names(model: nn.Module) -> list[str]:
@@ -195,7 +198,12 @@ def full(t: torch.Tensor) -> torch.Tensor:
 
 
 def train(
-    model: nn.Module, rank: int, *, skip_rank: int | None, record: dict[str, Any]
+    model: nn.Module,
+    rank: int,
+    *,
+    skip_rank: int | None,
+    record: dict[str, Any],
+    sync_target: nn.Module | AdaptationResult | None = None,
 ) -> list[float]:
     """``STEPS`` AdamW steps with sync + clip; pre/post-sync grads of one step -> ``record``."""
     params = [p for _, p in sorted(model.named_parameters()) if p.requires_grad]
@@ -211,7 +219,10 @@ def train(
         if step == RECORD_STEP:
             record["pre_grads"] = {n: local(named[n].grad) for n in names}
         stats = SyncStats()
-        n = sync_replicated_lora_gradients(model, check_timeout=CHECK_TIMEOUT, stats=stats)
+        n = sync_replicated_lora_gradients(
+            model if sync_target is None else sync_target, check_timeout=CHECK_TIMEOUT,
+            stats=stats,
+        )
         if step == RECORD_STEP:
             record["synced"] = n
             record["stats"] = [stats.parameters, stats.zero_filled, stats.skipped,
@@ -293,7 +304,13 @@ def scenario_fsdp(rank: int, world: int, out: dict[str, Any]) -> None:
     )
     base0 = {n: full(p) for n, p in model.named_parameters() if not p.requires_grad}
     out["names"] = lora_names(model)
-    out["losses"] = train(model, rank, skip_rank=world - 1, record=out)
+    named = dict(model.named_parameters())
+    out["rebound"] = all(
+        named[n] is p and isinstance(p, DTensor) for n, p in result.named_optimizer_parameters
+    )
+    # 2 ranks sync through the module, 3 ranks through the AdaptationResult.
+    target = model if world == 2 else result
+    out["losses"] = train(model, rank, skip_rank=world - 1, record=out, sync_target=target)
     out["final"] = {n: local(p) for n, p in model.named_parameters() if p.requires_grad}
     out["bases_unchanged"] = all(
         torch.equal(full(p), base0[n]) for n, p in model.named_parameters() if n in base0
@@ -301,14 +318,16 @@ def scenario_fsdp(rank: int, world: int, out: dict[str, Any]) -> None:
     out["base_names_unchanged"] = sorted(base0)
 
     if world == 2:
-        native, _native_result = native_model(mesh)
+        native, native_result = native_model(mesh)
         # The last rank skips an adapter, so FSDP must reduce-scatter zeros for it.
         native.set_reduce_scatter_unused_params(True)
         out["native_placements"] = sorted(
             {str(tuple(p.placements)) for p in native.parameters() if p.requires_grad}
         )
         native_rec: dict[str, Any] = {}
-        out["native_losses"] = train(native, rank, skip_rank=world - 1, record=native_rec)
+        out["native_losses"] = train(
+            native, rank, skip_rank=world - 1, record=native_rec, sync_target=native_result
+        )
         out["native_synced"] = native_rec["synced"]
         out["native_final"] = {
             n: full(p) for n, p in native.named_parameters() if p.requires_grad

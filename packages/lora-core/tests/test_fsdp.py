@@ -124,6 +124,7 @@ def test_replicate_turns_lora_into_replicated_dtensors_on_fsdp_mesh(fsdp_run):
         assert r["replicated"] == N_LORA == r["n_lora"]
         assert r["placements"] == ["(Replicate(),)"]
         assert r["mesh_reused"]
+        assert r["rebound"]  # rebind_parameters points the result at the DTensor params
         assert len(r["names"]) == N_LORA
         assert all(".lora_A." in n or ".lora_B." in n for n in r["names"])
         assert r["plain_model_replicated"] == 0
