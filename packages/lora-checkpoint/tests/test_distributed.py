@@ -1,0 +1,52 @@
+"""Two real gloo processes write one checkpoint: per-rank shards, rank 0 publishes."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import lora_checkpoint as lc
+
+SCRIPT = Path(__file__).parent / "scripts" / "dist_worker.py"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(180)
+def test_two_gloo_ranks_save_load_restore(tmp_path):
+    root = tmp_path / "root"
+    env = {**os.environ, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.run([sys.executable, str(SCRIPT), str(root), str(_free_port())],
+                          capture_output=True, text=True, timeout=170, env=env, check=False)
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
+    published = sorted(p.name for p in root.iterdir())
+    assert published == ["latest", "step-00000003"]  # the failed save left nothing behind
+    ckpt = root / "step-00000003"
+    files = sorted(os.listdir(ckpt))
+    assert "rank_local-rank00000.safetensors" in files
+    assert "rank_local-rank00001.safetensors" in files
+    assert "training_state-rank00001.json" in files
+    m = lc.verify(root)
+    assert m.world_size == 2
+    assert {s.rank: sorted(s.files) for s in m.shards} == {
+        r: sorted([f"rank_local-rank{r:05d}.safetensors", f"training_state-rank{r:05d}.json",
+                   f"training_state-rank{r:05d}.safetensors"]) for r in (0, 1)}
+    one = lc.load(root, rank=1)
+    assert torch.equal(one.tensors["router.bias"], torch.arange(5.0) + 100)
+    assert one.training_state.data_position == {"rank": 1}
+    ownership = {p.name: p.ownership.value for p in m.parameters}
+    assert ownership["dense.lora_B.weight"] == "sharded"
+    assert next(p for p in m.parameters if p.name == "dense.lora_B.weight").shape == (6, 4)
+    with pytest.raises(lc.CheckpointError, match="world_size 2"):
+        lc.load(root, rank=2)
