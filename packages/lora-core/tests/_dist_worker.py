@@ -13,6 +13,7 @@ import math
 import os
 import sys
 import traceback
+import warnings
 from datetime import timedelta
 from pathlib import Path
 from typing import Any
@@ -35,6 +36,7 @@ from lora_core import (
     remap_checkpoint_keys,
 )
 from lora_core.fsdp import (
+    FsdpLayoutError,
     LoraStateMismatchError,
     SyncStats,
     replicate_lora_parameters,
@@ -305,6 +307,11 @@ def scenario_fsdp(rank: int, world: int, out: dict[str, Any]) -> None:
     base0 = {n: full(p) for n, p in model.named_parameters() if not p.requires_grad}
     out["names"] = lora_names(model)
     named = dict(model.named_parameters())
+    # A second call finds everything replicated already and changes no Parameter object.
+    out["replicated_again"] = replicate_lora_parameters(model)
+    out["same_objects_after_again"] = all(
+        p is named[n] for n, p in model.named_parameters()
+    )
     out["rebound"] = all(
         named[n] is p and isinstance(p, DTensor) for n, p in result.named_optimizer_parameters
     )
@@ -317,8 +324,28 @@ def scenario_fsdp(rank: int, world: int, out: dict[str, Any]) -> None:
     )
     out["base_names_unchanged"] = sorted(base0)
 
+    # A rank whose adapters differ before replication is warned and gets rank 0's values.
+    odd = TinyLM()
+    odd.load_state_dict(base_state_dict())
+    shard(odd, mesh)
+    enable_lora_training(odd, lora_config())
+    target = odd.get_submodule("layers.0.attn.q_proj").lora_A.weight
+    if rank == world - 1:
+        with torch.no_grad():
+            target.add_(1.0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        replicate_lora_parameters(odd)
+    out["odd_warnings"] = [str(w.message) for w in caught if w.category is RuntimeWarning]
+    out["odd_value"] = local(odd.get_submodule("layers.0.attn.q_proj").lora_A.weight)
+
     if world == 2:
         native, native_result = native_model(mesh)
+        try:
+            replicate_lora_parameters(native)
+            out["native_replicate_error"] = None
+        except FsdpLayoutError as exc:
+            out["native_replicate_error"] = str(exc)
         # The last rank skips an adapter, so FSDP must reduce-scatter zeros for it.
         native.set_reduce_scatter_unused_params(True)
         out["native_placements"] = sorted(

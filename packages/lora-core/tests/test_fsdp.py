@@ -125,6 +125,23 @@ def test_replicate_turns_lora_into_replicated_dtensors_on_fsdp_mesh(fsdp_run):
         assert r["placements"] == ["(Replicate(),)"]
         assert r["mesh_reused"]
         assert r["rebound"]  # rebind_parameters points the result at the DTensor params
+        assert r["replicated_again"] == N_LORA  # idempotent
+        assert r["same_objects_after_again"]
+
+
+@pytest.mark.timeout(240)
+def test_replicate_broadcasts_from_rank0_and_warns_the_rank_that_differed(fsdp_run):
+    """The last rank perturbs one adapter before replication: it is warned and overwritten."""
+    world = len(fsdp_run)
+    for r in fsdp_run:
+        assert torch.equal(r["odd_value"], fsdp_run[0]["odd_value"])
+        if r["rank"] == world - 1:
+            assert len(r["odd_warnings"]) == 1
+            message = r["odd_warnings"][0]
+            assert f"rank {world - 1}" in message
+            assert "layers.0.attn.q_proj.lora_A.weight" in message
+        else:
+            assert r["odd_warnings"] == []
         assert len(r["names"]) == N_LORA
         assert all(".lora_A." in n or ".lora_B." in n for n in r["names"])
         assert r["plain_model_replicated"] == 0
@@ -182,6 +199,7 @@ def test_fsdp_native_path_matches_replicate_path(fsdp2_run):
     for r in fsdp2_run:
         assert r["native_placements"] == ["(Shard(dim=0),)"]
         assert r["native_synced"] == 0  # FSDP reduce-scatters them; the sync must not
+        assert "FSDP-native path" in r["native_replicate_error"]
         torch.testing.assert_close(
             torch.tensor(r["native_losses"]), torch.tensor(r["losses"]), rtol=1e-5, atol=1e-6
         )

@@ -134,19 +134,9 @@ def _rank(group: dist.ProcessGroup | None) -> int:
     return dist.get_rank(group)
 
 
-def _describe_layout(t: torch.Tensor) -> str:
-    if isinstance(t, DTensor):
-        names = t.device_mesh.mesh_dim_names
-        return (
-            f"DTensor(mesh={tuple(t.device_mesh.shape)}, dims={names}, "
-            f"placements={tuple(str(p) for p in t.placements)})"
-        )
-    return "Tensor"
-
-
 def _descriptor(name: str, t: torch.Tensor) -> str:
-    dtype = str(t.dtype).removeprefix("torch.")
-    return f"{name}|{list(t.shape)}|{dtype}|{_describe_layout(t)}"
+    """``name|shape|dtype|layout`` of a plain tensor, as the fingerprint hashes it."""
+    return f"{name}|{list(t.shape)}|{str(t.dtype).removeprefix('torch.')}|Tensor"
 
 
 def _digest(items: Sequence[str]) -> int:
@@ -247,28 +237,43 @@ def _check_consistent(
     )
 
 
-def _mesh_problem(name: str, t: DTensor) -> tuple[str, str] | None:
-    """Why the mesh of ``t`` cannot be used in the current process group, if it cannot."""
-    mesh = t.device_mesh
+@dataclass(frozen=True)
+class _MeshStatus:
+    """What one mesh offers this call: its per-dim groups, or why it is unusable."""
+
+    groups: tuple[dist.ProcessGroup, ...]
+    layout: str
+    problem: str | None
+
+
+def _mesh_status(mesh: DeviceMesh, placements: tuple[Any, ...]) -> _MeshStatus:
+    """Resolve the groups of ``mesh`` once per call and say why it is unusable, if it is."""
     world = dist.get_world_size()
+    layout = (
+        f"DTensor(mesh={tuple(mesh.shape)}, dims={mesh.mesh_dim_names}, "
+        f"placements={tuple(str(p) for p in placements)})"
+    )
+    groups = []
     for dim in range(mesh.ndim):
         try:
-            size = dist.get_world_size(mesh.get_group(dim))
+            g = mesh.get_group(dim)
+            size = dist.get_world_size(g)
         except Exception as exc:  # a destroyed or foreign group raises several types
-            return name, (
-                f"parameter '{name}' lives on a device mesh {tuple(mesh.shape)} whose dim {dim} "
-                f"process group is unusable in this process group of {world} ranks ({exc}); "
-                "re-run fully_shard and replicate_lora_parameters after init_process_group"
-            )
+            return _MeshStatus((), layout, (
+                f"lives on a device mesh {tuple(mesh.shape)} whose dim {dim} process group is "
+                f"unusable in this process group of {world} ranks ({exc}); re-run fully_shard "
+                "and replicate_lora_parameters after init_process_group"
+            ))
         if size != mesh.size(dim):
-            return name, (
-                f"parameter '{name}' was prepared for a device mesh {tuple(mesh.shape)} "
-                f"(world size {mesh.size()}) but its dim {dim} group now has {size} ranks "
-                f"(current world size {world}); rebuild the model in this process group"
-            )
+            return _MeshStatus((), layout, (
+                f"was prepared for a device mesh {tuple(mesh.shape)} (world size "
+                f"{mesh.size()}) but its dim {dim} group now has {size} ranks (current world "
+                f"size {world}); rebuild the model in this process group"
+            ))
+        groups.append(g)
     if mesh.get_coordinate() is None:
-        return name, f"parameter '{name}' lives on a device mesh that does not include this rank"
-    return None
+        return _MeshStatus((), layout, "lives on a device mesh that does not include this rank")
+    return _MeshStatus(tuple(groups), layout, None)
 
 
 def _named_inputs(
@@ -318,34 +323,40 @@ def _collect(
     entries: list[_Entry] = []
     errors: list[tuple[str, str]] = []
     skipped = 0
+    meshes: dict[tuple[int, tuple[Any, ...]], _MeshStatus] = {}
+    plain_groups = (group if group is not None else dist.group.WORLD,)
     for name, p in pairs:
         if p.is_meta:
-            errors.append((name,
+            errors.append((name, (
                 f"parameter '{name}' is on the meta device; materialise and initialise it "
                 "(result.missing_parameter_initializer) before training"
-            ))
+            )))
             continue
+        dtype = str(p.dtype).removeprefix("torch.")
         if isinstance(p, DTensor):
-            if not all(pl.is_replicate() for pl in p.placements):
+            placements = tuple(p.placements)
+            if not all(pl.is_replicate() for pl in placements):
                 # Sharded (FSDP/HSDP-managed) or partial: its owner reduces it, never us.
                 skipped += 1
                 continue
-            problem = _mesh_problem(name, p)
-            if problem is not None:
-                errors.append(problem)
+            key = (id(p.device_mesh), placements)
+            if key not in meshes:
+                meshes[key] = _mesh_status(p.device_mesh, placements)
+            status = meshes[key]
+            if status.problem is not None:
+                errors.append((name, f"parameter '{name}' {status.problem}"))
                 continue
             grad = p.grad
-            if isinstance(grad, DTensor) and tuple(grad.placements) != tuple(p.placements):
-                errors.append((name,
+            if isinstance(grad, DTensor) and tuple(grad.placements) != placements:
+                errors.append((name, (
                     f"parameter '{name}' has a gradient with placements {grad.placements}, "
                     f"expected {p.placements} like the parameter"
-                ))
+                )))
                 continue
-            mesh = p.device_mesh
-            groups = tuple(mesh.get_group(d) for d in range(mesh.ndim))
+            groups, layout = status.groups, status.layout
         else:
-            groups = (group if group is not None else dist.group.WORLD,)
-        entries.append(_Entry(name, p, groups, _descriptor(name, p)))
+            groups, layout = plain_groups, "Tensor"
+        entries.append(_Entry(name, p, groups, f"{name}|{list(p.shape)}|{dtype}|{layout}"))
     return entries, errors, skipped
 
 
