@@ -25,7 +25,8 @@ DEFAULT_LORA: dict[str, Any] = {
     "enable": True,
     "rank": 8,
     "alpha": 16,
-    "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj"],
+    # lm_head too: the built-in model is random, and a frozen random head caps its logits.
+    "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "lm_head"],
     "init_seed": 0,
 }
 
@@ -164,8 +165,9 @@ def run_finetune(args: FinetuneArgs) -> FinetuneSummary:
         wrap_report = moe_experts.wrap(model, weight_dtype=args.weight_dtype)
     except moe_experts.UnsupportedModelError as exc:
         raise FinetuneError(f"--model {args.model}: {exc}") from exc
-    experts = moe_experts.adapt(model, lora)
+    # Dense first: enable_lora_training freezes every parameter that is not its own LoRA.
     dense = enable_lora_training(model, lora)
+    experts = moe_experts.adapt(model, lora)
     result = dense.merge(experts)
     if world > 1:
         kept_out = {p for _, p in experts.named_optimizer_parameters}

@@ -1,0 +1,104 @@
+"""One rank of the distributed test (run as ``python dist_worker.py MODEL_DIR OUT_DIR``).
+
+FSDP2 shards the dense layers (placeholders passed as ``ignored_params``), dense LoRA is
+replicated through ``lora_core.fsdp``, expert LoRA lives in kt-kernel buffers and its
+gradients are averaged with ``lora_core.fsdp.sync_replicated_lora_gradients``.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import warnings
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from lora_core import LoraConfig, enable_lora_training
+from lora_core.fsdp import replicate_lora_parameters, sync_replicated_lora_gradients
+from torch.distributed.fsdp import fully_shard
+from torch.distributed.tensor import DTensor
+from transformers import AutoModelForCausalLM
+
+import moe_experts
+
+STEPS = 5
+# One config for both producers: AdaptationResult.merge refuses two different lora_configs;
+# target_modules selects the dense layers, expert LoRA covers every wrapped experts module.
+CFG = LoraConfig(enable=True, rank=2, alpha=4, init_seed=21, target_modules=["q_proj", "o_proj"])
+
+
+def batch_for(rank: int) -> torch.Tensor:
+    """Each rank trains on different tokens, so unsynchronised gradients would differ."""
+    return torch.randint(0, 96, (2, 10), generator=torch.Generator().manual_seed(100 + rank))
+
+
+def main() -> None:
+    model_dir, out_dir = Path(sys.argv[1]), Path(sys.argv[2])
+    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    rank = dist.get_rank()
+    torch.manual_seed(0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
+    report = moe_experts.wrap(model, weight_dtype="fp32")
+    placeholders = {p for _, p in moe_experts.named_placeholders(model)}
+    for layer in model.model.layers:
+        fully_shard(layer, ignored_params=placeholders)
+    fully_shard(model, ignored_params=placeholders)
+    dense = enable_lora_training(model, CFG)
+    n_replicated = replicate_lora_parameters(model)
+    experts = moe_experts.adapt(model, CFG)
+    result = dense.merge(experts)
+    # Make expert B non-zero identically on every rank so expert A also gets gradients.
+    with torch.no_grad():
+        for n, p in experts.named_optimizer_parameters:
+            if n.endswith("_b"):
+                p.copy_(torch.full(p.shape, 0.05))
+    # replicate_lora_parameters swaps the dense LoRA weights for new DTensor Parameters, so
+    # the optimizer takes the live objects by name (the result's names stay valid).
+    named = dict(model.named_parameters())
+    stale = [n for n, p in result.named_optimizer_parameters if named[n] is not p]
+    live = [(n, named[n]) for n in result.parameter_names]
+    opt = torch.optim.AdamW([p for _, p in live], lr=1e-2)
+    ids = batch_for(rank)
+    losses, pre_sync_norms = [], []
+    for _ in range(STEPS):
+        opt.zero_grad(set_to_none=True)
+        loss = model(ids, labels=ids).loss
+        loss.backward()
+        pre_sync_norms.append(
+            float(sum(p.grad.double().pow(2).sum() for p in experts.parameters()))
+        )
+        sync_replicated_lora_gradients(live)
+        opt.step()
+        losses.append(loss.item())
+    params = {}
+    for n, p in live:
+        t = p.detach()
+        params[n] = (t.full_tensor() if isinstance(t, DTensor) else t).clone()
+    torch.save(params, out_dir / f"params_rank{rank}.pt")
+    placeholder_names = set(report.placeholders)
+    dtensor_placeholders = [n for n, p in model.named_parameters()
+                            if n in placeholder_names and isinstance(p, DTensor)]
+    sharded = [n for n, p in model.named_parameters() if isinstance(p, DTensor)]
+    (out_dir / f"rank{rank}.json").write_text(json.dumps({
+        "losses": losses,
+        "pre_sync_norms": pre_sync_norms,
+        "placeholders": sorted(placeholder_names),
+        "placeholders_all_placeholders": all(
+            moe_experts.is_placeholder(p) for n, p in model.named_parameters()
+            if n in placeholder_names),
+        "dtensor_placeholders": dtensor_placeholders,
+        "n_dtensor_params": len(sharded),
+        "n_replicated": n_replicated,
+        "names": list(result.parameter_names),
+        "stale_after_replicate": stale,
+    }))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
+if __name__ == "__main__":
+    main()
