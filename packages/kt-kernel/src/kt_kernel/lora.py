@@ -100,7 +100,12 @@ class LoraBuffers(nn.Module):
         for name, shape in shapes.items():
             if _tensors is not None:
                 tensor = check_shape(name, _tensors.get(name), shape)
-                param = tensor if isinstance(tensor, nn.Parameter) else nn.Parameter(tensor)
+                if not isinstance(tensor, nn.Parameter):
+                    # A differentiable view of a tensor owned elsewhere: keep it as is so
+                    # gradients flow back to its source (it is then not in parameters()).
+                    setattr(self, name, tensor)
+                    continue
+                param = tensor
             else:
                 param = nn.Parameter(torch.zeros(shape, dtype=dtype))
                 if init is not None:
@@ -117,7 +122,12 @@ class LoraBuffers(nn.Module):
         layout: LoraLayout,
         tensors: Mapping[str, torch.Tensor],
     ) -> LoraBuffers:
-        """Adopt existing tensors (shared, not copied); ``nn.Parameter`` inputs are kept as is.
+        """Adopt existing tensors (shared, never copied).
+
+        ``nn.Parameter`` values are registered as this module's parameters. Other tensors (for
+        example a non-contiguous view of PEFT's stacked ``lora_B``) are kept as plain
+        attributes, so the op's gradients flow through them to the tensor they view; they
+        do not appear in ``parameters()`` but do in :meth:`named_lora_parameters`.
 
         Raises:
             KernelInputError: a name is missing or unexpected, or a shape is wrong.
@@ -146,8 +156,8 @@ class LoraBuffers(nn.Module):
         """The factors in :attr:`names` order."""
         return tuple(getattr(self, n) for n in self.names)
 
-    def named_lora_parameters(self) -> Iterator[tuple[str, nn.Parameter]]:
-        """``(name, Parameter)`` in :attr:`names` order (same as ``named_parameters()``)."""
+    def named_lora_parameters(self) -> Iterator[tuple[str, torch.Tensor]]:
+        """``(name, tensor)`` in :attr:`names` order, including adopted non-Parameter tensors."""
         for n in self.names:
             yield n, getattr(self, n)
 
