@@ -138,7 +138,7 @@ def run_finetune(args: FinetuneArgs) -> FinetuneSummary:
         FinetuneError: for every user-facing problem (config, files, model, checkpoint).
     """
     import lora_checkpoint
-    from lora_core import enable_lora_training
+    from lora_core import enable_lora_training, rebind_parameters
     from lora_core.fsdp import sync_replicated_lora_gradients
 
     import moe_experts
@@ -173,6 +173,8 @@ def run_finetune(args: FinetuneArgs) -> FinetuneSummary:
         kept_out = {p for _, p in experts.named_optimizer_parameters}
         kept_out |= {model.get_parameter(n) for n in experts.placeholders}
         _shard_dense(model, kept_out)
+        # fully_shard replaces the dense Parameter objects with DTensor ones.
+        result = rebind_parameters(result, model)
     params = result.parameters()
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
     batches = PackedBatches.build(texts, loaded.encode, seq_len=args.seq_len,
