@@ -12,6 +12,7 @@ import argparse
 import math
 import os
 import sys
+import time
 import traceback
 import warnings
 from datetime import timedelta
@@ -438,6 +439,18 @@ def scenario_stale(rank: int, world: int, out: dict[str, Any], port2: int) -> No
         out["stale"] = None
     except LoraStateMismatchError as exc:
         out["stale"] = [str(exc), exc.rank, exc.parameter]
+    # Rank 0 calls the sync alone: it must give up after check_timeout, not hang.
+    t = torch.zeros(3, requires_grad=True)
+    t.grad = torch.ones(3)
+    if rank == 0:
+        start = time.monotonic()
+        try:
+            sync_replicated_lora_gradients([("a.lora_A", t)], check_timeout=timedelta(seconds=3))
+            out["absent"] = None
+        except LoraStateMismatchError as exc:
+            out["absent"] = [str(exc), time.monotonic() - start]
+    else:
+        time.sleep(6)
 
 
 def main() -> int:
@@ -458,6 +471,10 @@ def main() -> int:
             dist.init_process_group("gloo", timeout=PG_TIMEOUT)
             {"fsdp": scenario_fsdp, "hsdp": scenario_hsdp}[args.scenario](rank, world, out)
         torch.save(out, args.out / f"rank{rank}.pt")
+        if args.scenario == "stale":
+            # Rank 0's abandoned all_gather is still pending: skip the teardown collectives.
+            sys.stdout.flush()
+            os._exit(0)
     except Exception:
         traceback.print_exc()
         sys.stderr.flush()

@@ -295,3 +295,6 @@ def test_model_prepared_for_another_world_size_raises_naming_rank_and_parameter(
         assert parameter in message
         assert "world size 2" in message
         assert "world size 3" in message
+    message, waited = runs[0]["absent"]
+    assert "did not call this function" in message
+    assert 2.5 < waited < 30

@@ -25,6 +25,7 @@ from lora_core.fsdp import (
     replicate_lora_parameters,
     sync_replicated_lora_gradients,
 )
+from lora_core.fsdp_consistency import digest, first_difference
 
 
 class _Two(nn.Module):
@@ -133,19 +134,26 @@ def test_walk_order_is_sorted_by_name_regardless_of_input_order() -> None:
 def test_first_difference_names_the_odd_rank_and_parameter() -> None:
     a = ["x.lora_A|[2, 8]|float32|Tensor", "x.lora_B|[8, 2]|float32|Tensor"]
     extra = [*a, "y.lora_A|[2, 8]|float32|Tensor"]
-    rank, name, why = fsdp._first_difference([a, a, extra], [[], [], []])
+    rank, name, why = first_difference([a, a, extra], [[], [], []])
     assert (rank, name) == (2, "y.lora_A")
     assert "rank 2 has parameter 'y.lora_A' that rank 0 does not have" in why
-    rank, name, why = fsdp._first_difference([a[:1], a, a], [[], [], []])
+    rank, name, why = first_difference([a[:1], a, a], [[], [], []])
     assert (rank, name) == (0, "x.lora_B")
     assert "rank 0 lacks parameter 'x.lora_B'" in why
     shape = ["x.lora_A|[2, 8]|float32|Tensor", "x.lora_B|[8, 3]|float32|Tensor"]
-    rank, name, why = fsdp._first_difference([a, shape, a], [[], [], []])
+    rank, name, why = first_difference([a, shape, a], [[], [], []])
     assert (rank, name) == (1, "x.lora_B")
     assert "[8, 3]" in why
     assert "[8, 2]" in why
-    rank, name, why = fsdp._first_difference([a, a], [[], [("x.lora_A", "on meta")]])
+    rank, name, why = first_difference([a, a], [[], [("x.lora_A", "on meta")]])
     assert (rank, name, why) == (1, "x.lora_A", "rank 1: on meta")
+
+
+def test_digest_is_order_sensitive_and_stable() -> None:
+    assert digest(["a", "b"]) == digest(["a", "b"])
+    assert digest(["a", "b"]) != digest(["b", "a"])
+    assert digest(["ab"]) != digest(["a", "b"])  # items are separated, not concatenated
+    assert -(2**63) <= digest(["x"]) < 2**63
 
 
 def test_mismatch_error_carries_rank_and_parameter() -> None:

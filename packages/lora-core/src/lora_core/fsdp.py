@@ -42,7 +42,7 @@ from __future__ import annotations
 import hashlib
 import logging
 import warnings
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
@@ -54,6 +54,11 @@ from torch.distributed.device_mesh import DeviceMesh
 from torch.distributed.tensor import DTensor, Replicate, distribute_module
 
 from lora_core.contracts import AdaptationResult, ParameterOwnership
+from lora_core.fsdp_consistency import (
+    DEFAULT_CHECK_TIMEOUT,
+    LoraStateMismatchError,
+    check_consistent,
+)
 from lora_core.layers import LoRALinear
 
 __all__ = [
@@ -70,29 +75,12 @@ logger = logging.getLogger(__name__)
 
 # 25 MiB, DDP's default bucket cap: large enough that a typical LoRA model needs one bucket.
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
-# Bounds the fingerprint exchange, the first collective of every call: a rank that never
-# arrives (crashed, or took another code path) turns into an error instead of a hang.
-DEFAULT_CHECK_TIMEOUT = timedelta(seconds=120)
 
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
 
 
 class FsdpLayoutError(ValueError):
     """The model or the parameters are not in a layout this layer can handle."""
-
-
-class LoraStateMismatchError(RuntimeError):
-    """Ranks disagree about the LoRA parameters; raised on every rank, naming the culprit.
-
-    Attributes:
-        rank: the first rank whose state differs from rank 0 (or that reported an error).
-        parameter: the first parameter name that differs (``None`` if only counts differ).
-    """
-
-    def __init__(self, message: str, *, rank: int, parameter: str | None) -> None:
-        super().__init__(message)
-        self.rank = rank
-        self.parameter = parameter
 
 
 @dataclass
@@ -130,111 +118,9 @@ def _is_initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def _rank(group: dist.ProcessGroup | None) -> int:
-    return dist.get_rank(group)
-
-
 def _descriptor(name: str, t: torch.Tensor) -> str:
     """``name|shape|dtype|layout`` of a plain tensor, as the fingerprint hashes it."""
     return f"{name}|{list(t.shape)}|{str(t.dtype).removeprefix('torch.')}|Tensor"
-
-
-def _digest(items: Sequence[str]) -> int:
-    h = hashlib.blake2b(digest_size=8)
-    for item in items:
-        h.update(item.encode("utf-8"))
-        h.update(b"\0")
-    return int.from_bytes(h.digest(), "little", signed=True)
-
-
-def _first_difference(
-    descriptors: list[list[str]], errors: list[list[tuple[str, str]]]
-) -> tuple[int, str | None, str]:
-    """The first rank (and parameter) whose state differs from the majority's, and why."""
-    for rank, errs in enumerate(errors):
-        if errs:
-            name, message = errs[0]
-            more = f" (and {len(errs) - 1} more)" if len(errs) > 1 else ""
-            return rank, name, f"rank {rank}: {message}{more}"
-    # The majority is the reference (ties: the lowest rank), so a lone odd rank is named.
-    keys = [tuple(d) for d in descriptors]
-    ref_rank = max(range(len(keys)), key=lambda r: (keys.count(keys[r]), -r))
-    ref = descriptors[ref_rank]
-    for rank, mine in enumerate(descriptors):
-        if mine == ref:
-            continue
-        ref_names = {d.split("|", 1)[0] for d in ref}
-        mine_names = {d.split("|", 1)[0] for d in mine}
-        for i in range(max(len(ref), len(mine))):
-            a = ref[i] if i < len(ref) else None
-            b = mine[i] if i < len(mine) else None
-            if a == b:
-                continue
-            if b is not None and b.split("|", 1)[0] not in ref_names:
-                name = b.split("|", 1)[0]
-                why = f"rank {rank} has parameter '{name}' that rank {ref_rank} does not have"
-            elif a is not None and a.split("|", 1)[0] not in mine_names:
-                name = a.split("|", 1)[0]
-                why = f"rank {rank} lacks parameter '{name}' that rank {ref_rank} has"
-            else:
-                name = (b or a or "|").split("|", 1)[0]
-                why = (
-                    f"parameter '{name}' differs: rank {ref_rank} has {a!r}, "
-                    f"rank {rank} has {b!r}"
-                )
-            return rank, name, (
-                f"{why} (rank {ref_rank}: {len(ref)} parameters, rank {rank}: {len(mine)})"
-            )
-    return 0, None, "fingerprints differ but the gathered descriptors are identical"
-
-
-def _check_consistent(
-    descriptors: list[str],
-    local_errors: list[tuple[str, str]],
-    group: dist.ProcessGroup | None,
-    timeout: timedelta,
-    what: str,
-    stats: SyncStats | None = None,
-) -> None:
-    """Exchange a fingerprint of ``descriptors``; raise on every rank if any rank differs.
-
-    Raises:
-        LoraStateMismatchError: if the ranks' descriptors or error lists disagree.
-    """
-    fp = torch.tensor([len(descriptors), _digest(descriptors), len(local_errors)],
-                      dtype=torch.int64)
-    gathered = [torch.empty_like(fp) for _ in range(dist.get_world_size(group))]
-    work = dist.all_gather(gathered, fp, group=group, async_op=True)
-    try:
-        work.wait(timeout=timeout)
-    except RuntimeError as exc:
-        raise LoraStateMismatchError(
-            f"{what}: rank {_rank(group)} waited {timeout} for the other ranks' LoRA "
-            "fingerprint; some rank did not call this function (crashed, or took a different "
-            "code path). Every rank must call it with the same parameters",
-            rank=_rank(group),
-            parameter=None,
-        ) from exc
-    if stats is not None:
-        stats.collectives += 1
-    if all(torch.equal(g, gathered[0]) for g in gathered) and all(int(g[2]) == 0 for g in gathered):
-        return
-    # The rare failure path may afford a pickled exchange to say exactly what differs.
-    objects: list[Any] = [None] * len(gathered)
-    dist.all_gather_object(objects, (descriptors, local_errors), group=group)
-    rank, name, why = _first_difference([o[0] for o in objects], [o[1] for o in objects])
-    if group is not None:
-        # Ranks inside ``group`` differ from global ranks; say both where they differ.
-        glob = dist.get_global_rank(group, rank)
-        why = f"{why} [group rank {rank} is global rank {glob}]" if glob != rank else why
-        rank = glob
-    raise LoraStateMismatchError(
-        f"{what}: LoRA state differs across ranks: {why}. Every rank must hold the same LoRA "
-        "parameters (names, shapes, dtypes), prepared for the current world size "
-        f"{len(gathered)}",
-        rank=rank,
-        parameter=name,
-    )
 
 
 @dataclass(frozen=True)
@@ -458,10 +344,11 @@ def sync_replicated_lora_gradients(
         return 0
     entries, errors, skipped = _collect(pairs, group)
     stats.skipped += skipped
-    _check_consistent(
+    check_consistent(
         [e.descriptor for e in entries], errors, group, check_timeout,
-        "sync_replicated_lora_gradients", stats,
+        "sync_replicated_lora_gradients",
     )
+    stats.collectives += 1
     open_buckets: dict[tuple[tuple[str, ...], torch.dtype], tuple[list[_Entry], int]] = {}
     for e in entries:
         key = (tuple(g.group_name for g in e.groups), e.param.dtype)
@@ -583,7 +470,7 @@ def replicate_lora_parameters(
                 )
             todo.append((name, lin))
             descriptors.append(_descriptor(name, _local(w)))
-    _check_consistent(descriptors, errors, None, check_timeout, "replicate_lora_parameters")
+    check_consistent(descriptors, errors, None, check_timeout, "replicate_lora_parameters")
     locals_ = [_local(lin.weight).detach() for _, lin in todo]
     before = torch.tensor([_bytes_digest(t) for t in locals_], dtype=torch.int64)
     _broadcast_from_mesh_origin(locals_, mesh)
