@@ -138,10 +138,9 @@ def run_finetune(args: FinetuneArgs) -> FinetuneSummary:
         FinetuneError: for every user-facing problem (config, files, model, checkpoint).
     """
     import lora_checkpoint
+    import moe_experts
     from lora_core import enable_lora_training, rebind_parameters
     from lora_core.fsdp import sync_replicated_lora_gradients
-
-    import moe_experts
 
     if args.steps < 1 or args.batch_size < 1 or args.seq_len < 2:
         raise FinetuneError("--steps and --batch-size must be >= 1 and --seq-len >= 2")
