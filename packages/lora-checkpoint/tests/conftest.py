@@ -7,6 +7,8 @@ from collections.abc import Iterator
 
 import pytest
 import torch
+from torch import nn
+
 from lora_core import LoraConfig
 from lora_core.contracts import (
     AdaptationResult,
@@ -14,7 +16,6 @@ from lora_core.contracts import (
     PeftExport,
     PeftTensorLayout,
 )
-from torch import nn
 
 
 @pytest.fixture(autouse=True)
@@ -27,7 +28,7 @@ def _fixed_seeds() -> Iterator[None]:
         np.random.seed(0)
     except ImportError:
         pass
-    yield
+    return
 
 
 def make_result(
@@ -66,7 +67,8 @@ def make_result(
         ownership=ownership,
         producer=ComponentVersion("lora-core", "0.1.0"),
         lora_config=LoraConfig(enable=True, rank=4, alpha=8, target_modules=("q_proj",))
-        if with_config else None,
+        if with_config
+        else None,
         rank_local_names=rl,
         peft_exports=exports,
         peft_target_modules=["layer.q_proj"],
@@ -81,6 +83,6 @@ def result() -> AdaptationResult:
 
 
 @pytest.fixture(scope="session")
-def result_factory():  # noqa: ANN201 - returns the builder function
+def result_factory():
     """The :func:`make_result` builder, for tests that need several results."""
     return make_result

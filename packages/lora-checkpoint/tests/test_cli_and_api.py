@@ -11,15 +11,47 @@ import lora_checkpoint as lc
 from lora_checkpoint import cli
 
 EXPECTED_ALL = {
-    "ADAPTER_CONFIG", "ADAPTER_MODEL", "FORMAT_VERSION", "FUSED_EXPERT_LORA", "MANIFEST",
-    "CheckpointError", "CheckpointExistsError", "DigestMismatchError", "DtypeMismatchError",
-    "FileEntry", "LoadedCheckpoint", "Manifest", "ManifestError", "MissingFileError",
-    "MissingTensorError", "OptimizerState", "ParameterEntry", "RankShard", "RngState",
-    "ShapeMismatchError", "TensorEntry", "TensorKind", "TrainingState", "TrainingStateInfo",
-    "TruncatedFileError", "UnexpectedTensorError", "UnknownFormatVersionError",
-    "UnsafeFileError", "__version__", "list_checkpoints", "load", "parse_manifest",
-    "rank_local_file", "register_migration", "registered_migrations", "resolve_checkpoint",
-    "restore", "save", "to_peft_layout", "training_state_files", "unregister_migration",
+    "ADAPTER_CONFIG",
+    "ADAPTER_MODEL",
+    "FORMAT_VERSION",
+    "FUSED_EXPERT_LORA",
+    "MANIFEST",
+    "CheckpointError",
+    "CheckpointExistsError",
+    "DigestMismatchError",
+    "DtypeMismatchError",
+    "FileEntry",
+    "LoadedCheckpoint",
+    "Manifest",
+    "ManifestError",
+    "MissingFileError",
+    "MissingTensorError",
+    "OptimizerState",
+    "ParameterEntry",
+    "RankShard",
+    "RngState",
+    "ShapeMismatchError",
+    "TensorEntry",
+    "TensorKind",
+    "TrainingState",
+    "TrainingStateInfo",
+    "TruncatedFileError",
+    "UnexpectedTensorError",
+    "UnknownFormatVersionError",
+    "UnsafeFileError",
+    "__version__",
+    "list_checkpoints",
+    "load",
+    "parse_manifest",
+    "rank_local_file",
+    "register_migration",
+    "registered_migrations",
+    "resolve_checkpoint",
+    "restore",
+    "save",
+    "to_peft_layout",
+    "training_state_files",
+    "unregister_migration",
     "verify",
 }
 
@@ -36,7 +68,8 @@ def test_errors_are_value_errors():
     for name in lc.__all__:
         obj = getattr(lc, name)
         if isinstance(obj, type) and issubclass(obj, Exception):
-            assert issubclass(obj, lc.CheckpointError) and issubclass(obj, ValueError), name
+            assert issubclass(obj, lc.CheckpointError), name
+            assert issubclass(obj, ValueError), name
 
 
 def test_verify_and_inspect_exit_codes(tmp_path, result, capsys):
@@ -45,8 +78,10 @@ def test_verify_and_inspect_exit_codes(tmp_path, result, capsys):
     assert "OK step-00000003" in capsys.readouterr().out
     assert cli.main(["inspect", str(tmp_path)]) == cli.EXIT_OK
     out = capsys.readouterr().out
-    assert "lora-checkpoint" in out and lc.__version__ in out
-    assert "moe.experts.gate_up_proj.lora_A" in out and "3x4x8" in out
+    assert "lora-checkpoint" in out
+    assert lc.__version__ in out
+    assert "moe.experts.gate_up_proj.lora_A" in out
+    assert "3x4x8" in out
     assert "adapter_model.safetensors" in out
     assert cli.main(["inspect", "--json", str(tmp_path / m.name)]) == cli.EXIT_OK
     assert json.loads(capsys.readouterr().out)["name"] == "step-00000003"
@@ -63,8 +98,10 @@ def test_verify_and_inspect_exit_codes(tmp_path, result, capsys):
 def test_console_script_installed(tmp_path, result):
     lc.save(tmp_path, result, step=1)
     exe = shutil.which("lora-checkpoint") or str(
-        __import__("pathlib").Path(sys.executable).with_name("lora-checkpoint"))
-    proc = subprocess.run([exe, "verify", str(tmp_path)], capture_output=True, text=True,
-                          timeout=60, check=False)
+        __import__("pathlib").Path(sys.executable).with_name("lora-checkpoint")
+    )
+    proc = subprocess.run(
+        [exe, "verify", str(tmp_path)], capture_output=True, text=True, timeout=60, check=False
+    )
     assert proc.returncode == 0, proc.stderr
     assert "verified" in proc.stdout

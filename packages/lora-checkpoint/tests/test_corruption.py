@@ -47,7 +47,7 @@ def test_flipped_byte_names_file_and_key(ckpt):
 
 def test_flipped_byte_in_json_file(ckpt):
     _flip(ckpt / "adapter_config.json", offset_from_end=4)
-    with pytest.raises(lc.DigestMismatchError, match="adapter_config.json"):
+    with pytest.raises(lc.DigestMismatchError, match=r"adapter_config.json"):
         lc.load(ckpt)
 
 
@@ -55,7 +55,7 @@ def test_truncated_file(ckpt):
     path = ckpt / "adapter_model.safetensors"
     data = path.read_bytes()
     path.write_bytes(data[: len(data) - 10])
-    with pytest.raises(lc.TruncatedFileError, match="adapter_model.safetensors.*cut off"):
+    with pytest.raises(lc.TruncatedFileError, match=r"adapter_model.safetensors.*cut off"):
         lc.load(ckpt, verify=False)
 
 
@@ -69,30 +69,33 @@ def test_truncated_file_with_matching_manifest_size(ckpt):
         if f["file"] == "adapter_model.safetensors":
             f["size"] = len(data)
     _write_manifest(ckpt, raw)
-    with pytest.raises(lc.TruncatedFileError, match="adapter_model.safetensors"):
+    with pytest.raises(lc.TruncatedFileError, match=r"adapter_model.safetensors"):
         lc.load(ckpt, verify=False)
 
 
 def test_missing_file(ckpt):
     os.remove(ckpt / "rank_local-rank00000.safetensors")
-    with pytest.raises(lc.MissingFileError, match="rank_local-rank00000.safetensors"):
+    with pytest.raises(lc.MissingFileError, match=r"rank_local-rank00000.safetensors"):
         lc.load(ckpt)
 
 
 def test_missing_manifest_and_latest(tmp_path, ckpt):
     os.remove(ckpt / "manifest.json")
-    with pytest.raises(lc.MissingFileError, match="neither manifest.json"):
+    with pytest.raises(lc.MissingFileError, match=r"neither manifest.json"):
         lc.load(ckpt)
-    with pytest.raises(lc.MissingFileError, match="points at"):
+    with pytest.raises(lc.MissingFileError, match=r"points at"):
         lc.load(ckpt.parent)
-    with pytest.raises(lc.MissingFileError, match="does not exist"):
+    with pytest.raises(lc.MissingFileError, match=r"does not exist"):
         lc.load(tmp_path / "nowhere")
 
 
-@pytest.mark.parametrize(("field", "value", "error"), [
-    ("shape", [4, 9], lc.ShapeMismatchError),
-    ("dtype", "float16", lc.DtypeMismatchError),
-])
+@pytest.mark.parametrize(
+    ("field", "value", "error"),
+    [
+        ("shape", [4, 9], lc.ShapeMismatchError),
+        ("dtype", "float16", lc.DtypeMismatchError),
+    ],
+)
 def test_manifest_altered_shape_or_dtype(ckpt, field, value, error):
     raw = _manifest(ckpt)
     entry = next(t for t in raw["tensors"] if t["name"] == "layer.q_proj.lora_A.weight")
@@ -110,7 +113,7 @@ def test_manifest_parameter_dtype_altered(ckpt):
     raw = _manifest(ckpt)
     raw["parameters"][0]["dtype"] = "int8"
     _write_manifest(ckpt, raw)
-    with pytest.raises(lc.DtypeMismatchError, match="layer.q_proj.lora_A.weight.*int8"):
+    with pytest.raises(lc.DtypeMismatchError, match=r"layer.q_proj.lora_A.weight.*int8"):
         lc.load(ckpt)
 
 
@@ -118,7 +121,7 @@ def test_manifest_drops_a_tensor_entry(ckpt):
     raw = _manifest(ckpt)
     raw["tensors"] = [t for t in raw["tensors"] if t["name"] != "layer.q_proj.lora_B.weight"]
     _write_manifest(ckpt, raw)
-    with pytest.raises(lc.UnexpectedTensorError, match="q_proj.lora_B.weight"):
+    with pytest.raises(lc.UnexpectedTensorError, match=r"q_proj.lora_B.weight"):
         lc.load(ckpt)
 
 
@@ -126,7 +129,7 @@ def test_manifest_drops_a_parameter_entry(ckpt):
     raw = _manifest(ckpt)
     raw["parameters"] = [p for p in raw["parameters"] if p["name"] != "router.rank_bias"]
     _write_manifest(ckpt, raw)
-    with pytest.raises(lc.UnexpectedTensorError, match="router.rank_bias"):
+    with pytest.raises(lc.UnexpectedTensorError, match=r"router.rank_bias"):
         lc.load(ckpt)
 
 
@@ -135,7 +138,7 @@ def test_manifest_lists_tensor_absent_from_file(ckpt):
     extra = dict(raw["tensors"][0], key="ghost", name="ghost")
     raw["tensors"].append(extra)
     _write_manifest(ckpt, raw)
-    with pytest.raises(lc.MissingTensorError, match="ghost"):
+    with pytest.raises(lc.MissingTensorError, match=r"ghost"):
         lc.load(ckpt)
 
 
@@ -143,17 +146,17 @@ def test_unknown_format_version(ckpt):
     raw = _manifest(ckpt)
     raw["format_version"] = 99
     _write_manifest(ckpt, raw)
-    with pytest.raises(lc.UnknownFormatVersionError, match="format_version 99 is not supported"):
+    with pytest.raises(lc.UnknownFormatVersionError, match=r"format_version 99 is not supported"):
         lc.load(ckpt)
 
 
 def test_malformed_manifest(ckpt):
     (ckpt / "manifest.json").write_text("{not json")
-    with pytest.raises(lc.ManifestError, match="not valid JSON"):
+    with pytest.raises(lc.ManifestError, match=r"not valid JSON"):
         lc.load(ckpt)
     raw = {"format_version": 1, "name": "x"}
     _write_manifest(ckpt, raw)
-    with pytest.raises(lc.ManifestError, match="not a valid manifest"):
+    with pytest.raises(lc.ManifestError, match=r"not a valid manifest"):
         lc.load(ckpt)
 
 
@@ -161,7 +164,7 @@ def test_manifest_path_traversal_refused(ckpt):
     raw = _manifest(ckpt)
     raw["files"][0]["file"] = "../outside.safetensors"
     _write_manifest(ckpt, raw)
-    with pytest.raises(lc.ManifestError, match="plain file name"):
+    with pytest.raises(lc.ManifestError, match=r"plain file name"):
         lc.load(ckpt)
 
 
@@ -207,14 +210,14 @@ def test_corrupt_safetensors_header(ckpt):
     data = bytearray(path.read_bytes())
     data[:8] = struct.pack("<Q", 1 << 40)
     path.write_bytes(bytes(data))
-    with pytest.raises(lc.CheckpointError, match="fused_expert_lora.safetensors"):
+    with pytest.raises(lc.CheckpointError, match=r"fused_expert_lora.safetensors"):
         lc.load(ckpt, verify=False)
-    with pytest.raises(lc.DigestMismatchError, match="header"):
+    with pytest.raises(lc.DigestMismatchError, match=r"header"):
         lc.load(ckpt)
 
 
 def test_latest_pointing_outside_refused(tmp_path, ckpt):
     (ckpt.parent / "latest").write_text("../elsewhere\n")
-    with pytest.raises(lc.UnsafeFileError, match="elsewhere"):
+    with pytest.raises(lc.UnsafeFileError, match=r"elsewhere"):
         lc.load(ckpt.parent)
     shutil.rmtree(ckpt)

@@ -24,7 +24,10 @@ def test_sigkill_during_save_never_leaves_partial_checkpoint(tmp_path):
     root = tmp_path / "root"
     proc = subprocess.Popen(
         [sys.executable, str(SCRIPT), str(root), str(ROUNDS), "1234"],
-        stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, bufsize=1,
+        stdin=subprocess.PIPE,
+        stdout=subprocess.PIPE,
+        text=True,
+        bufsize=1,
     )
     try:
         assert proc.stdout.readline().strip() == "READY"

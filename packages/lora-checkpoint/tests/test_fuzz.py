@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 
@@ -13,14 +14,22 @@ from hypothesis import strategies as st
 import lora_checkpoint as lc
 
 json_values = st.recursive(
-    st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats(allow_nan=True)
+    st.none()
+    | st.booleans()
+    | st.integers(-(2**70), 2**70)
+    | st.floats(allow_nan=True)
     | st.text(max_size=20),
-    lambda children: st.lists(children, max_size=4)
-    | st.dictionaries(st.text(max_size=10), children, max_size=4),
+    lambda children: (
+        st.lists(children, max_size=4) | st.dictionaries(st.text(max_size=10), children, max_size=4)
+    ),
     max_leaves=12,
 )
-FUZZ = settings(max_examples=120, deadline=2000, derandomize=True,
-                suppress_health_check=[HealthCheck.function_scoped_fixture])
+FUZZ = settings(
+    max_examples=120,
+    deadline=2000,
+    derandomize=True,
+    suppress_health_check=[HealthCheck.function_scoped_fixture],
+)
 
 
 @pytest.fixture(scope="module")
@@ -61,10 +70,8 @@ def _edit(doc, path, value, delete=False):
 
 def _load_with(ckpt, text):
     (ckpt / "manifest.json").write_text(text)
-    try:
+    with contextlib.suppress(lc.CheckpointError):
         lc.load(ckpt)
-    except lc.CheckpointError:
-        pass
 
 
 @pytest.fixture(scope="module")

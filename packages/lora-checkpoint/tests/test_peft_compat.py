@@ -6,6 +6,9 @@ import json
 
 import pytest
 import torch
+from safetensors.torch import load_file
+
+import lora_checkpoint as lc
 from lora_core import LoraConfig, enable_lora_training
 from lora_core.contracts import (
     AdaptationResult,
@@ -13,9 +16,6 @@ from lora_core.contracts import (
     PeftExport,
     PeftTensorLayout,
 )
-from safetensors.torch import load_file
-
-import lora_checkpoint as lc
 
 transformers = pytest.importorskip("transformers")
 peft = pytest.importorskip("peft")
@@ -24,8 +24,13 @@ peft = pytest.importorskip("peft")
 @pytest.fixture(scope="module")
 def base_dir(tmp_path_factory):
     cfg = transformers.LlamaConfig(
-        hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, vocab_size=97, max_position_embeddings=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        vocab_size=97,
+        max_position_embeddings=64,
     )
     torch.manual_seed(0)
     model = transformers.LlamaForCausalLM(cfg)
@@ -45,7 +50,8 @@ def test_peft_model_from_pretrained_gives_same_outputs(tmp_path, base_dir):
     with torch.no_grad():
         base_out = model(ids).logits
     result = enable_lora_training(
-        model, LoraConfig(enable=True, rank=4, alpha=8, target_modules=("q_proj", "v_proj", "down_proj"))
+        model,
+        LoraConfig(enable=True, rank=4, alpha=8, target_modules=("q_proj", "v_proj", "down_proj")),
     )
     with torch.no_grad():
         for p in result.parameters():
@@ -72,21 +78,34 @@ def test_peft_model_from_pretrained_gives_same_outputs(tmp_path, base_dir):
 def test_peft_written_adapter_has_same_keys_as_ours(tmp_path, base_dir):
     """Our adapter_model.safetensors matches PEFT's own save_pretrained key for key."""
     model = _fresh(base_dir)
-    result = enable_lora_training(model, LoraConfig(enable=True, rank=4, target_modules=("q_proj",)))
+    result = enable_lora_training(
+        model, LoraConfig(enable=True, rank=4, target_modules=("q_proj",))
+    )
     m = lc.save(tmp_path / "ours", result, step=1)
-    pm = peft.get_peft_model(_fresh(base_dir), peft.LoraConfig(r=4, lora_alpha=4,
-                                                               target_modules=["q_proj"]))
+    pm = peft.get_peft_model(
+        _fresh(base_dir), peft.LoraConfig(r=4, lora_alpha=4, target_modules=["q_proj"])
+    )
     pm.save_pretrained(tmp_path / "peft")
     ours = load_file(tmp_path / "ours" / m.name / "adapter_model.safetensors")
     theirs = load_file(tmp_path / "peft" / "adapter_model.safetensors")
     assert set(ours) == set(theirs)
     for k in ours:
-        assert ours[k].shape == theirs[k].shape and ours[k].dtype == theirs[k].dtype, k
+        assert ours[k].shape == theirs[k].shape, k
+        assert ours[k].dtype == theirs[k].dtype, k
     ref_cfg = json.loads((tmp_path / "peft" / "adapter_config.json").read_text())
     our_cfg = json.loads((tmp_path / "ours" / m.name / "adapter_config.json").read_text())
     assert set(our_cfg) <= set(ref_cfg)  # we only write fields PEFT 0.21 knows
-    for key in ("peft_type", "r", "lora_alpha", "bias", "task_type", "use_dora", "use_rslora",
-                "fan_in_fan_out", "init_lora_weights"):
+    for key in (
+        "peft_type",
+        "r",
+        "lora_alpha",
+        "bias",
+        "task_type",
+        "use_dora",
+        "use_rslora",
+        "fan_in_fan_out",
+        "init_lora_weights",
+    ):
         assert our_cfg[key] == ref_cfg[key], key
 
 
@@ -97,17 +116,23 @@ def test_expert_stacked_tensors_roundtrip_in_peft_file(tmp_path):
     b = torch.nn.Parameter(torch.randn(e, i, r))
     result = AdaptationResult.create(
         adapted_layers=["mlp.experts"],
-        named_optimizer_parameters=[("mlp.experts.gate_up.lora_A", a),
-                                    ("mlp.experts.gate_up.lora_B", b)],
-        ownership={"mlp.experts.gate_up.lora_A": "replicated",
-                   "mlp.experts.gate_up.lora_B": "replicated"},
+        named_optimizer_parameters=[
+            ("mlp.experts.gate_up.lora_A", a),
+            ("mlp.experts.gate_up.lora_B", b),
+        ],
+        ownership={
+            "mlp.experts.gate_up.lora_A": "replicated",
+            "mlp.experts.gate_up.lora_B": "replicated",
+        },
         producer=ComponentVersion("moe-experts", "0.1.0"),
         lora_config=LoraConfig(enable=True, rank=r, target_modules=("experts",)),
         peft_exports={
-            "mlp.experts.gate_up.lora_A": PeftExport("base_model.model.mlp.experts.lora_A.weight",
-                                                     PeftTensorLayout.EXPERT_STACKED_A),
-            "mlp.experts.gate_up.lora_B": PeftExport("base_model.model.mlp.experts.lora_B.weight",
-                                                     PeftTensorLayout.EXPERT_STACKED_B),
+            "mlp.experts.gate_up.lora_A": PeftExport(
+                "base_model.model.mlp.experts.lora_A.weight", PeftTensorLayout.EXPERT_STACKED_A
+            ),
+            "mlp.experts.gate_up.lora_B": PeftExport(
+                "base_model.model.mlp.experts.lora_B.weight", PeftTensorLayout.EXPERT_STACKED_B
+            ),
         },
         peft_target_parameters=["mlp.experts.gate_up_proj"],
     )
@@ -115,7 +140,8 @@ def test_expert_stacked_tensors_roundtrip_in_peft_file(tmp_path):
     peft_file = load_file(tmp_path / m.name / "adapter_model.safetensors")
     sa = peft_file["base_model.model.mlp.experts.lora_A.weight"]
     sb = peft_file["base_model.model.mlp.experts.lora_B.weight"]
-    assert sa.shape == (e * r, h) and sb.shape == (i, e * r)
+    assert sa.shape == (e * r, h)
+    assert sb.shape == (i, e * r)
     # invert the documented layouts and get the native tensors back
     assert torch.equal(sa.reshape(e, r, h), a.detach())
     assert torch.equal(sb.reshape(i, e, r).permute(1, 0, 2), b.detach())

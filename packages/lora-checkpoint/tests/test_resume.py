@@ -42,7 +42,10 @@ def test_resume_in_new_process_is_bitwise_identical(tmp_path):
     out = tmp_path / "resumed.safetensors"
     proc = subprocess.run(
         [sys.executable, str(SCRIPT), "resume", str(tmp_path / "ckpt"), str(N), str(out)],
-        capture_output=True, text=True, timeout=100, check=False,
+        capture_output=True,
+        text=True,
+        timeout=100,
+        check=False,
         env={"OMP_NUM_THREADS": "1", **__import__("os").environ},
     )
     assert proc.returncode == 0, proc.stderr[-3000:]
@@ -64,8 +67,9 @@ def test_resume_without_rng_diverges(tmp_path):
     model, result, opt = rt.build()
     rt.seed_fresh_run()
     rt.train(model, opt, 0, K)
-    lc.save(tmp_path, result,
-            training_state=lc.TrainingState.capture(opt, result, step=K, rng=False))
+    lc.save(
+        tmp_path, result, training_state=lc.TrainingState.capture(opt, result, step=K, rng=False)
+    )
     model, result, opt = rt.build()
     loaded = lc.load(tmp_path)
     lc.restore(result, loaded)

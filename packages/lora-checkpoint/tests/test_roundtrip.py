@@ -7,10 +7,10 @@ import os
 
 import pytest
 import torch
-from lora_core.contracts import AdaptationResult, PeftTensorLayout
 from safetensors.torch import load_file
 
 import lora_checkpoint as lc
+from lora_core.contracts import AdaptationResult, PeftTensorLayout
 
 
 def _clone_values(result: AdaptationResult) -> dict[str, torch.Tensor]:
@@ -22,12 +22,18 @@ def test_save_layout_and_latest(tmp_path, result):
     assert m.name == "step-00000007"
     assert (tmp_path / "latest").read_text() == "step-00000007\n"
     files = sorted(os.listdir(tmp_path / m.name))
-    assert files == sorted([
-        "manifest.json", "adapter_config.json", "adapter_model.safetensors",
-        "fused_expert_lora.safetensors", "rank_local-rank00000.safetensors",
-    ])
+    assert files == sorted(
+        [
+            "manifest.json",
+            "adapter_config.json",
+            "adapter_model.safetensors",
+            "fused_expert_lora.safetensors",
+            "rank_local-rank00000.safetensors",
+        ]
+    )
     assert not [p for p in os.listdir(tmp_path) if p.startswith(".")]
-    assert m.world_size == 1 and m.peft_compatible
+    assert m.world_size == 1
+    assert m.peft_compatible
     assert [c.name for c in m.components] == ["lora-core", "lora-checkpoint"]
     assert m.components[-1].version == lc.__version__
     assert m.lora_config == result.lora_config.model_dump(mode="json")
@@ -60,8 +66,9 @@ def test_files_are_plain_safetensors_with_typed_placement(tmp_path, result):
     local = load_file(d / "rank_local-rank00000.safetensors")
     p = dict(result.named_optimizer_parameters)
     # dense (IDENTITY) tensors live only in PEFT's file, under their PEFT key
-    assert torch.equal(peft["base_model.model.layer.q_proj.lora_A.weight"],
-                       p["layer.q_proj.lora_A.weight"])
+    assert torch.equal(
+        peft["base_model.model.layer.q_proj.lora_A.weight"], p["layer.q_proj.lora_A.weight"]
+    )
     assert "layer.q_proj.lora_A.weight" not in own
     # expert tensors: native layout in our file, stacked PEFT layout in PEFT's file
     a = p["moe.experts.gate_up_proj.lora_A"].detach()
@@ -71,7 +78,8 @@ def test_files_are_plain_safetensors_with_typed_placement(tmp_path, result):
     e, r, h = a.shape
     pa = peft["base_model.model.moe.experts.lora_A.weight"]
     pb = peft["base_model.model.moe.experts.lora_B.weight"]
-    assert pa.shape == (e * r, h) and pb.shape == (b.shape[1], e * r)
+    assert pa.shape == (e * r, h)
+    assert pb.shape == (b.shape[1], e * r)
     for ei in range(e):
         for j in range(r):
             assert torch.equal(pa[ei * r + j], a[ei, j])
@@ -82,8 +90,10 @@ def test_files_are_plain_safetensors_with_typed_placement(tmp_path, result):
     kinds = {(t.file, t.kind) for t in m.tensors}
     assert ("adapter_model.safetensors", lc.TensorKind.PEFT_EXPORT) in kinds
     exported = [t for t in m.tensors if t.kind is lc.TensorKind.PEFT_EXPORT]
-    assert {t.layout for t in exported} == {PeftTensorLayout.EXPERT_STACKED_A,
-                                           PeftTensorLayout.EXPERT_STACKED_B}
+    assert {t.layout for t in exported} == {
+        PeftTensorLayout.EXPERT_STACKED_A,
+        PeftTensorLayout.EXPERT_STACKED_B,
+    }
 
 
 def test_stacked_layout_matches_documented_formula():
@@ -93,29 +103,35 @@ def test_stacked_layout_matches_documented_formula():
     sb = lc.to_peft_layout(b, PeftTensorLayout.EXPERT_STACKED_B, "b")
     assert torch.equal(sa, torch.cat([a[0], a[1]], dim=0))
     assert torch.equal(sb, torch.cat([b[0], b[1]], dim=1))
-    with pytest.raises(lc.ShapeMismatchError, match="3-D"):
+    with pytest.raises(lc.ShapeMismatchError, match=r"3-D"):
         lc.to_peft_layout(torch.zeros(2, 2), PeftTensorLayout.EXPERT_STACKED_A, "x")
 
 
 def test_adapter_config_matches_peft_fields(tmp_path, result):
     m = lc.save(tmp_path, result, step=1, base_model_name_or_path="/models/tiny")
     cfg = json.loads((tmp_path / m.name / "adapter_config.json").read_text())
-    assert cfg["peft_type"] == "LORA" and cfg["task_type"] is None
-    assert cfg["r"] == 4 and cfg["lora_alpha"] == 8 and cfg["lora_dropout"] == 0.0
+    assert cfg["peft_type"] == "LORA"
+    assert cfg["task_type"] is None
+    assert cfg["r"] == 4
+    assert cfg["lora_alpha"] == 8
+    assert cfg["lora_dropout"] == 0.0
     assert cfg["target_modules"] == ["layer.q_proj"]
     assert cfg["target_parameters"] == ["moe.experts.gate_up_proj"]
     assert cfg["base_model_name_or_path"] == "/models/tiny"
     from peft import LoraConfig as PeftLoraConfig
 
     pc = PeftLoraConfig.from_pretrained(str(tmp_path / m.name))
-    assert pc.r == 4 and pc.lora_alpha == 8 and pc.peft_type.value == "LORA"
+    assert pc.r == 4
+    assert pc.lora_alpha == 8
+    assert pc.peft_type.value == "LORA"
 
 
 def test_without_lora_config_no_adapter_config(tmp_path, result_factory):
     res = result_factory(with_config=False)
     m = lc.save(tmp_path, res, step=1)
     assert not (tmp_path / m.name / "adapter_config.json").exists()
-    assert not m.peft_compatible and m.lora_config is None
+    assert not m.peft_compatible
+    assert m.lora_config is None
     loaded = lc.load(tmp_path / m.name)
     assert set(loaded.tensors) == set(res.parameter_names)
 
@@ -124,7 +140,10 @@ def test_keep_last_prunes_after_publish(tmp_path, result):
     for s in range(1, 6):
         lc.save(tmp_path, result, step=s, keep_last=2)
     assert sorted(p for p in os.listdir(tmp_path) if not p.startswith(".")) == [
-        "latest", "step-00000004", "step-00000005"]
+        "latest",
+        "step-00000004",
+        "step-00000005",
+    ]
     assert [m.name for m in lc.list_checkpoints(tmp_path)] == ["step-00000004", "step-00000005"]
     assert lc.load(tmp_path).manifest.name == "step-00000005"
 
@@ -140,14 +159,14 @@ def test_load_specific_checkpoint_and_custom_name(tmp_path, result):
 
 
 def test_bad_save_arguments(tmp_path, result):
-    with pytest.raises(lc.CheckpointError, match="step=, name="):
+    with pytest.raises(lc.CheckpointError, match=r"step=, name="):
         lc.save(tmp_path, result)
-    with pytest.raises(lc.CheckpointError, match="plain directory name"):
+    with pytest.raises(lc.CheckpointError, match=r"plain directory name"):
         lc.save(tmp_path, result, name="../escape")
-    with pytest.raises(lc.CheckpointError, match="keep_last"):
+    with pytest.raises(lc.CheckpointError, match=r"keep_last"):
         lc.save(tmp_path, result, step=1, keep_last=0)
     lc.save(tmp_path, result, step=1)
-    with pytest.raises(lc.CheckpointExistsError, match="already exists"):
+    with pytest.raises(lc.CheckpointExistsError, match=r"already exists"):
         lc.save(tmp_path, result, step=1)
     assert not [p for p in os.listdir(tmp_path) if p.startswith(".")]
 
@@ -155,7 +174,7 @@ def test_bad_save_arguments(tmp_path, result):
 def test_restore_is_strict(tmp_path, result, result_factory):
     lc.save(tmp_path, result, step=1)
     loaded = lc.load(tmp_path)
-    with pytest.raises(lc.UnexpectedTensorError, match="router.rank_bias"):
+    with pytest.raises(lc.UnexpectedTensorError, match=r"router.rank_bias"):
         lc.restore(result_factory(rank_local=False), loaded)
     smaller = lc.load(tmp_path)
     fewer = result_factory(extra=False)
@@ -165,7 +184,7 @@ def test_restore_is_strict(tmp_path, result, result_factory):
     lc.save(tmp_path / "b", other, step=1)
     wrong_dtype = dict(lc.load(tmp_path / "b").tensors)
     wrong_dtype["layer.q_proj.lora_A.weight"] = wrong_dtype["layer.q_proj.lora_A.weight"].double()
-    with pytest.raises(lc.DtypeMismatchError, match="layer.q_proj.lora_A.weight"):
+    with pytest.raises(lc.DtypeMismatchError, match=r"layer.q_proj.lora_A.weight"):
         lc.restore(other, lc.LoadedCheckpoint(loaded.manifest, wrong_dtype, None, loaded.path))
     wrong_shape = dict(loaded.tensors)
     wrong_shape["layer.q_proj.lora_A.weight"] = torch.zeros(2, 2)
@@ -174,13 +193,14 @@ def test_restore_is_strict(tmp_path, result, result_factory):
         lc.restore(result, lc.LoadedCheckpoint(loaded.manifest, wrong_shape, None, loaded.path))
     assert torch.equal(result.parameters()[-1], before)  # nothing copied on failure
     missing = {k: v for k, v in loaded.tensors.items() if k != "router.rank_bias"}
-    with pytest.raises(lc.MissingTensorError, match="router.rank_bias"):
+    with pytest.raises(lc.MissingTensorError, match=r"router.rank_bias"):
         lc.restore(result, lc.LoadedCheckpoint(loaded.manifest, missing, None, loaded.path))
 
 
 def test_restore_into_module(tmp_path):
-    from lora_core import LoraConfig, enable_lora_training
     from torch import nn
+
+    from lora_core import LoraConfig, enable_lora_training
 
     model = nn.Sequential(nn.Linear(8, 8), nn.ReLU(), nn.Linear(8, 4))
     res = enable_lora_training(model, LoraConfig(enable=True, rank=2, target_modules=("0", "2")))
@@ -203,7 +223,7 @@ def test_format_migration_registry(tmp_path, result):
     raw["format_version"] = 0
     raw["legacy_field"] = "x"
     path.write_text(json.dumps(raw))
-    with pytest.raises(lc.UnknownFormatVersionError, match="format_version 0"):
+    with pytest.raises(lc.UnknownFormatVersionError, match=r"format_version 0"):
         lc.load(tmp_path)
 
     def v0_to_v1(doc):
@@ -213,7 +233,7 @@ def test_format_migration_registry(tmp_path, result):
     lc.register_migration(0, 1, v0_to_v1)
     try:
         assert lc.registered_migrations() == {0: 1}
-        with pytest.raises(ValueError, match="already registered"):
+        with pytest.raises(ValueError, match=r"already registered"):
             lc.register_migration(0, 1, v0_to_v1)
         assert lc.load(tmp_path).manifest.format_version == 1
     finally:
@@ -238,11 +258,13 @@ def test_training_state_roundtrip_exact(tmp_path, result):
     loaded = lc.load(tmp_path)
     assert loaded.manifest.name == "step-00000002"
     ts = loaded.training_state
-    assert ts.step == 2 and dict(ts.data_position) == {"epoch": 0, "index": 17}
+    assert ts.step == 2
+    assert dict(ts.data_position) == {"epoch": 0, "index": 17}
     assert set(ts.optimizer.state) == set(result.parameter_names)
     opt2 = torch.optim.AdamW(result.parameters(), lr=0.5)
     ts.apply(opt2, result)
-    assert opt2.param_groups[0]["lr"] == 1e-2 and opt2.param_groups[0]["betas"] == (0.8, 0.95)
+    assert opt2.param_groups[0]["lr"] == 1e-2
+    assert opt2.param_groups[0]["betas"] == (0.8, 0.95)
     sd1, sd2 = opt.state_dict(), opt2.state_dict()
     for i in sd1["state"]:
         for k, v in sd1["state"][i].items():
@@ -254,11 +276,11 @@ def test_training_state_roundtrip_exact(tmp_path, result):
 
 def test_training_state_rejects_foreign_parameters(result, result_factory):
     opt = torch.optim.SGD([torch.nn.Parameter(torch.zeros(2))], lr=0.1)
-    with pytest.raises(lc.CheckpointError, match="not in result.named_optimizer_parameters"):
+    with pytest.raises(lc.CheckpointError, match=r"not in result.named_optimizer_parameters"):
         lc.TrainingState.capture(opt, result, step=0)
-    with pytest.raises(lc.CheckpointError, match="step must be"):
+    with pytest.raises(lc.CheckpointError, match=r"step must be"):
         lc.TrainingState(step=-1)
-    with pytest.raises(lc.CheckpointError, match="JSON"):
+    with pytest.raises(lc.CheckpointError, match=r"JSON"):
         lc.TrainingState(step=1, data_position={"x": object()})
     opt = torch.optim.SGD(result.parameters(), lr=0.1)
     st = lc.TrainingState.capture(opt, result, step=0)

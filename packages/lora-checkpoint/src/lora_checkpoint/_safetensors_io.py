@@ -47,9 +47,7 @@ DTYPE_TO_CODE: dict[torch.dtype, str] = {
     torch.float8_e5m2: "F8_E5M2",
 }
 CODE_TO_DTYPE: dict[str, torch.dtype] = {v: k for k, v in DTYPE_TO_CODE.items()}
-NAME_TO_DTYPE: dict[str, torch.dtype] = {
-    str(d).removeprefix("torch."): d for d in DTYPE_TO_CODE
-}
+NAME_TO_DTYPE: dict[str, torch.dtype] = {str(d).removeprefix("torch."): d for d in DTYPE_TO_CODE}
 
 # Chunks hashed/written at a time: big enough to amortise thread hand-offs, small enough
 # that the hash of chunk i overlaps the write (or read) of chunk i+1.
@@ -203,7 +201,9 @@ def sha256_file(path: Path) -> tuple[int, str]:
     return size, h.hexdigest()
 
 
-def parse_header(buf: bytes | bytearray | memoryview, file: str) -> tuple[int, dict[str, HeaderEntry]]:
+def parse_header(
+    buf: bytes | bytearray | memoryview, file: str
+) -> tuple[int, dict[str, HeaderEntry]]:
     """Parse and validate a safetensors header.
 
     Args:

@@ -60,12 +60,28 @@ def render(manifest: Manifest) -> str:
         nbytes = 1
         for s in t.shape:
             nbytes *= s
-        rows.append([t.name, t.kind.value, t.file, "x".join(map(str, t.shape)) or "scalar",
-                     t.dtype, "-" if t.rank is None else str(t.rank), t.sha256[:12]])
+        rows.append(
+            [
+                t.name,
+                t.kind.value,
+                t.file,
+                "x".join(map(str, t.shape)) or "scalar",
+                t.dtype,
+                "-" if t.rank is None else str(t.rank),
+                t.sha256[:12],
+            ]
+        )
     out += ["", _table(rows, ["tensor", "kind", "file", "shape", "dtype", "rank", "sha256"])]
-    out += ["", _table([[f.file, _human(f.size), "-" if f.rank is None else str(f.rank),
-                         f.sha256[:12]] for f in manifest.files],
-                       ["file", "size", "rank", "sha256"])]
+    out += [
+        "",
+        _table(
+            [
+                [f.file, _human(f.size), "-" if f.rank is None else str(f.rank), f.sha256[:12]]
+                for f in manifest.files
+            ],
+            ["file", "size", "rank", "sha256"],
+        ),
+    ]
     total = sum(f.size for f in manifest.files)
     out += [f"{len(manifest.tensors)} tensors in {len(manifest.files)} files, {_human(total)}"]
     return "\n".join(out)
@@ -96,12 +112,16 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         if args.command == "verify":
             manifest = verify(args.directory)
-            print(f"OK {manifest.name}: {len(manifest.tensors)} tensors in "
-                  f"{len(manifest.files)} files verified")
+            print(
+                f"OK {manifest.name}: {len(manifest.tensors)} tensors in "
+                f"{len(manifest.files)} files verified"
+            )
             return EXIT_OK
         ckpt = resolve_checkpoint(args.directory)
         manifest = parse_manifest((ckpt / MANIFEST).read_bytes(), str(ckpt / MANIFEST))
-        print(manifest.to_json() if args.json else render(manifest), end="\n" if not args.json else "")
+        print(
+            manifest.to_json() if args.json else render(manifest), end="\n" if not args.json else ""
+        )
         return EXIT_OK
     except CheckpointError as exc:
         print(f"lora-checkpoint: FAILED: {type(exc).__name__}: {exc}", file=sys.stderr)

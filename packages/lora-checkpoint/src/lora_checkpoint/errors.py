@@ -1,4 +1,4 @@
-"""Exceptions raised by lora-checkpoint; all subclass :class:`CheckpointError` (a ``ValueError``)."""
+"""Exceptions of lora-checkpoint; all subclass :class:`CheckpointError` (a ``ValueError``)."""
 
 from __future__ import annotations
 

@@ -8,7 +8,6 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from lora_core.contracts import AdaptationResult
 from torch import nn
 
 from lora_checkpoint import _dist, _fs
@@ -31,6 +30,7 @@ from lora_checkpoint.errors import (
 from lora_checkpoint.manifest import FileEntry, Manifest, TensorKind, parse_manifest
 from lora_checkpoint.save import MANIFEST, training_state_files
 from lora_checkpoint.training_state import TrainingState
+from lora_core.contracts import AdaptationResult
 
 __all__ = ["LoadedCheckpoint", "load", "resolve_checkpoint", "restore", "verify"]
 
@@ -88,15 +88,18 @@ def _looks_like_pickle(path: Path) -> bool:
     with open(path, "rb") as f:
         head = f.read(4)
     # Pickle protocol 2+ starts with PROTO (0x80, version); torch.save zips start with PK.
-    return (len(head) >= 2 and head[0] == 0x80 and 2 <= head[1] <= 5) or head.startswith(b"PK\x03\x04")
+    return (len(head) >= 2 and head[0] == 0x80 and 2 <= head[1] <= 5) or head.startswith(
+        b"PK\x03\x04"
+    )
 
 
 def _check_unsafe(ckpt: Path, manifest: Manifest) -> None:
     listed = {f.file for f in manifest.files}
     for f in manifest.files:
         if not f.file.endswith(_SAFE_SUFFIXES):
+            kind = Path(f.file).suffix or "suffix-less"
             raise UnsafeFileError(
-                f"{ckpt / f.file}: the manifest lists a {Path(f.file).suffix or 'suffix-less'} file; "
+                f"{ckpt / f.file}: the manifest lists a {kind} file; "
                 f"only {list(_SAFE_SUFFIXES)} are read, never pickle"
             )
     for child in ckpt.iterdir():
@@ -121,8 +124,11 @@ def _read_safetensors_file(
         bad: list[str] = []
         try:
             found = tensors_from_buffer(buf, entry.file)
-            bad = [t.key for t in expected
-                   if t.key in found and tensor_sha256(found[t.key]) != t.sha256]
+            bad = [
+                t.key
+                for t in expected
+                if t.key in found and tensor_sha256(found[t.key]) != t.sha256
+            ]
         except CheckpointError:
             bad = ["<safetensors header>"]
         where = f"tensor keys {bad}" if bad else "the safetensors header"
@@ -142,11 +148,13 @@ def _read_safetensors_file(
         got = tensors[key]
         if tuple(got.shape) != t.shape:
             raise ShapeMismatchError(
-                f"{path}: key {key!r} has shape {list(got.shape)}, the manifest expects {list(t.shape)}"
+                f"{path}: key {key!r} has shape {list(got.shape)}, "
+                f"the manifest expects {list(t.shape)}"
             )
         if dtype_name(got.dtype) != t.dtype:
             raise DtypeMismatchError(
-                f"{path}: key {key!r} has dtype {dtype_name(got.dtype)}, the manifest expects {t.dtype}"
+                f"{path}: key {key!r} has dtype {dtype_name(got.dtype)}, "
+                f"the manifest expects {t.dtype}"
             )
     return tensors
 
@@ -158,7 +166,8 @@ def _read_json_file(ckpt: Path, entry: FileEntry, verify: bool) -> bytes:
     buf, digest = read_file_bytes(path, expected_size=entry.size, compute_sha256=verify)
     if verify and digest != entry.sha256:
         raise DigestMismatchError(
-            f"{path}: sha256 {digest} differs from the manifest's {entry.sha256}; the file is corrupted"
+            f"{path}: sha256 {digest} differs from the manifest's {entry.sha256}; "
+            "the file is corrupted"
         )
     return bytes(buf)
 
@@ -229,7 +238,9 @@ def load(
             )
     extra = sorted(set(tensors) - {p.name for p in manifest.parameters})
     if extra:
-        raise UnexpectedTensorError(f"{ckpt}: stored tensors {extra[:8]} are not manifest parameters")
+        raise UnexpectedTensorError(
+            f"{ckpt}: stored tensors {extra[:8]} are not manifest parameters"
+        )
     state = None
     if manifest.training_state is not None:
         if ts_json is None or st_file not in by_file:
@@ -265,10 +276,7 @@ def _local_part(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
         if not isinstance(placement, Shard) or coord is None:
             raise CheckpointError(f"cannot restore into a DTensor with placement {placement}")
         chunks = torch.chunk(t, mesh.size(dim), dim=placement.dim)
-        if coord[dim] < len(chunks):
-            t = chunks[coord[dim]]
-        else:
-            t = t.narrow(placement.dim, 0, 0)
+        t = chunks[coord[dim]] if coord[dim] < len(chunks) else t.narrow(placement.dim, 0, 0)
     return t
 
 
@@ -332,4 +340,3 @@ def restore(target: nn.Module | AdaptationResult, loaded: LoadedCheckpoint) -> t
         for dst, src in plan:
             dst.copy_(src)
     return tuple(loaded.tensors)
-

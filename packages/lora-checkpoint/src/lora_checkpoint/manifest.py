@@ -8,10 +8,10 @@ from collections.abc import Callable
 from datetime import datetime
 from typing import Any
 
-from lora_core.contracts import ComponentVersion, ParameterOwnership, PeftTensorLayout
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from lora_checkpoint.errors import ManifestError, UnknownFormatVersionError
+from lora_core.contracts import ComponentVersion, ParameterOwnership, PeftTensorLayout
 
 __all__ = [
     "FORMAT_VERSION",
@@ -179,7 +179,9 @@ class Manifest(BaseModel):
         for f in self.files:
             if f.file == file:
                 return f
-        raise ManifestError(f"manifest lists no file {file!r}; it has {[f.file for f in self.files]}")
+        raise ManifestError(
+            f"manifest lists no file {file!r}; it has {[f.file for f in self.files]}"
+        )
 
 
 Migration = Callable[[dict[str, Any]], dict[str, Any]]

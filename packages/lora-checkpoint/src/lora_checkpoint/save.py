@@ -17,10 +17,14 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from lora_core.contracts import AdaptationResult, ComponentVersion, ParameterOwnership, PeftTensorLayout
 
 from lora_checkpoint import _dist, _fs
-from lora_checkpoint._safetensors_io import FileRecord, as_cpu_contiguous, dtype_name, write_safetensors
+from lora_checkpoint._safetensors_io import (
+    FileRecord,
+    as_cpu_contiguous,
+    dtype_name,
+    write_safetensors,
+)
 from lora_checkpoint._version import __version__
 from lora_checkpoint.errors import CheckpointError, CheckpointExistsError, ManifestError
 from lora_checkpoint.manifest import (
@@ -35,6 +39,12 @@ from lora_checkpoint.manifest import (
     parse_manifest,
 )
 from lora_checkpoint.training_state import TrainingState
+from lora_core.contracts import (
+    AdaptationResult,
+    ComponentVersion,
+    ParameterOwnership,
+    PeftTensorLayout,
+)
 
 __all__ = [
     "ADAPTER_CONFIG",
@@ -139,8 +149,7 @@ def _checkpoint_name(name: str | None, step: int | None) -> str:
                 "save needs a checkpoint name: pass step=, name=, or a training_state"
             )
         name = f"step-{int(step):08d}"
-    if (not name or "/" in name or "\\" in name or name.startswith(".")
-            or name == _fs.LATEST):
+    if not name or "/" in name or "\\" in name or name.startswith(".") or name == _fs.LATEST:
         raise CheckpointError(
             f"checkpoint name {name!r} must be a plain directory name, not starting with '.', "
             f"and not {_fs.LATEST!r}"
@@ -149,24 +158,40 @@ def _checkpoint_name(name: str | None, step: int | None) -> str:
 
 
 def _entries(
-    record: FileRecord, file: str, kinds: Mapping[str, tuple[str, TensorKind, PeftTensorLayout | None]],
+    record: FileRecord,
+    file: str,
+    kinds: Mapping[str, tuple[str, TensorKind, PeftTensorLayout | None]],
     rank: int | None,
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
     fentry = FileEntry(file=file, size=record.size, sha256=record.sha256, rank=rank)
     tentries = []
     for t in record.tensors:
         name, kind, layout = kinds[t.key]
-        tentries.append(TensorEntry(
-            name=name, kind=kind, file=file, key=t.key, shape=t.shape, dtype=t.dtype,
-            sha256=t.sha256, rank=rank, layout=layout,
-        ).model_dump(mode="json"))
+        tentries.append(
+            TensorEntry(
+                name=name,
+                kind=kind,
+                file=file,
+                key=t.key,
+                shape=t.shape,
+                dtype=t.dtype,
+                sha256=t.sha256,
+                rank=rank,
+                layout=layout,
+            ).model_dump(mode="json")
+        )
     return fentry.model_dump(mode="json"), tentries
 
 
 def _write_rank_files(
-    tmp: Path, result: AdaptationResult, rank: int, training_state: TrainingState | None,
-    shared: dict[str, torch.Tensor], local: dict[str, torch.Tensor],
-    base_model_name_or_path: str | None, task_type: str | None,
+    tmp: Path,
+    result: AdaptationResult,
+    rank: int,
+    training_state: TrainingState | None,
+    shared: dict[str, torch.Tensor],
+    local: dict[str, torch.Tensor],
+    base_model_name_or_path: str | None,
+    task_type: str | None,
 ) -> dict[str, Any]:
     files: list[dict[str, Any]] = []
     tensors: list[dict[str, Any]] = []
@@ -197,32 +222,58 @@ def _write_rank_files(
             own[n] = t
             own_kinds[n] = (n, TensorKind.PARAMETER, None)
         if peft:
-            add(write_safetensors(tmp / ADAPTER_MODEL, peft, {"format": "pt"}), ADAPTER_MODEL,
-                peft_kinds, None)
+            add(
+                write_safetensors(tmp / ADAPTER_MODEL, peft, {"format": "pt"}),
+                ADAPTER_MODEL,
+                peft_kinds,
+                None,
+            )
             if result.lora_config is not None:
-                text = json.dumps(_adapter_config(result, base_model_name_or_path, task_type),
-                                  indent=2, sort_keys=True) + "\n"
+                text = (
+                    json.dumps(
+                        _adapter_config(result, base_model_name_or_path, task_type),
+                        indent=2,
+                        sort_keys=True,
+                    )
+                    + "\n"
+                )
                 _fs.write_bytes_durable(tmp / ADAPTER_CONFIG, text.encode())
                 size, digest = len(text.encode()), _sha(text.encode())
-                files.append(FileEntry(file=ADAPTER_CONFIG, size=size, sha256=digest)
-                             .model_dump(mode="json"))
+                files.append(
+                    FileEntry(file=ADAPTER_CONFIG, size=size, sha256=digest).model_dump(mode="json")
+                )
         if own:
-            add(write_safetensors(tmp / FUSED_EXPERT_LORA, own, {"format": "pt"}),
-                FUSED_EXPERT_LORA, own_kinds, None)
+            add(
+                write_safetensors(tmp / FUSED_EXPERT_LORA, own, {"format": "pt"}),
+                FUSED_EXPERT_LORA,
+                own_kinds,
+                None,
+            )
     if local:
         file = rank_local_file(rank)
-        add(write_safetensors(tmp / file, local, {"format": "pt"}), file,
-            {n: (n, TensorKind.PARAMETER, None) for n in local}, rank)
+        add(
+            write_safetensors(tmp / file, local, {"format": "pt"}),
+            file,
+            {n: (n, TensorKind.PARAMETER, None) for n in local},
+            rank,
+        )
     if training_state is not None:
         st_file, js_file = training_state_files(rank)
         ts_tensors, doc = training_state.to_files()
         ts_tensors = {k: as_cpu_contiguous(v) for k, v in ts_tensors.items()}
-        add(write_safetensors(tmp / st_file, ts_tensors), st_file,
-            {k: (k, TensorKind.TRAINING_STATE, None) for k in ts_tensors}, rank)
+        add(
+            write_safetensors(tmp / st_file, ts_tensors),
+            st_file,
+            {k: (k, TensorKind.TRAINING_STATE, None) for k in ts_tensors},
+            rank,
+        )
         data = (json.dumps(doc, indent=1, sort_keys=True) + "\n").encode()
         _fs.write_bytes_durable(tmp / js_file, data)
-        files.append(FileEntry(file=js_file, size=len(data), sha256=_sha(data), rank=rank)
-                     .model_dump(mode="json"))
+        files.append(
+            FileEntry(file=js_file, size=len(data), sha256=_sha(data), rank=rank).model_dump(
+                mode="json"
+            )
+        )
     return {"files": files, "tensors": tensors}
 
 
@@ -232,7 +283,9 @@ def _sha(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()
 
 
-def _collect(result: AdaptationResult, rank: int) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+def _collect(
+    result: AdaptationResult, rank: int
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
     shared: dict[str, torch.Tensor] = {}
     local: dict[str, torch.Tensor] = {}
     rank_local = set(result.rank_local_names)
@@ -304,8 +357,9 @@ def save(
         CheckpointExistsError: ``<directory>/<name>`` already exists.
         CheckpointError: invalid arguments, or any rank failed to write (nothing is published).
     """
-    if keep_last is not None and (isinstance(keep_last, bool) or not isinstance(keep_last, int)
-                                  or keep_last < 1):
+    if keep_last is not None and (
+        isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1
+    ):
         raise CheckpointError(f"keep_last must be an int >= 1 or None, got {keep_last!r}")
     if step is None and training_state is not None:
         step = training_state.step
@@ -338,8 +392,9 @@ def save(
     shared, local = _collect(result, rank)
     outcome: dict[str, Any]
     try:
-        outcome = _write_rank_files(tmp, result, rank, training_state, shared, local,
-                                    base_model_name_or_path, task_type)
+        outcome = _write_rank_files(
+            tmp, result, rank, training_state, shared, local, base_model_name_or_path, task_type
+        )
         outcome["has_training_state"] = training_state is not None
     except (OSError, CheckpointError) as exc:
         if not _dist.dist_active():
@@ -356,8 +411,9 @@ def save(
                 raise CheckpointError("checkpoint not published; " + "; ".join(errors))
             if len({o["has_training_state"] for o in outcomes}) > 1:
                 raise CheckpointError("training_state must be given on every rank or on none")
-            manifest = _build_manifest(result, ckpt_name, world, outcomes, training_state,
-                                       base_model_name_or_path)
+            manifest = _build_manifest(
+                result, ckpt_name, world, outcomes, training_state, base_model_name_or_path
+            )
             _fs.write_bytes_durable(tmp / MANIFEST, manifest.to_json().encode())
             _fs.fsync_dir(tmp)
             os.rename(tmp, root / ckpt_name)
@@ -378,8 +434,12 @@ def save(
 
 
 def _build_manifest(
-    result: AdaptationResult, name: str, world: int, outcomes: list[dict[str, Any]],
-    training_state: TrainingState | None, base_model_name_or_path: str | None,
+    result: AdaptationResult,
+    name: str,
+    world: int,
+    outcomes: list[dict[str, Any]],
+    training_state: TrainingState | None,
+    base_model_name_or_path: str | None,
 ) -> Manifest:
     files = [f for o in outcomes for f in o["files"]]
     tensors = [t for o in outcomes for t in o["tensors"]]
@@ -392,11 +452,16 @@ def _build_manifest(
     for n, p in result.named_optimizer_parameters:
         export = result.peft_exports.get(n)
         shape = tuple(p.shape)  # a DTensor reports its global shape
-        params.append(ParameterEntry(
-            name=n, ownership=result.ownership[n], shape=shape, dtype=dtype_name(p.dtype),
-            peft_key=None if export is None else export.key,
-            peft_layout=None if export is None else export.layout,
-        ))
+        params.append(
+            ParameterEntry(
+                name=n,
+                ownership=result.ownership[n],
+                shape=shape,
+                dtype=dtype_name(p.dtype),
+                peft_key=None if export is None else export.key,
+                peft_layout=None if export is None else export.layout,
+            )
+        )
     has_config = result.lora_config is not None
     return Manifest(
         format_version=FORMAT_VERSION,
@@ -411,8 +476,9 @@ def _build_manifest(
         tensors=tuple(TensorEntry.model_validate(t) for t in tensors),
         files=tuple(FileEntry.model_validate(f) for f in files),
         shards=tuple(shards),
-        training_state=None if training_state is None else TrainingStateInfo(
-            step=training_state.step),
+        training_state=None
+        if training_state is None
+        else TrainingStateInfo(step=training_state.step),
     )
 
 

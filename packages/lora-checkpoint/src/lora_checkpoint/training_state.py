@@ -13,10 +13,15 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
-from lora_core.contracts import AdaptationResult
 
 from lora_checkpoint._dist import is_dtensor
-from lora_checkpoint.errors import CheckpointError, ManifestError, MissingTensorError, UnexpectedTensorError
+from lora_checkpoint.errors import (
+    CheckpointError,
+    ManifestError,
+    MissingTensorError,
+    UnexpectedTensorError,
+)
+from lora_core.contracts import AdaptationResult
 
 __all__ = ["OptimizerState", "RngState", "TrainingState"]
 
@@ -164,15 +169,21 @@ class TrainingState:
             sd = optimizer.state_dict()
             groups = []
             for g in sd["param_groups"]:
-                hyper = {k: _jsonable(v, f"optimizer param_group[{k!r}]")
-                         for k, v in g.items() if k != "params"}
+                hyper = {
+                    k: _jsonable(v, f"optimizer param_group[{k!r}]")
+                    for k, v in g.items()
+                    if k != "params"
+                }
                 hyper["params"] = [names[i] for i in g["params"]]
                 groups.append(hyper)
             state: dict[str, dict[str, Any]] = {}
             for idx, s in sd["state"].items():
                 state[names[idx]] = {
-                    k: (_local(v) if isinstance(v, torch.Tensor)
-                        else _jsonable(v, f"optimizer state[{names[idx]!r}][{k!r}]"))
+                    k: (
+                        _local(v)
+                        if isinstance(v, torch.Tensor)
+                        else _jsonable(v, f"optimizer state[{names[idx]!r}][{k!r}]")
+                    )
                     for k, v in s.items()
                 }
             opt_state = OptimizerState(tuple(groups), state)
@@ -257,14 +268,19 @@ class TrainingState:
                     else:
                         entry[k] = {"value": v}
                 state_doc[n] = entry
-            doc["optimizer"] = {"param_groups": list(self.optimizer.param_groups), "state": state_doc}
+            doc["optimizer"] = {
+                "param_groups": list(self.optimizer.param_groups),
+                "state": state_doc,
+            }
         if self.rng is not None:
             tensors[_RNG_TORCH_KEY] = self.rng.torch_cpu
             doc["rng"] = {"python": self.rng.python, "numpy": self.rng.numpy}
         return tensors, doc
 
     @classmethod
-    def from_files(cls, tensors: Mapping[str, torch.Tensor], raw: bytes, file: str) -> TrainingState:
+    def from_files(
+        cls, tensors: Mapping[str, torch.Tensor], raw: bytes, file: str
+    ) -> TrainingState:
         """Rebuild from what :meth:`to_files` produced.
 
         Raises:
@@ -301,7 +317,13 @@ class TrainingState:
                     raise MissingTensorError(f"{file}: RNG state tensor {_RNG_TORCH_KEY!r} missing")
                 rng = RngState(tensors[_RNG_TORCH_KEY], doc["rng"]["python"], doc["rng"]["numpy"])
             return cls(step=doc["step"], data_position=doc["data_position"], optimizer=opt, rng=rng)
-        except (KeyError, TypeError, AttributeError, json.JSONDecodeError, UnicodeDecodeError) as exc:
+        except (
+            KeyError,
+            TypeError,
+            AttributeError,
+            json.JSONDecodeError,
+            UnicodeDecodeError,
+        ) as exc:
             raise ManifestError(f"{file}: malformed training state: {exc!r}") from exc
 
 

@@ -15,9 +15,9 @@ import time
 from pathlib import Path
 
 import torch
-from lora_core.contracts import AdaptationResult, ComponentVersion
 
 import lora_checkpoint as lc
+from lora_core.contracts import AdaptationResult, ComponentVersion
 
 SHAPES = [(128, 256), (256, 128), (64, 64), (512,)]
 
@@ -26,7 +26,8 @@ def make_result() -> AdaptationResult:
     """Four parameters whose values are a function of the step only (see expected_value)."""
     params = [(f"p{i}", torch.nn.Parameter(torch.zeros(s))) for i, s in enumerate(SHAPES)]
     return AdaptationResult.create(
-        adapted_layers=["x"], named_optimizer_parameters=params,
+        adapted_layers=["x"],
+        named_optimizer_parameters=params,
         ownership={n: "replicated" for n, _ in params},
         producer=ComponentVersion("lora-core", "0.1.0"),
     )

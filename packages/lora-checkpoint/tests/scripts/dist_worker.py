@@ -11,17 +11,17 @@ import sys
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
+from torch import nn
+from torch.distributed.device_mesh import init_device_mesh
+from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+import lora_checkpoint as lc
 from lora_core.contracts import (
     AdaptationResult,
     ComponentVersion,
     PeftExport,
     PeftTensorLayout,
 )
-from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.tensor import Replicate, Shard, distribute_tensor
-
-import lora_checkpoint as lc
 
 
 def full_values() -> dict[str, torch.Tensor]:
@@ -42,26 +42,37 @@ def rank_bias(rank: int) -> torch.Tensor:
 def build(mesh, rank: int, bad_dtype: bool = False) -> AdaptationResult:
     full = full_values()
     params = [
-        ("dense.lora_A.weight", nn.Parameter(distribute_tensor(full["dense.lora_A.weight"], mesh,
-                                                               [Replicate()]))),
-        ("dense.lora_B.weight", nn.Parameter(distribute_tensor(full["dense.lora_B.weight"], mesh,
-                                                               [Shard(0)]))),
+        (
+            "dense.lora_A.weight",
+            nn.Parameter(distribute_tensor(full["dense.lora_A.weight"], mesh, [Replicate()])),
+        ),
+        (
+            "dense.lora_B.weight",
+            nn.Parameter(distribute_tensor(full["dense.lora_B.weight"], mesh, [Shard(0)])),
+        ),
         ("experts.lora_A", nn.Parameter(full["experts.lora_A"].clone())),
-        ("router.bias", nn.Parameter(rank_bias(rank).to(torch.complex64) if bad_dtype
-                                     else rank_bias(rank))),
+        (
+            "router.bias",
+            nn.Parameter(rank_bias(rank).to(torch.complex64) if bad_dtype else rank_bias(rank)),
+        ),
     ]
     return AdaptationResult.create(
         adapted_layers=["dense", "experts"],
         named_optimizer_parameters=params,
-        ownership={"dense.lora_A.weight": "replicated", "dense.lora_B.weight": "sharded",
-                   "experts.lora_A": "replicated", "router.bias": "rank_local"},
+        ownership={
+            "dense.lora_A.weight": "replicated",
+            "dense.lora_B.weight": "sharded",
+            "experts.lora_A": "replicated",
+            "router.bias": "rank_local",
+        },
         producer=ComponentVersion("lora-core", "0.1.0"),
         rank_local_names=["router.bias"],
         peft_exports={
             "dense.lora_A.weight": PeftExport("base_model.model.dense.lora_A.weight"),
             "dense.lora_B.weight": PeftExport("base_model.model.dense.lora_B.weight"),
-            "experts.lora_A": PeftExport("base_model.model.experts.lora_A.weight",
-                                         PeftTensorLayout.EXPERT_STACKED_A),
+            "experts.lora_A": PeftExport(
+                "base_model.model.experts.lora_A.weight", PeftTensorLayout.EXPERT_STACKED_A
+            ),
         },
         peft_target_modules=["dense"],
     )
@@ -75,11 +86,13 @@ def worker(rank: int, root: str, port: int) -> None:
         result = build(mesh, rank)
         opt = torch.optim.AdamW(result.parameters(), lr=0.1, foreach=False)
         state = lc.TrainingState.capture(opt, result, step=0)  # before any step: empty state
-        assert state.optimizer is not None and not state.optimizer.state
+        assert state.optimizer is not None
+        assert not state.optimizer.state
         torch.manual_seed(10 + rank)  # per-rank RNG, must come back per rank
         state = lc.TrainingState.capture(None, result, step=3, data_position={"rank": rank})
         m = lc.save(root, result, training_state=state)
-        assert m.world_size == 2 and m.name == "step-00000003", m
+        assert m.world_size == 2, m
+        assert m.name == "step-00000003", m
         assert {s.rank for s in m.shards} == {0, 1}
 
         loaded = lc.load(root)  # this rank's shards
@@ -110,12 +123,13 @@ def worker(rank: int, root: str, port: int) -> None:
 
         # A rank that fails to write stops the publish on every rank.
         bad = build(mesh, rank, bad_dtype=(rank == 1))
+        error = ""
         try:
             lc.save(root, bad, step=4)
         except lc.CheckpointError as exc:
-            assert "rank 1" in str(exc) and "complex64" in str(exc), exc
-        else:
-            raise AssertionError("save with a failing rank was published")
+            error = str(exc)
+        if "rank 1" not in error or "complex64" not in error:
+            raise AssertionError(f"a failing rank did not stop the publish: {error!r}")
         assert lc.load(root).manifest.name == "step-00000003"
         dist.barrier()
     finally:

@@ -12,20 +12,21 @@ import sys
 
 import numpy as np
 import torch
-from lora_core import LoraConfig, enable_lora_training
-from lora_core.contracts import AdaptationResult
 from safetensors.torch import save_file
 from torch import nn
 
 import lora_checkpoint as lc
+from lora_core import LoraConfig, enable_lora_training
+from lora_core.contracts import AdaptationResult
 
 
 def build() -> tuple[nn.Module, AdaptationResult, torch.optim.Optimizer]:
     """The same model, adapters and optimizer in every process."""
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(16, 32), nn.GELU(), nn.Linear(32, 8))
-    cfg = LoraConfig(enable=True, rank=4, alpha=8, target_modules=("0", "2"), dropout=0.1,
-                     init_seed=3)
+    cfg = LoraConfig(
+        enable=True, rank=4, alpha=8, target_modules=("0", "2"), dropout=0.1, init_seed=3
+    )
     result = enable_lora_training(model, cfg)
     opt = torch.optim.AdamW(result.parameters(), lr=1e-2, weight_decay=0.01)
     return model, result, opt
