@@ -20,7 +20,6 @@ from lora_checkpoint.errors import (
     UnknownFormatVersionError,
     UnsafeFileError,
 )
-from lora_checkpoint.load import LoadedCheckpoint, load, resolve_checkpoint, restore, verify
 from lora_checkpoint.manifest import (
     FORMAT_VERSION,
     FileEntry,
@@ -35,7 +34,9 @@ from lora_checkpoint.manifest import (
     registered_migrations,
     unregister_migration,
 )
-from lora_checkpoint.save import (
+from lora_checkpoint.reader import LoadedCheckpoint, load, resolve_checkpoint, restore, verify
+from lora_checkpoint.training_state import OptimizerState, RngState, TrainingState
+from lora_checkpoint.writer import (
     ADAPTER_CONFIG,
     ADAPTER_MODEL,
     FUSED_EXPERT_LORA,
@@ -46,7 +47,6 @@ from lora_checkpoint.save import (
     to_peft_layout,
     training_state_files,
 )
-from lora_checkpoint.training_state import OptimizerState, RngState, TrainingState
 
 __all__ = [
     "ADAPTER_CONFIG",

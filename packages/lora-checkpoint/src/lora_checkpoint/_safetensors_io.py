@@ -52,6 +52,8 @@ NAME_TO_DTYPE: dict[str, torch.dtype] = {str(d).removeprefix("torch."): d for d 
 # Chunks hashed/written at a time: big enough to amortise thread hand-offs, small enough
 # that the hash of chunk i overlaps the write (or read) of chunk i+1.
 CHUNK_BYTES = 16 * 1024 * 1024
+# Threads hashing tensors while the file is written (the file hash has its own thread).
+HASH_WORKERS = max(1, min(8, (os.cpu_count() or 2) - 1))
 # safetensors refuses headers above 100 MB; so do we, before allocating anything.
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 
@@ -108,6 +110,10 @@ def _chunks(view: memoryview) -> list[memoryview]:
     return [view[i : i + CHUNK_BYTES] for i in range(0, len(view), CHUNK_BYTES)] or [view]
 
 
+def _sha256_hex(view: memoryview) -> str:
+    return hashlib.sha256(view).hexdigest()
+
+
 def _write_all(fd: int, view: memoryview) -> None:
     while len(view):
         n = os.write(fd, view)
@@ -157,26 +163,30 @@ def write_safetensors(
     prefix = struct.pack("<Q", len(hjson)) + hjson
 
     file_hash = hashlib.sha256(prefix)
-    tensor_hashes: list[tuple[str, torch.Tensor, Any]] = []
+    tensor_hashes: list[tuple[str, torch.Tensor, Future[str]]] = []
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
-        # One worker keeps the file hash in order, the other the per-tensor hashes; hashlib
-        # releases the GIL, so both overlap the write syscalls of this thread.
-        with ThreadPoolExecutor(1) as file_pool, ThreadPoolExecutor(1) as tensor_pool:
-            futures: list[Future[None]] = []
+        # The file hash is one ordered stream (one worker, chunks in order); tensor hashes are
+        # independent, so they spread over the other cores. hashlib releases the GIL, so both
+        # overlap the write syscalls of this thread. The views are zero-copy.
+        with (
+            ThreadPoolExecutor(1) as file_pool,
+            ThreadPoolExecutor(HASH_WORKERS) as tensor_pool,
+        ):
+            pending: list[Future[None]] = []
             _write_all(fd, memoryview(prefix))
             for key, t in prepared:
-                th = hashlib.sha256()
-                tensor_hashes.append((key, t, th))
-                for chunk in _chunks(_byte_view(t)):
-                    futures.append(file_pool.submit(file_hash.update, chunk))
-                    futures.append(tensor_pool.submit(th.update, chunk))
+                view = _byte_view(t)
+                tensor_hashes.append((key, t, tensor_pool.submit(_sha256_hex, view)))
+                for chunk in _chunks(view):
+                    pending.append(file_pool.submit(file_hash.update, chunk))
                     _write_all(fd, chunk)
-                    if len(futures) > 8:
+                    if len(pending) > 8:
                         # Bound the queue so hashing never falls far behind the writes.
-                        futures.pop(0).result()
-            for f in futures:
+                        pending.pop(0).result()
+            for f in pending:
                 f.result()
+            digests = [(key, t, fut.result()) for key, t, fut in tensor_hashes]
         os.fsync(fd)
     finally:
         os.close(fd)
@@ -184,8 +194,8 @@ def write_safetensors(
         size=len(prefix) + offset,
         sha256=file_hash.hexdigest(),
         tensors=tuple(
-            TensorRecord(key, dtype_name(t.dtype), tuple(t.shape), th.hexdigest())
-            for key, t, th in tensor_hashes
+            TensorRecord(key, dtype_name(t.dtype), tuple(t.shape), digest)
+            for key, t, digest in digests
         ),
     )
 

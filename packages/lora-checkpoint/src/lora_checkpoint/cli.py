@@ -14,9 +14,9 @@ import sys
 from collections.abc import Sequence
 
 from lora_checkpoint.errors import CheckpointError
-from lora_checkpoint.load import resolve_checkpoint, verify
 from lora_checkpoint.manifest import Manifest, parse_manifest
-from lora_checkpoint.save import MANIFEST
+from lora_checkpoint.reader import resolve_checkpoint, verify
+from lora_checkpoint.writer import MANIFEST
 
 __all__ = ["EXIT_FAILED", "EXIT_OK", "EXIT_USAGE", "main"]
 

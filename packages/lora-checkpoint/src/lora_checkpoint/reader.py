@@ -28,8 +28,8 @@ from lora_checkpoint.errors import (
     UnsafeFileError,
 )
 from lora_checkpoint.manifest import FileEntry, Manifest, TensorKind, parse_manifest
-from lora_checkpoint.save import MANIFEST, training_state_files
 from lora_checkpoint.training_state import TrainingState
+from lora_checkpoint.writer import MANIFEST, training_state_files
 from lora_core.contracts import AdaptationResult
 
 __all__ = ["LoadedCheckpoint", "load", "resolve_checkpoint", "restore", "verify"]
