@@ -68,9 +68,8 @@ def run_variant(variant: str, quick: bool) -> dict:
         params = [p for p in model.parameters() if p.requires_grad]
     else:
         import kt_kernel
-        from lora_core import LoraConfig
-
         import moe_experts
+        from lora_core import LoraConfig
 
         report = moe_experts.wrap(model, weight_dtype="fp32" if variant == "kt-fp32" else "bf16")
         result = moe_experts.adapt(model, LoraConfig(enable=True, rank=RANK, alpha=2 * RANK))

@@ -15,13 +15,13 @@ from pathlib import Path
 
 import torch
 import torch.distributed as dist
-from lora_core import LoraConfig, enable_lora_training
-from lora_core.fsdp import replicate_lora_parameters, sync_replicated_lora_gradients
 from torch.distributed.fsdp import fully_shard
 from torch.distributed.tensor import DTensor
 from transformers import AutoModelForCausalLM
 
 import moe_experts
+from lora_core import LoraConfig, enable_lora_training
+from lora_core.fsdp import replicate_lora_parameters, sync_replicated_lora_gradients
 
 STEPS = 5
 # One config for both producers: AdaptationResult.merge refuses two different lora_configs;

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
-import kt_kernel
 import peft
 import torch
-from lora_core.contracts import AdaptationResult, PeftTensorLayout
 from torch import nn
+
+import kt_kernel
+from lora_core.contracts import AdaptationResult, PeftTensorLayout
 
 
 def peft_param_name(export_key: str, adapter: str = "default") -> str:
@@ -23,7 +24,9 @@ def to_peft_layout(t: torch.Tensor, layout: PeftTensorLayout) -> torch.Tensor:
     return t
 
 
-def peft_twin(base: nn.Module, result: AdaptationResult) -> tuple[nn.Module, dict[str, nn.Parameter]]:
+def peft_twin(
+    base: nn.Module, result: AdaptationResult
+) -> tuple[nn.Module, dict[str, nn.Parameter]]:
     """Apply PEFT to ``base`` with our rank/alpha/targets and copy our LoRA values in.
 
     Returns:

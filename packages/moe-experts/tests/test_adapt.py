@@ -1,11 +1,11 @@
 """adapt(): expert LoRA on kt-kernel equals transformers + PEFT target_parameters (fp32)."""
 
-import kt_kernel
 import pytest
 import torch
+
+import kt_kernel
 from lora_core import LoraConfig, init_lora_tensor
 from lora_core.contracts import ParameterOwnership, PeftTensorLayout
-
 from moe_experts import AdaptError, adapt, adapt_model, wrap
 
 from .conftest import FAMILIES, token_batch
@@ -56,13 +56,15 @@ def test_loss_logits_and_gradients_equal_peft(fresh, family: str) -> None:
     out_a.loss.backward()
     out_b.loss.backward()
     for fqn, p in result.named_optimizer_parameters:
-        assert p.grad is not None and p.grad.abs().sum() > 0, fqn
+        assert p.grad is not None, fqn
+        assert p.grad.abs().sum() > 0, fqn
         want = pairs[fqn].grad
         got = to_peft_layout(p.grad, result.peft_exports[fqn].layout)
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6, msg=fqn)
     # The router is trained through d topk_weights returned by the kernel.
     for a, b in zip(_routers(ours, family), _routers(theirs, family), strict=True):
-        assert a.grad is not None and a.grad.abs().sum() > 0
+        assert a.grad is not None
+        assert a.grad.abs().sum() > 0
         torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-6)
 
 
@@ -98,7 +100,8 @@ def test_names_ownership_exports_and_init(fresh) -> None:
     )
     named = dict(model.named_parameters())
     for n, p in result.named_optimizer_parameters:
-        assert named[n] is p and p.requires_grad
+        assert named[n] is p
+        assert p.requires_grad
         assert result.ownership[n] is ParameterOwnership.REPLICATED
     assert set(result.placeholders) == set(report.placeholders)
     assert result.peft_target_parameters == ("mlp.experts.down_proj", "mlp.experts.gate_up_proj")

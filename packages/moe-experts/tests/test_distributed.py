@@ -12,13 +12,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from lora_core import enable_lora_training
 from transformers import AutoModelForCausalLM
 
 import moe_experts
+from lora_core import enable_lora_training
 
 WORKER = Path(__file__).with_name("dist_worker.py")
 WORLD = 2
+
+
+def _named(name: str):
+    return lambda message: f"{name}: {message}"
 
 
 def _free_port() -> int:
@@ -88,9 +92,11 @@ def test_two_ranks_fsdp2_identical_parameters(saved_models, tmp_path: Path) -> N
     params = [torch.load(tmp_path / f"params_rank{r}.pt") for r in range(WORLD)]
     for r in range(WORLD):
         # Placeholders never became FSDP DTensors: FSDP did not allocate or shard them.
-        assert info[r]["placeholders"] and info[r]["dtensor_placeholders"] == []
+        assert info[r]["placeholders"]
+        assert info[r]["dtensor_placeholders"] == []
         assert info[r]["placeholders_all_placeholders"]
-        assert info[r]["n_dtensor_params"] > 0 and info[r]["n_replicated"] > 0
+        assert info[r]["n_dtensor_params"] > 0
+        assert info[r]["n_replicated"] > 0
     # Ranks saw different data, so their unsynchronised expert gradients differed ...
     assert info[0]["pre_sync_norms"] != info[1]["pre_sync_norms"]
     assert info[0]["names"] == info[1]["names"]
@@ -98,8 +104,8 @@ def test_two_ranks_fsdp2_identical_parameters(saved_models, tmp_path: Path) -> N
     assert len(expert_names) == 8
     # ... yet after 5 synchronised steps every rank holds identical parameters.
     for n in info[0]["names"]:
-        torch.testing.assert_close(params[0][n], params[1][n], rtol=0, atol=0, msg=lambda m, n=n: f"{n}: {m}")
+        torch.testing.assert_close(params[0][n], params[1][n], rtol=0, atol=0, msg=_named(n))
     # And they equal one process training on both batches (gradient averaging is right).
     ref = _single_process_reference(model_dir)
     for n in info[0]["names"]:
-        torch.testing.assert_close(params[0][n], ref[n], rtol=1e-4, atol=1e-5, msg=lambda m, n=n: f"{n}: {m}")
+        torch.testing.assert_close(params[0][n], ref[n], rtol=1e-4, atol=1e-5, msg=_named(n))

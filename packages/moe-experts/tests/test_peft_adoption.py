@@ -5,10 +5,10 @@ import os
 import peft
 import pytest
 import torch
-from lora_core import LoraConfig
-from lora_core.contracts import PeftTensorLayout
 from safetensors.torch import load_file
 
+from lora_core import LoraConfig
+from lora_core.contracts import PeftTensorLayout
 from moe_experts import adapt, experts_sites, wrap
 
 from .conftest import token_batch
@@ -45,7 +45,8 @@ def test_adopted_peft_matches_peft_and_shares_memory(fresh, family: str) -> None
     trainable_before = {n: p for n, p in pm.named_parameters() if p.requires_grad}
 
     report = wrap(pm, weight_dtype="fp32")
-    assert report.adopted_peft == report.wrapped_blocks and report.wrapped_blocks
+    assert report.adopted_peft == report.wrapped_blocks
+    assert report.wrapped_blocks
     out = pm(ids, labels=ids)
     torch.testing.assert_close(out.logits, ref.logits, rtol=1e-5, atol=1e-5)
     out.loss.backward()

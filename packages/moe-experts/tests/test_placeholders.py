@@ -34,9 +34,13 @@ def test_placeholder_survives_module_api() -> None:
     m.w = make_placeholder(torch.empty(4, 6, 2), "m.w")
     assert [n for n, _ in m.named_parameters()] == ["w"]
     sd = m.state_dict()
-    assert list(sd) == ["w"] and is_placeholder(sd["w"]) and tuple(sd["w"].shape) == (4, 6, 2)
+    assert list(sd) == ["w"]
+    assert is_placeholder(sd["w"])
+    assert tuple(sd["w"].shape) == (4, 6, 2)
     m.to(torch.bfloat16)
-    assert is_placeholder(m.w) and m.w.dtype == torch.bfloat16 and isinstance(m.w, nn.Parameter)
+    assert is_placeholder(m.w)
+    assert m.w.dtype == torch.bfloat16
+    assert isinstance(m.w, nn.Parameter)
     assert not m.w.requires_grad
     assert m.w.numel() == 48
 

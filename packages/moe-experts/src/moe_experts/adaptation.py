@@ -4,8 +4,10 @@ from __future__ import annotations
 
 from typing import Literal
 
-import kt_kernel
 import torch
+from torch import nn
+
+import kt_kernel
 from lora_core import LoraConfig, enable_lora_training, init_lora_tensor, matches_module
 from lora_core.contracts import (
     AdaptationResult,
@@ -14,8 +16,6 @@ from lora_core.contracts import (
     PeftExport,
     PeftTensorLayout,
 )
-from torch import nn
-
 from moe_experts.architectures import MoEBlockSite
 from moe_experts.errors import AdaptError
 from moe_experts.kernel_experts import KernelExperts
@@ -62,7 +62,7 @@ def peft_key_prefix(experts_fqn: str, depth: int) -> str:
     return _PEFT_ROOT + _strip_peft_root(experts_fqn) + ".base_layer" * depth
 
 
-def _init_fn(experts_fqn: str, seed: int):  # noqa: ANN202 - local closure type
+def _init_fn(experts_fqn: str, seed: int):
     def init(name: str, tensor: torch.Tensor) -> None:
         proj, kind = name.rsplit("_lora_", 1)
         # Names like "model.layers.3.mlp.experts.gate_up.lora_A": stable across ranks/orders.
@@ -158,7 +158,8 @@ def adapt(
         if not _targeted(site, config):
             continue
         arch = site.arch
-        rel = f"{site.name.rsplit('.', 1)[-1]}.{arch.experts_attr}" if site.name else arch.experts_attr
+        leaf = site.name.rsplit(".", 1)[-1]
+        rel = f"{leaf}.{arch.experts_attr}" if site.name else arch.experts_attr
         if kernel.adopted_peft:
             repeated.append(site.experts_name)
             for name, p in model.named_parameters():
@@ -182,7 +183,7 @@ def adapt(
             spec = _FUSED.get(name)
             if spec is None or spec[0] not in exported:
                 continue
-            proj, peft_layout, attr = spec
+            _proj, peft_layout, attr = spec
             param_name = getattr(arch, attr)
             depth = len(kept) - 1 - kept.index(param_name)
             suffix = "lora_A.weight" if name.endswith("_a") else "lora_B.weight"

@@ -18,7 +18,13 @@ from torch import nn
 
 from moe_experts.errors import UnsupportedModelError
 
-__all__ = ["ARCHITECTURES", "MoEArchitecture", "MoEBlockSite", "find_architecture", "iter_moe_blocks"]
+__all__ = [
+    "ARCHITECTURES",
+    "MoEArchitecture",
+    "MoEBlockSite",
+    "find_architecture",
+    "iter_moe_blocks",
+]
 
 
 @dataclass(frozen=True)

@@ -13,10 +13,10 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Literal
 
-import kt_kernel
 import torch
 from torch import nn
 
+import kt_kernel
 from moe_experts.placeholders import make_placeholder
 
 __all__ = ["KernelExperts", "Policy"]

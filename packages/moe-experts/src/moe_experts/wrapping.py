@@ -5,11 +5,16 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Literal
 
-import kt_kernel
 import torch
 from torch import nn
 
-from moe_experts.architectures import MoEArchitecture, MoEBlockSite, find_architecture, iter_moe_blocks
+import kt_kernel
+from moe_experts.architectures import (
+    MoEArchitecture,
+    MoEBlockSite,
+    find_architecture,
+    iter_moe_blocks,
+)
 from moe_experts.errors import WrapError
 from moe_experts.kernel_experts import KernelExperts, Policy, _KernelCall, _PeftAdoption
 from moe_experts.placeholders import named_placeholders
@@ -88,7 +93,9 @@ def _check_activation(model: nn.Module, arch: MoEArchitecture) -> None:
         )
 
 
-def _expert_spec(site: MoEBlockSite, gate_up: torch.Tensor, down: torch.Tensor) -> kt_kernel.ExpertSpec:
+def _expert_spec(
+    site: MoEBlockSite, gate_up: torch.Tensor, down: torch.Tensor
+) -> kt_kernel.ExpertSpec:
     arch = site.arch
     if gate_up.dim() != 3 or down.dim() != 3:
         raise WrapError(

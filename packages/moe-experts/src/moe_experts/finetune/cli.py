@@ -68,7 +68,8 @@ def finetune_main(argv: Sequence[str] | None = None, prog: str = "moe-experts fi
     except FinetuneError as exc:
         if ns.debug:
             traceback.print_exc()
-        print(f"error: {exc}", file=sys.stderr)
+        message = " ".join(str(exc).split())  # one line, whatever the cause's formatting
+        print(f"error: {message}", file=sys.stderr)
         return 1
     if summary.world_size > 1:
         import torch.distributed as dist

@@ -160,10 +160,7 @@ def run_finetune(args: FinetuneArgs) -> FinetuneSummary:
         loaded = load_model(args.model)
     model = loaded.model
     torch.manual_seed(args.seed)
-    try:
-        wrap_report = moe_experts.wrap(model, weight_dtype=args.weight_dtype)
-    except moe_experts.UnsupportedModelError as exc:
-        raise FinetuneError(f"--model {args.model}: {exc}") from exc
+    wrap_report = moe_experts.wrap(model, weight_dtype=args.weight_dtype)
     # Dense first: enable_lora_training freezes every parameter that is not its own LoRA.
     dense = enable_lora_training(model, lora)
     experts = moe_experts.adapt(model, lora)
@@ -254,6 +251,6 @@ def run_finetune(args: FinetuneArgs) -> FinetuneSummary:
         losses=losses, first_step=first_step, checkpoint=checkpoint,
         tokens_per_second=tokens / max(elapsed, 1e-9), world_size=world,
         model_source=loaded.source,
-        extra={"wrap_bytes_moved": getattr(wrap_report, "bytes_moved", None),
+        extra={"wrap_bytes_moved": wrap_report.bytes_moved,
                "args": {k: str(v) for k, v in asdict(args).items()}},
     )

@@ -112,6 +112,12 @@ def load_model(model: str, *, dtype: torch.dtype = torch.float32) -> LoadedModel
         lm = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
     except (OSError, ValueError, KeyError) as exc:
         raise FinetuneError(f"--model {model}: transformers could not load it: {exc}") from exc
+    from moe_experts import UnsupportedModelError, find_architecture
+
+    try:
+        find_architecture(lm)
+    except UnsupportedModelError as exc:
+        raise FinetuneError(f"--model {model}: {exc}") from exc
     if builtin:
         encode = ByteTokenizer().encode
     else:
