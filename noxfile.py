@@ -170,7 +170,7 @@ def demo(session: nox.Session) -> None:
 
 @nox.session
 def bench(session: nox.Session) -> None:
-    """Run every benchmark (pass --quick after -- for a short run); JSON and tables in bench-results/."""
+    """Run every benchmark (`-- --quick` for a short run); JSON and tables in bench-results/."""
     _install_torch(session, DEFAULT_CONSTRAINTS)
     _install_packages(session, list(INTEGRATION_REQUIREMENTS), DEFAULT_CONSTRAINTS)
     session.install("-c", str(DEFAULT_CONSTRAINTS), "psutil")

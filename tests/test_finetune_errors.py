@@ -58,4 +58,5 @@ def test_corrupt_checkpoint_on_resume(tmp_path: Path, cli) -> None:
     with_debug = cli.run(["--steps", "4", "--batch-size", "2", "--seq-len", "16",
                           "--no-progress", "--output", str(out), "--resume", str(ckpt),
                           "--debug"])
-    assert with_debug.returncode == 1 and "Traceback" in with_debug.stderr
+    assert with_debug.returncode == 1
+    assert "Traceback" in with_debug.stderr

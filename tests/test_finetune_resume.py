@@ -5,14 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from safetensors.torch import load_file
+import torch
 
-
-def _tensors(checkpoint: Path) -> dict:
-    out = {}
-    for f in sorted(checkpoint.glob("*.safetensors")):
-        out.update({f"{f.name}:{k}": v for k, v in load_file(f).items()})
-    return out
+from lora_checkpoint import load
 
 
 @pytest.mark.timeout(400)
@@ -33,7 +28,19 @@ def test_resume_equals_uninterrupted(tmp_path: Path, cli) -> None:
     assert losses_b == losses_a  # bitwise: same floats, same order
     final_a = Path(full.stdout.split("checkpoint:")[1].split()[0])
     final_b = Path(resumed.stdout.split("checkpoint:")[1].split()[0])
-    ta, tb = _tensors(final_a), _tensors(final_b)
-    assert ta.keys() == tb.keys()
-    for k in ta:
-        assert ta[k].dtype == tb[k].dtype and ta[k].equal(tb[k]), k
+    a, b = load(final_a), load(final_b)
+    assert a.tensors.keys() == b.tensors.keys()
+    for k in a.tensors:
+        assert a.tensors[k].dtype == b.tensors[k].dtype, k
+        assert a.tensors[k].equal(b.tensors[k]), k
+    # The optimizer state (AdamW moments, step counts) continues exactly too.
+    opt_a, opt_b = a.training_state.optimizer, b.training_state.optimizer
+    assert opt_a.state.keys() == opt_b.state.keys()
+    for name, state in opt_a.state.items():
+        for key, value in state.items():
+            other = opt_b.state[name][key]
+            if isinstance(value, torch.Tensor):
+                assert value.equal(other), (name, key)
+            else:
+                assert value == other, (name, key)
+    assert a.training_state.step == b.training_state.step == 6
