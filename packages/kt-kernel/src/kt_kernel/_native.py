@@ -15,6 +15,9 @@ REQUIRE_NATIVE_ENV = "KT_KERNEL_REQUIRE_NATIVE"
 
 
 def _load() -> tuple[ModuleType | None, str | None]:
+    # The extension links against libc10/libtorch, which only importing torch puts in reach.
+    import torch  # noqa: F401
+
     try:
         from kt_kernel import _C  # type: ignore[attr-defined]
     except Exception as exc:  # noqa: BLE001 - any load failure (missing file, ABI, symbols) falls back
