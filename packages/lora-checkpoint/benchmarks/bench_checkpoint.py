@@ -85,6 +85,7 @@ def main() -> None:
     result = make_result(total)
     tensors = {n: p.detach() for n, p in result.named_optimizer_parameters}
     nbytes = sum(t.numel() * t.element_size() for t in tensors.values())
+    load_before = os.getloadavg()
     work = Path(tempfile.mkdtemp(prefix="bench-ckpt-", dir=args.workdir))
     try:
 
@@ -159,6 +160,9 @@ def main() -> None:
     lines = [
         f"# lora-checkpoint benchmark ({nbytes / 2**20:.0f} MiB, {len(tensors)} tensors, "
         f"best of {args.repeats}, interleaved, os.sync() before each)",
+        "",
+        f"load average before/after: {load_before[0]:.1f} / {os.getloadavg()[0]:.1f} on "
+        f"{os.cpu_count()} cores; workdir {args.workdir or tempfile.gettempdir()}",
         "",
         "| operation | seconds | GB/s |",
         "|---|---:|---:|",
