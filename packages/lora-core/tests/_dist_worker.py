@@ -273,6 +273,15 @@ def check_plain_tensors(rank: int, world: int, out: dict[str, Any]) -> None:
     )
     out["tiny_bucket_stats"] = [stats.buckets, stats.collectives]
     out["tiny_bucket_post"] = [local(t.grad) for t in again]
+    # Mixed dtypes: one bucket per dtype, each dtype kept.
+    mixed = [("m.a", torch.zeros(3, requires_grad=True)),
+             ("m.b", torch.zeros(3, dtype=torch.bfloat16, requires_grad=True))]
+    for _, t in mixed:
+        t.grad = torch.full_like(t, float(rank + 1))
+    stats = SyncStats()
+    sync_replicated_lora_gradients(mixed, stats=stats)
+    out["mixed_stats"] = [stats.buckets, stats.collectives]
+    out["mixed_post"] = [local(t.grad) for _, t in mixed]
     # Hundreds of parameters still take a handful of collectives.
     many = [(f"p{i:03d}", torch.ones(i % 7 + 1, requires_grad=True)) for i in range(300)]
     for _, t in many:

@@ -223,6 +223,10 @@ def test_plain_tensors_from_adaptation_result_are_averaged_over_world(fsdp2_run)
         assert r["tiny_bucket_stats"] == [4, 5]  # one bucket per tensor at bucket_bytes=1
         assert r["many_stats"] == [300, 2]  # 300 tensors, one bucket + one fingerprint
         assert r["many_value"] == 0.5
+        assert r["mixed_stats"] == [2, 3]  # fp32 and bf16 buckets, plus the fingerprint
+        assert r["mixed_post"][0].dtype == torch.float32
+        assert r["mixed_post"][1].dtype == torch.bfloat16
+        assert torch.equal(r["mixed_post"][1], torch.full((3,), 1.5, dtype=torch.bfloat16))
     assert r0["plain_pre"][2] is not None
     assert r1["plain_pre"][2] is None
     assert r0["plain_stats"] == [1, 2, 0]

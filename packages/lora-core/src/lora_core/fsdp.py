@@ -10,7 +10,9 @@ does not manage the adapters. :func:`replicate_lora_parameters` turns every ``lo
 the first rank, then checked), and installs input/output hooks so the adapter matmuls run on
 replicated DTensors while the FSDP-unsharded base runs on plain tensors. After
 ``loss.backward()`` and before clipping, :func:`sync_replicated_lora_gradients` averages the
-adapter gradients over the replicated mesh dims in a few coalesced all-reduces. Use it when
+adapter gradients over the replicated mesh dims in a few coalesced all-reduces. Replication
+swaps the adapter ``Parameter`` objects, so re-read an earlier ``AdaptationResult`` with
+``lora_core.rebind_parameters(result, model)`` before building the optimizer. Use it when
 the adapters are small (the usual LoRA case), when LoRA is attached to an already sharded or
 already loaded model, or when some ranks may skip an adapter in their forward (the sync
 zero-fills a missing gradient, so every rank still joins every collective).
@@ -39,9 +41,6 @@ raise :class:`LoraStateMismatchError` naming the rank and the parameter instead 
 
 from __future__ import annotations
 
-import hashlib
-import logging
-import warnings
 from collections.abc import Iterable
 from dataclasses import dataclass
 from datetime import timedelta
@@ -51,15 +50,16 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.distributed.device_mesh import DeviceMesh
-from torch.distributed.tensor import DTensor, Replicate, distribute_module
+from torch.distributed.tensor import DTensor
 
 from lora_core.contracts import AdaptationResult, ParameterOwnership
 from lora_core.fsdp_consistency import (
     DEFAULT_CHECK_TIMEOUT,
+    FsdpLayoutError,
     LoraStateMismatchError,
     check_consistent,
 )
-from lora_core.layers import LoRALinear
+from lora_core.fsdp_replicate import replicate_lora_parameters
 
 __all__ = [
     "DEFAULT_BUCKET_BYTES",
@@ -71,16 +71,11 @@ __all__ = [
     "sync_replicated_lora_gradients",
 ]
 
-logger = logging.getLogger(__name__)
 
 # 25 MiB, DDP's default bucket cap: large enough that a typical LoRA model needs one bucket.
 DEFAULT_BUCKET_BYTES = 25 * 1024 * 1024
 
 NamedTensors = Iterable[tuple[str, torch.Tensor]]
-
-
-class FsdpLayoutError(ValueError):
-    """The model or the parameters are not in a layout this layer can handle."""
 
 
 @dataclass
@@ -116,11 +111,6 @@ class _Entry:
 
 def _is_initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
-
-
-def _descriptor(name: str, t: torch.Tensor) -> str:
-    """``name|shape|dtype|layout`` of a plain tensor, as the fingerprint hashes it."""
-    return f"{name}|{list(t.shape)}|{str(t.dtype).removeprefix('torch.')}|Tensor"
 
 
 @dataclass(frozen=True)
@@ -364,170 +354,3 @@ def sync_replicated_lora_gradients(
         if bucket:
             _reduce_bucket(bucket, bucket[0].groups, bucket[0].param.dtype, stats)
     return len(entries)
-
-
-def _replicated_input(_module: nn.Module, inputs: Any, mesh: DeviceMesh) -> Any:
-    """Forward pre-hook: plain tensors enter the adapter as replicated DTensors."""
-    placements = [Replicate()] * mesh.ndim
-    return tuple(
-        DTensor.from_local(x, mesh, placements, run_check=False)
-        if isinstance(x, torch.Tensor) and not isinstance(x, DTensor)
-        else x
-        for x in inputs
-    )
-
-
-def _local_output(_module: nn.Module, outputs: Any, _mesh: DeviceMesh) -> Any:
-    """Forward hook: hand a plain tensor back to ``LoRALinear`` (its base output is plain)."""
-    return outputs.to_local() if isinstance(outputs, DTensor) else outputs
-
-
-def _bytes_digest(t: torch.Tensor) -> int:
-    data = t.detach().contiguous().cpu().reshape(-1).view(torch.uint8).numpy().tobytes()
-    return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little", signed=True)
-
-
-def _lora_layers(model: nn.Module) -> list[tuple[str, LoRALinear]]:
-    layers = [(n, m) for n, m in model.named_modules() if isinstance(m, LoRALinear)]
-    return sorted(layers, key=lambda item: item[0])
-
-
-@torch.no_grad()
-def replicate_lora_parameters(
-    model: nn.Module, *, check_timeout: timedelta = DEFAULT_CHECK_TIMEOUT
-) -> int:
-    """Make every LoRA A/B of an FSDP2-sharded model a replicated DTensor on FSDP's mesh.
-
-    The replicate path: call after ``fully_shard`` and ``enable_lora_training`` (which adds
-    the adapters as plain parameters FSDP does not manage). Values are broadcast from the
-    first rank of the mesh along each mesh dim in flat buckets and then checked bitwise
-    (a rank whose adapters differed before the broadcast gets a warning naming it). Each
-    adapter ``nn.Linear`` gets hooks (``distribute_module``) so it consumes and returns plain
-    tensors, and its weight is trainable while the base stays frozen.
-
-    Args:
-        model: the model, already ``fully_shard``-ed, carrying :class:`LoRALinear` layers.
-        check_timeout: how long to wait for the other ranks' fingerprint.
-
-    Returns:
-        The number of LoRA parameters that are now replicated DTensors; 0 (and nothing is
-        changed) without a process group or when no LoRA base weight is a DTensor.
-
-    Raises:
-        FsdpLayoutError: if some LoRA bases are sharded and others are not, they sit on
-            different meshes, the mesh does not span the world, an adapter is still on meta,
-            or an adapter is already FSDP-sharded (the FSDP-native path).
-        LoraStateMismatchError: if ranks hold different LoRA layers, or the values still
-            differ after the broadcast.
-    """
-    if not _is_initialized():
-        return 0
-    layers = _lora_layers(model)
-    sharded = [(n, m) for n, m in layers if isinstance(m.base_layer.weight, DTensor)]
-    if not sharded:
-        return 0
-    plain = [n for n, m in layers if not isinstance(m.base_layer.weight, DTensor)]
-    if plain:
-        raise FsdpLayoutError(
-            f"LoRA layer {plain[0]!r} has a plain base weight while {sharded[0][0]!r} is "
-            "FSDP-sharded; apply fully_shard so that every adapted layer is covered "
-            "(e.g. fully_shard(model) on the root) before replicate_lora_parameters"
-        )
-    mesh = sharded[0][1].base_layer.weight.device_mesh
-    for n, m in sharded:
-        if m.base_layer.weight.device_mesh != mesh:
-            raise FsdpLayoutError(
-                f"LoRA layer {n!r} is sharded on mesh {m.base_layer.weight.device_mesh} but "
-                f"{sharded[0][0]!r} on {mesh}; replicate_lora_parameters reuses one FSDP mesh"
-            )
-    if mesh.size() != dist.get_world_size():
-        raise FsdpLayoutError(
-            f"the FSDP mesh {tuple(mesh.shape)} covers {mesh.size()} of "
-            f"{dist.get_world_size()} ranks; replicate_lora_parameters needs a mesh that "
-            "spans the whole world"
-        )
-    placements = [Replicate()] * mesh.ndim
-    todo: list[tuple[str, nn.Linear]] = []
-    descriptors: list[str] = []
-    errors: list[tuple[str, str]] = []
-    for n, m in sharded:
-        for leaf in ("lora_A", "lora_B"):
-            lin: nn.Linear = getattr(m, leaf)
-            w = lin.weight
-            name = f"{n}.{leaf}.weight"
-            if isinstance(w, DTensor):
-                if not (w.device_mesh == mesh and all(p.is_replicate() for p in w.placements)):
-                    raise FsdpLayoutError(
-                        f"{name} is already a DTensor with placements {w.placements}: it is "
-                        "managed by FSDP (the FSDP-native path, prepare_for_fsdp=True), whose "
-                        "reduce-scatter already averages it; do not call "
-                        "replicate_lora_parameters on such a model"
-                    )
-            elif w.is_meta:
-                raise FsdpLayoutError(
-                    f"{name} is on the meta device; call result.missing_parameter_initializer"
-                    "(model) (or build the adapters eagerly) before replicate_lora_parameters"
-                )
-            todo.append((name, lin))
-            descriptors.append(_descriptor(name, _local(w)))
-    check_consistent(descriptors, errors, None, check_timeout, "replicate_lora_parameters")
-    locals_ = [_local(lin.weight).detach() for _, lin in todo]
-    before = torch.tensor([_bytes_digest(t) for t in locals_], dtype=torch.int64)
-    _broadcast_from_mesh_origin(locals_, mesh)
-    after = torch.tensor([_bytes_digest(t) for t in locals_], dtype=torch.int64)
-    world = dist.get_world_size()
-    both = torch.stack([before, after]).reshape(-1)
-    gathered = [torch.empty_like(both) for _ in range(world)]
-    dist.all_gather(gathered, both, group=None)
-    src = int(mesh.mesh.reshape(-1)[0])
-    ref = gathered[src].view(2, -1)
-    for rank, g in enumerate(gathered):
-        g = g.view(2, -1)
-        bad_after = (g[1] != ref[1]).nonzero()
-        if bad_after.numel():
-            name = todo[int(bad_after[0])][0]
-            raise LoraStateMismatchError(
-                f"replicate_lora_parameters: after the broadcast rank {rank} still holds a "
-                f"different value of '{name}' than rank {src}",
-                rank=rank,
-                parameter=name,
-            )
-        bad_before = (g[0] != ref[0]).nonzero()
-        if bad_before.numel() and rank == dist.get_rank():
-            name = todo[int(bad_before[0])][0]
-            warnings.warn(
-                f"rank {rank}: LoRA parameter '{name}' (and {bad_before.numel() - 1} more) "
-                f"differed from rank {src} before replication; rank {src}'s values were "
-                "broadcast. Initialise adapters identically on every rank (same "
-                "LoraConfig.init_seed) to avoid this",
-                RuntimeWarning,
-                stacklevel=2,
-            )
-    for (_name, lin), value in zip(todo, locals_, strict=True):
-        if not isinstance(lin.weight, DTensor):
-            lin.weight = nn.Parameter(
-                DTensor.from_local(value, mesh, placements, run_check=False),
-                requires_grad=True,
-            )
-            distribute_module(lin, mesh, input_fn=_replicated_input, output_fn=_local_output)
-        lin.weight.requires_grad_(True)
-    for _n, m in sharded:
-        for p in m.base_layer.parameters():
-            p.requires_grad_(False)
-    logger.info("replicated %d LoRA parameters on mesh %s", len(todo), tuple(mesh.shape))
-    return len(todo)
-
-
-def _broadcast_from_mesh_origin(tensors: list[torch.Tensor], mesh: DeviceMesh) -> None:
-    """Overwrite ``tensors`` in place with mesh coordinate ``(0, ..., 0)``'s values."""
-    by_dtype: dict[torch.dtype, list[torch.Tensor]] = {}
-    for t in tensors:
-        by_dtype.setdefault(t.dtype, []).append(t)
-    for group_tensors in by_dtype.values():
-        flat = torch.cat([t.reshape(-1) for t in group_tensors])
-        for dim in range(mesh.ndim):
-            dist.broadcast(flat, group=mesh.get_group(dim), group_src=0)
-        offset = 0
-        for t in group_tensors:
-            t.copy_(flat[offset:offset + t.numel()].view(t.shape))
-            offset += t.numel()

@@ -19,8 +19,10 @@ import torch.distributed as dist
 
 __all__ = [
     "DEFAULT_CHECK_TIMEOUT",
+    "FsdpLayoutError",
     "LoraStateMismatchError",
     "check_consistent",
+    "collective_device",
     "digest",
     "first_difference",
 ]
@@ -28,6 +30,10 @@ __all__ = [
 # Bounds the fingerprint exchange, the first collective of every call: a rank that never
 # arrives (crashed, or took another code path) turns into an error instead of a hang.
 DEFAULT_CHECK_TIMEOUT = timedelta(seconds=120)
+
+
+class FsdpLayoutError(ValueError):
+    """The model or the parameters are not in a layout this layer can handle."""
 
 
 class LoraStateMismatchError(RuntimeError):
@@ -43,6 +49,15 @@ class LoraStateMismatchError(RuntimeError):
         super().__init__(message)
         self.rank = rank
         self.parameter = parameter
+
+
+def collective_device(group: dist.ProcessGroup | None) -> torch.device:
+    """Where small bookkeeping tensors must live for ``group``'s backend (CUDA for NCCL)."""
+    backend = str(dist.get_backend(group)).lower()
+    # "cpu:gloo,cuda:nccl" takes CPU tensors; a pure NCCL group only takes CUDA tensors.
+    if "nccl" in backend and "gloo" not in backend and torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return torch.device("cpu")
 
 
 def digest(items: Sequence[str]) -> int:
@@ -129,7 +144,7 @@ def check_consistent(
             local problem, or the fingerprints did not arrive within ``timeout``.
     """
     fp = torch.tensor([len(descriptors), digest(descriptors), len(local_errors)],
-                      dtype=torch.int64)
+                      dtype=torch.int64, device=collective_device(group))
     gathered = [torch.empty_like(fp) for _ in range(dist.get_world_size(group))]
     work = dist.all_gather(gathered, fp, group=group, async_op=True)
     try:
@@ -142,7 +157,8 @@ def check_consistent(
             rank=dist.get_rank(group),
             parameter=None,
         ) from exc
-    if all(torch.equal(g, gathered[0]) for g in gathered) and int(gathered[0][2]) == 0:
+    rows = torch.stack(gathered).cpu()
+    if bool((rows == rows[0]).all()) and int(rows[0, 2]) == 0:
         return
     # The rare failure path may afford a pickled exchange to say exactly what differs.
     objects: list[Any] = [None] * len(gathered)
