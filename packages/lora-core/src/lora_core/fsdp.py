@@ -24,12 +24,16 @@ parameter groups and shards them like any other parameter (``Shard(0)``, or
 checkpoint through ``lora_core.remap_checkpoint_keys(state_dict, result)`` (the
 ``checkpoint_key_aliases`` map ``x.weight`` to ``x.base_layer.weight``), then call
 ``result.missing_parameter_initializer(model)`` to fill the adapter shards with the same
-values the eager path builds. FSDP itself reduce-scatters the adapter gradients; do not call
-:func:`replicate_lora_parameters`, and :func:`sync_replicated_lora_gradients` skips such
-sharded parameters (it only touches fully replicated DTensors and plain tensors). Use it for
+values the eager path builds, and ``rebind_parameters(result, model)``. FSDP itself
+reduce-scatters the adapter gradients; do not call :func:`replicate_lora_parameters`, and
+:func:`sync_replicated_lora_gradients` skips such sharded parameters (it only touches fully
+replicated DTensors and plain tensors). Use it for
 large adapters or many of them, when the whole model is built on meta and loaded shard by
 shard, or when the adapters' optimizer state should be sharded too. If ranks may skip an
 adapter in their forward, enable ``FSDPModule.set_reduce_scatter_unused_params(True)``.
+
+The sync assumes nothing else averages the tensors it touches: do not combine it with DDP or
+with FSDP's pure-replication mode for the same parameters.
 
 Plain tensors passed to :func:`sync_replicated_lora_gradients` (for example the expert LoRA
 buffers of ``moe_experts``, replicated by construction) are averaged over ``group``.

@@ -73,7 +73,8 @@ def replicate_lora_parameters(
     """Make every LoRA A/B of an FSDP2-sharded model a replicated DTensor on FSDP's mesh.
 
     The replicate path: call after ``fully_shard`` and ``enable_lora_training`` (which adds
-    the adapters as plain parameters FSDP does not manage). Values are broadcast from the
+    the adapters as plain parameters FSDP does not manage), and before the first forward,
+    while FSDP holds the sharded base parameters. Values are broadcast from the
     first rank of the mesh along each mesh dim in flat buckets and then checked bitwise
     (a rank whose adapters differed before the broadcast gets a warning naming it). Each
     adapter ``nn.Linear`` gets hooks (``distribute_module``) so it consumes and returns plain
