@@ -1,0 +1,78 @@
+"""Regenerate the golden fixtures (only when FORMAT_VERSION changes on purpose).
+
+Usage: ``python tests/golden/make_golden.py`` from ``packages/lora-checkpoint``.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import torch
+
+import lora_checkpoint as lc
+from lora_core import LoraConfig
+from lora_core.contracts import AdaptationResult, ComponentVersion, PeftExport, PeftTensorLayout
+
+HERE = Path(__file__).parent
+
+
+def golden_result() -> AdaptationResult:
+    """A small result whose values depend on nothing but this code."""
+    a = torch.nn.Parameter(torch.arange(8.0).reshape(2, 4))
+    b = torch.nn.Parameter(torch.arange(8.0).reshape(4, 2) / 8)
+    ea = torch.nn.Parameter(torch.arange(12.0).reshape(2, 2, 3).bfloat16())
+    rl = torch.nn.Parameter(torch.tensor([1.0, -1.0]))
+    return AdaptationResult.create(
+        adapted_layers=["lin"],
+        named_optimizer_parameters=[
+            ("lin.lora_A.weight", a),
+            ("lin.lora_B.weight", b),
+            ("experts.lora_A", ea),
+            ("bias.rank", rl),
+        ],
+        ownership={
+            "lin.lora_A.weight": "replicated",
+            "lin.lora_B.weight": "replicated",
+            "experts.lora_A": "replicated",
+            "bias.rank": "rank_local",
+        },
+        producer=ComponentVersion("lora-core", "0.1.0"),
+        lora_config=LoraConfig(enable=True, rank=2, alpha=4, target_modules=("lin",)),
+        rank_local_names=["bias.rank"],
+        peft_exports={
+            "lin.lora_A.weight": PeftExport("base_model.model.lin.lora_A.weight"),
+            "lin.lora_B.weight": PeftExport("base_model.model.lin.lora_B.weight"),
+            "experts.lora_A": PeftExport(
+                "base_model.model.experts.lora_A.weight", PeftTensorLayout.EXPERT_STACKED_A
+            ),
+        },
+        peft_target_modules=["lin"],
+        peft_target_parameters=["experts.weight"],
+    )
+
+
+def normalised_manifest(manifest: lc.Manifest) -> dict:
+    """The manifest as JSON with the fields that change every run or release blanked."""
+    raw = json.loads(manifest.to_json())
+    raw["created_at"] = "<created_at>"
+    for c in raw["components"]:
+        if c["name"] == "lora-checkpoint":
+            c["version"] = "<version>"
+    return raw
+
+
+def main() -> None:
+    (HERE / "manifest_schema_v1.json").write_text(
+        json.dumps(lc.Manifest.model_json_schema(), indent=2, sort_keys=True) + "\n"
+    )
+    shutil.rmtree(HERE / "root_v1", ignore_errors=True)
+    m = lc.save(HERE / "root_v1", golden_result(), step=1)
+    (HERE / "manifest_v1_normalised.json").write_text(
+        json.dumps(normalised_manifest(m), indent=2, sort_keys=True) + "\n"
+    )
+
+
+if __name__ == "__main__":
+    main()
