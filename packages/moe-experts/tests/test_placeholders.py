@@ -1,5 +1,6 @@
 """Placeholders keep names and shapes and hold no storage."""
 
+import copy
 import gc
 
 import psutil
@@ -43,6 +44,10 @@ def test_placeholder_survives_module_api() -> None:
     assert isinstance(m.w, nn.Parameter)
     assert not m.w.requires_grad
     assert m.w.numel() == 48
+    twin = copy.deepcopy(m)
+    assert is_placeholder(twin.w)
+    assert twin.w is not m.w
+    assert tuple(twin.w.shape) == (4, 6, 2)
 
 
 def test_reading_values_raises_clear_error() -> None:

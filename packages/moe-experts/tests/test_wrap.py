@@ -74,3 +74,18 @@ def test_state_dict_keeps_expert_keys(fresh) -> None:
     sd = model.state_dict()
     assert list(sd) == keys
     assert is_placeholder(sd["model.layers.0.mlp.experts.gate_up_proj"])
+
+
+def test_deepcopy_of_wrapped_model_is_independent(fresh) -> None:
+    import copy
+
+    model = fresh("qwen3_moe")
+    wrap(model, weight_dtype="fp32")
+    twin = copy.deepcopy(model)
+    ids = token_batch()
+    with torch.no_grad():
+        torch.testing.assert_close(twin(ids).logits, model(ids).logits, rtol=0, atol=0)
+    a = model.model.layers[0].mlp.experts
+    b = twin.model.layers[0].mlp.experts
+    assert a.expert_weights is not b.expert_weights
+    assert is_placeholder(b.gate_up_proj)

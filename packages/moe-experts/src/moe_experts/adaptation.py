@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Literal
 
 import torch
@@ -62,7 +63,7 @@ def peft_key_prefix(experts_fqn: str, depth: int) -> str:
     return _PEFT_ROOT + _strip_peft_root(experts_fqn) + ".base_layer" * depth
 
 
-def _init_fn(experts_fqn: str, seed: int):
+def _init_fn(experts_fqn: str, seed: int) -> Callable[[str, torch.Tensor], None]:
     def init(name: str, tensor: torch.Tensor) -> None:
         proj, kind = name.rsplit("_lora_", 1)
         # Names like "model.layers.3.mlp.experts.gate_up.lora_A": stable across ranks/orders.

@@ -7,10 +7,11 @@ allocation. Compared with the alternatives:
 * a zero-stride ``expand`` view still owns one element, and ``.to(dtype)`` materialises the
   full logical tensor;
 * the wrapper subclass keeps shape, dtype, device and ``requires_grad=False``, survives
-  ``named_parameters()``, ``state_dict()`` (keys unchanged), ``model.to(dtype/device)`` (which
-  yield new placeholders), and is passed to FSDP2 as ``fully_shard(..., ignored_params=...)``
-  so FSDP never allocates, shards or broadcasts it. Any attempt to read its values raises
-  :class:`~moe_experts.errors.PlaceholderAccessError` naming the parameter.
+  ``named_parameters()``, ``state_dict()`` (keys unchanged), ``model.to(dtype/device)`` and
+  ``copy.deepcopy`` (which yield new placeholders), and is passed to FSDP2 as
+  ``fully_shard(..., ignored_params=...)`` so FSDP never allocates, shards or broadcasts it.
+  Any attempt to read its values raises :class:`~moe_experts.errors.PlaceholderAccessError`
+  naming the parameter.
 """
 
 from __future__ import annotations
@@ -66,7 +67,8 @@ class ExpertPlaceholder(torch.Tensor):
         kwargs = kwargs or {}
         src = args[0] if args else None
         if isinstance(src, ExpertPlaceholder):
-            if func in (_aten.detach.default, _aten.alias.default):
+            # clone stays metadata-only so copy.deepcopy(model) works on a wrapped model.
+            if func in (_aten.detach.default, _aten.alias.default, _aten.clone.default):
                 return cls(src.shape, src.dtype, src.device, src.label)
             if func is _aten._to_copy.default:
                 dtype = kwargs.get("dtype") or src.dtype
