@@ -144,11 +144,11 @@ def test_expert_stacked_tensors_roundtrip_in_peft_file(tmp_path):
     assert sb.shape == (i, e * r)
     # invert the documented layouts and get the native tensors back
     assert torch.equal(sa.reshape(e, r, h), a.detach())
-    assert torch.equal(sb.reshape(i, e, r).permute(1, 0, 2), b.detach())
-    # PEFT's stacked delta per expert equals ours: B_stack[:, e-block] @ A_stack[e-block]
+    assert torch.equal(sb.reshape(i, r, e).permute(2, 0, 1), b.detach())
+    # PEFT's stacked delta per expert equals ours: B_stack[:, e::E] @ A_stack[e-block]
     for ei in range(e):
         blk = slice(ei * r, (ei + 1) * r)
-        torch.testing.assert_close(sb[:, blk] @ sa[blk], b[ei].detach() @ a[ei].detach())
+        torch.testing.assert_close(sb[:, ei::e] @ sa[blk], b[ei].detach() @ a[ei].detach())
     cfg = json.loads((tmp_path / m.name / "adapter_config.json").read_text())
     assert cfg["target_parameters"] == ["mlp.experts.gate_up_proj"]
     assert cfg["target_modules"] is None

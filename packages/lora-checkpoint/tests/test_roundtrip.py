@@ -83,7 +83,7 @@ def test_files_are_plain_safetensors_with_typed_placement(tmp_path, result):
     for ei in range(e):
         for j in range(r):
             assert torch.equal(pa[ei * r + j], a[ei, j])
-            assert torch.equal(pb[:, ei * r + j], b[ei, :, j])
+            assert torch.equal(pb[:, j * e + ei], b[ei, :, j])
     # no PEFT export -> only our file; rank-local -> only the per-rank file
     assert torch.equal(own["moe.lora_experts.0.weight"], p["moe.lora_experts.0.weight"])
     assert set(local) == {"router.rank_bias"}
@@ -102,7 +102,7 @@ def test_stacked_layout_matches_documented_formula():
     sa = lc.to_peft_layout(a, PeftTensorLayout.EXPERT_STACKED_A, "a")
     sb = lc.to_peft_layout(b, PeftTensorLayout.EXPERT_STACKED_B, "b")
     assert torch.equal(sa, torch.cat([a[0], a[1]], dim=0))
-    assert torch.equal(sb, torch.cat([b[0], b[1]], dim=1))
+    assert torch.equal(sb, torch.stack([b[0], b[1]], dim=2).reshape(5, 6))  # rank-major
     with pytest.raises(lc.ShapeMismatchError, match=r"3-D"):
         lc.to_peft_layout(torch.zeros(2, 2), PeftTensorLayout.EXPERT_STACKED_A, "x")
 

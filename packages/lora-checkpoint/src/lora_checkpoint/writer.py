@@ -84,8 +84,8 @@ def to_peft_layout(tensor: torch.Tensor, layout: PeftTensorLayout, name: str) ->
         name: the parameter name, for errors.
 
     Returns:
-        IDENTITY: the tensor; A: ``[E*r, in]`` (row ``e*r+j`` = ``A[e, j]``); B: ``[out, E*r]``
-        (column ``e*r+j`` = ``B[e, :, j]``).
+        IDENTITY: the tensor; A: ``[E*r, in]`` (row ``e*r+j`` = ``A[e, j]``); B: ``[out, r*E]``
+        (column ``j*E+e`` = ``B[e, :, j]``: PEFT stacks B rank-major).
 
     Raises:
         ShapeMismatchError: if a stacked layout gets a tensor that is not 3-D.
@@ -102,7 +102,7 @@ def to_peft_layout(tensor: torch.Tensor, layout: PeftTensorLayout, name: str) ->
     e, a, b = tensor.shape
     if layout is PeftTensorLayout.EXPERT_STACKED_A:
         return tensor.reshape(e * a, b)
-    return tensor.permute(1, 0, 2).reshape(a, e * b)
+    return tensor.permute(1, 2, 0).reshape(a, b * e)
 
 
 def _adapter_config(
@@ -112,7 +112,9 @@ def _adapter_config(
     if cfg is None:
         raise CheckpointError("adapter_config.json needs result.lora_config (rank and alpha)")
     rank = int(cfg.rank)
-    alpha = cfg.alpha if getattr(cfg, "alpha", None) is not None else rank
+    alpha: float | int = rank if cfg.alpha is None else float(cfg.alpha)
+    if float(alpha).is_integer():
+        alpha = int(alpha)  # PEFT writes an int; keep the file identical where we can
     # The fields and defaults PEFT 0.21 writes for a plain LoRA adapter; PEFT ignores
     # (with a warning) keys it does not know, so older readers load this too.
     return {
@@ -128,7 +130,7 @@ def _adapter_config(
         "layers_to_transform": None,
         "lora_alpha": alpha,
         "lora_bias": False,
-        "lora_dropout": float(getattr(cfg, "dropout", 0.0) or 0.0),
+        "lora_dropout": float(cfg.dropout),
         "modules_to_save": None,
         "peft_type": "LORA",
         "r": rank,

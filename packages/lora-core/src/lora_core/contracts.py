@@ -54,8 +54,9 @@ class PeftTensorLayout(enum.StrEnum):
     IDENTITY = "identity"  # same shape and element order
     # Per-expert A ``[E, r, in]`` <-> PEFT's stacked ``lora_A [E*r, in]`` (row e*r + j = A[e, j]).
     EXPERT_STACKED_A = "expert_stacked_a"
-    # Per-expert B ``[E, out, r]`` <-> PEFT's stacked ``lora_B [out, E*r]``
-    # (col e*r + j = B[e, :, j]).
+    # Per-expert B ``[E, out, r]`` <-> PEFT's stacked ``lora_B [out, r*E]``, rank-major:
+    # col j*E + e = B[e, :, j]. PEFT's ParamWrapper reshapes lora_B to [out, r, E] (verified
+    # against peft 0.21 in kt-kernel's peft_mapping tests), unlike A, which is expert-major.
     EXPERT_STACKED_B = "expert_stacked_b"
 
 
