@@ -83,8 +83,10 @@ def _wheel(session: nox.Session, package: str, constraints: Path) -> Path:
     """Build (or reuse) the wheel of one package and return its path."""
     key = _source_digest(package)
     if package in NATIVE:
-        torch_version = session.run("python", "-c", "import torch; print(torch.__version__)",
-                                    silent=True).strip()
+        # Read from metadata: importing torch may print warnings into the captured output.
+        torch_version = session.run(
+            "python", "-c", "import importlib.metadata as m; print(m.version('torch'))",
+            silent=True).strip().splitlines()[-1]
         key += "-torch" + torch_version
     out = WHEELHOUSE / package / key
     wheels = sorted(out.glob("*.whl"))
