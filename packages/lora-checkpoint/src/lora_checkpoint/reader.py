@@ -47,13 +47,13 @@ class LoadedCheckpoint:
         manifest: the checkpoint's manifest.
         tensors: parameter name -> CPU tensor (this rank's rank-local tensors included).
         training_state: this rank's training state, or None if none was saved.
-        path: the checkpoint directory that was read.
+        path: the checkpoint directory that was read (None if built by hand).
     """
 
     manifest: Manifest
     tensors: Mapping[str, torch.Tensor]
-    training_state: TrainingState | None
-    path: Path
+    training_state: TrainingState | None = None
+    path: Path | None = None
 
 
 def resolve_checkpoint(directory: str | os.PathLike[str]) -> Path:
