@@ -4,12 +4,13 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import lora_checkpoint
 import pytest
 import torch
+from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+
+import lora_checkpoint
 from lora_core import LoraConfig
 from moe_experts import adapt_model
-from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
 CONFIG = LoraConfig(enable=True, rank=4, alpha=8, init_seed=3,
                     target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
@@ -57,7 +58,7 @@ def test_restore_reproduces_logits_and_keeps_parameter_objects(base_dir: Path,
     assert manifest.world_size == 1
 
     fresh, fresh_result = _adapted(base_dir)
-    before = {n: p for n, p in fresh_result.named_optimizer_parameters}
+    before = dict(fresh_result.named_optimizer_parameters)
     lora_checkpoint.restore(fresh_result, lora_checkpoint.load(tmp_path))
     for n, p in fresh_result.named_optimizer_parameters:
         assert p is before[n]
