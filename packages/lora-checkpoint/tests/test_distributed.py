@@ -56,7 +56,15 @@ def test_two_gloo_ranks_save_load_restore(tmp_path):
         for r in (0, 1)
     }
     one = lc.load(root, rank=1)
-    assert torch.equal(one.tensors["router.bias"], torch.arange(5.0) + 100)
+    # rank 1's bias after the worker's single AdamW step with gradient 2
+    bias = torch.nn.Parameter(torch.arange(5.0) + 100)
+    bias.grad = torch.full((5,), 2.0)
+    torch.optim.AdamW([bias], lr=0.1, foreach=False).step()
+    assert torch.equal(one.tensors["router.bias"], bias.detach())
+    zero = lc.load(root, rank=0)
+    assert not torch.equal(zero.tensors["router.bias"], one.tensors["router.bias"])
+    exp_avg = one.training_state.optimizer.state["router.bias"]["exp_avg"]
+    assert torch.allclose(exp_avg, torch.full((5,), 0.2))  # (1 - beta1) * 2
     assert one.training_state.data_position == {"rank": 1}
     ownership = {p.name: p.ownership.value for p in m.parameters}
     assert ownership["dense.lora_B.weight"] == "sharded"
