@@ -173,3 +173,20 @@ def test_adapt_model_merges_dense_and_experts(fresh) -> None:
     loss.backward()
     assert all(p.grad is not None for p in result.parameters())
     opt.step()
+
+
+@pytest.mark.timeout(60)
+def test_recompute_policy_gives_the_same_gradients(fresh) -> None:
+    grads = {}
+    for policy in ("save", "recompute"):
+        model = fresh("mixtral")
+        wrap(model, weight_dtype="fp32", policy=policy)
+        for p in model.parameters():
+            p.requires_grad_(False)
+        result = adapt(model, CFG)
+        _perturb_b(result)
+        ids = token_batch()
+        model(ids, labels=ids).loss.backward()
+        grads[policy] = [p.grad.clone() for p in result.parameters()]
+    for a, b in zip(grads["save"], grads["recompute"], strict=True):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)

@@ -94,3 +94,20 @@ def test_adopted_peft_saves_its_own_keys(fresh, tmp_path) -> None:
     assert sorted(saved) == sorted(e.key for e in result.peft_exports.values())
     for fqn, p in result.named_optimizer_parameters:
         torch.testing.assert_close(saved[result.peft_exports[fqn].key], p.detach())
+
+
+def test_adoption_refuses_mixed_ranks(fresh) -> None:
+    from moe_experts import WrapError
+
+    pm = peft.get_peft_model(
+        fresh("olmoe"),
+        peft.LoraConfig(r=2, lora_alpha=4, target_modules=[], target_parameters=TARGETS,
+                        rank_pattern={"down_proj": 4}),
+    )
+    ids = token_batch()
+    with torch.no_grad():
+        before = pm(ids).logits
+    with pytest.raises(WrapError, match="one rank and alpha"):
+        wrap(pm, weight_dtype="fp32")
+    with torch.no_grad():  # the refused block was left exactly as PEFT built it
+        torch.testing.assert_close(pm(ids).logits, before, rtol=0, atol=0)

@@ -240,8 +240,8 @@ def wrap(
         moved += gate_up.nbytes + down.nbytes
         kernel_bytes += weights.nbytes
         if wrappers:
+            _adopt(site, wrappers, kernel)  # validates first: a refusal leaves PEFT untouched
             wrappers[-1].base_layer = kernel
-            _adopt(site, wrappers, kernel)
             adopted.append(site.experts_name)
         else:
             setattr(site.block, arch.experts_attr, kernel)
