@@ -10,9 +10,13 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from collections.abc import Sequence
 
+import torch
+
+from lora_checkpoint._safetensors_io import NAME_TO_DTYPE
 from lora_checkpoint.errors import CheckpointError
 from lora_checkpoint.manifest import Manifest, parse_manifest
 from lora_checkpoint.reader import resolve_checkpoint, verify
@@ -36,9 +40,11 @@ def _human(n: int) -> str:
 
 def _table(rows: list[list[str]], header: list[str]) -> str:
     widths = [max(len(str(r[i])) for r in [header, *rows]) for i in range(len(header))]
-    lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True))]
+    lines = ["  ".join(h.ljust(w) for h, w in zip(header, widths, strict=True)).rstrip()]
     lines.append("  ".join("-" * w for w in widths))
-    lines += ["  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)) for r in rows]
+    lines += [
+        "  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)).rstrip() for r in rows
+    ]
     return "\n".join(lines)
 
 
@@ -57,9 +63,8 @@ def render(manifest: Manifest) -> str:
         out += ["", f"training_state step {manifest.training_state.step}"]
     rows = []
     for t in manifest.tensors:
-        nbytes = 1
-        for s in t.shape:
-            nbytes *= s
+        dtype = NAME_TO_DTYPE.get(t.dtype)
+        nbytes = math.prod(t.shape) * (torch.empty((), dtype=dtype).element_size() if dtype else 0)
         rows.append(
             [
                 t.name,
@@ -67,11 +72,15 @@ def render(manifest: Manifest) -> str:
                 t.file,
                 "x".join(map(str, t.shape)) or "scalar",
                 t.dtype,
+                _human(nbytes) if dtype else "?",
                 "-" if t.rank is None else str(t.rank),
                 t.sha256[:12],
             ]
         )
-    out += ["", _table(rows, ["tensor", "kind", "file", "shape", "dtype", "rank", "sha256"])]
+    out += [
+        "",
+        _table(rows, ["tensor", "kind", "file", "shape", "dtype", "size", "rank", "sha256"]),
+    ]
     out += [
         "",
         _table(
