@@ -51,24 +51,34 @@ struct Timer {
 };
 #define KT_TIME(p) Timer kt_timer_##p(p)
 
+// Each expert's rows start at a multiple of kPad and its block is zero-padded to one, so every
+// GEMM sees M (and, for the LoRA weight gradients, K) in {kPad, 2*kPad, ..., tile}. oneDNN
+// JIT-compiles and caches one primitive per distinct shape (~0.75 MiB each); unpadded
+// routing would create a new one for almost every call. Padded rows are exact zeros all
+// the way through (zero input, zero routing weight), so they change no result.
+constexpr int64_t kPad = 16;
+
 struct Routing {
-  at::Tensor perm;     // [N] flat (t*k + j) index of sorted row p
-  at::Tensor pos;      // [N] sorted row of flat index f (inverse of perm)
-  at::Tensor offsets;  // [E+1] first sorted row of each expert
+  at::Tensor perm;     // [Np] flat (t*k + j) index of sorted row p, -1 for a padding row
+  at::Tensor pos;      // [N] sorted row of flat index f
+  at::Tensor offsets;  // [E+1] first sorted row of each expert (multiples of kPad)
 };
 
 Routing route(const at::Tensor& ids, int64_t num_experts) {
   const int64_t n = ids.numel();
   auto opts = at::TensorOptions().dtype(at::kLong);
-  Routing r{at::empty({n}, opts), at::empty({n}, opts), at::zeros({num_experts + 1}, opts)};
+  at::Tensor offsets = at::zeros({num_experts + 1}, opts);
   const int64_t* id = ids.data_ptr<int64_t>();
-  int64_t* off = r.offsets.data_ptr<int64_t>();
+  int64_t* off = offsets.data_ptr<int64_t>();
   for (int64_t f = 0; f < n; ++f) {
     TORCH_CHECK(id[f] >= 0 && id[f] < num_experts, "topk_ids must lie in [0, ", num_experts,
                 "), got id ", id[f]);
     off[id[f] + 1]++;
   }
-  for (int64_t e = 0; e < num_experts; ++e) off[e + 1] += off[e];
+  for (int64_t e = 0; e < num_experts; ++e) {
+    off[e + 1] = off[e] + (off[e + 1] + kPad - 1) / kPad * kPad;
+  }
+  Routing r{at::full({off[num_experts]}, -1, opts), at::empty({n}, opts), offsets};
   std::vector<int64_t> fill(off, off + num_experts);
   int64_t* perm = r.perm.data_ptr<int64_t>();
   int64_t* pos = r.pos.data_ptr<int64_t>();
@@ -233,7 +243,11 @@ void gather_rows(const at::Tensor& src, const int64_t* perm, int64_t k, int64_t 
   const char* s = static_cast<const char*>(src.data_ptr());
   char* d = static_cast<char*>(dst.data_ptr());
   for (int64_t p = begin; p < end; ++p) {
-    std::memcpy(d + p * row_bytes, s + (perm[p] / k) * row_bytes, row_bytes);
+    if (perm[p] < 0) {
+      std::memset(d + p * row_bytes, 0, row_bytes);
+    } else {
+      std::memcpy(d + p * row_bytes, s + (perm[p] / k) * row_bytes, row_bytes);
+    }
   }
 }
 
@@ -336,7 +350,7 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> forward(
   for (auto& t : lora_t) t = t.detach();
   const int64_t tokens = x.size(0), hidden = x.size(1), k = ids.size(1);
   const int64_t num_experts = gate_up.size(0), inter = down.size(2);
-  const int64_t n = tokens * k;
+  TORCH_CHECK(tile_rows > 0 && tile_rows % kPad == 0, "tile_rows must be a multiple of ", kPad);
   Routing rt = [&] {
     KT_TIME(kRoute);
     return route(ids, num_experts);
@@ -346,15 +360,16 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> forward(
     return prepare_lora(lora_t, fused, scaling, inter);
   }();
   const int64_t ra = l.on ? l.a_cat.size(1) : 0;
+  const int64_t np = rt.perm.numel();  // padded row count
   auto opts = x.options();
   const auto dt = x.scalar_type();
-  Scratch xs_s(n, hidden, dt), out_s(n, hidden, dt);
+  Scratch xs_s(np, hidden, dt), out_s(np, hidden, dt);
   std::optional<Scratch> gu_s;
-  if (!save) gu_s.emplace(n, 2 * inter, dt);
+  if (!save) gu_s.emplace(np, 2 * inter, dt);
   at::Tensor xs = xs_s.t, out = out_s.t;
-  at::Tensor gu = save ? at::empty({n, 2 * inter}, opts) : gu_s->t;
-  at::Tensor z = l.on ? at::empty({n, ra}, opts) : at::empty({0}, opts);
-  at::Tensor zd = l.on ? at::empty({n, l.rank}, opts) : at::empty({0}, opts);
+  at::Tensor gu = save ? at::empty({np, 2 * inter}, opts) : gu_s->t;
+  at::Tensor z = l.on ? at::empty({np, ra}, opts) : at::empty({0}, opts);
+  at::Tensor zd = l.on ? at::empty({np, l.rank}, opts) : at::empty({0}, opts);
   const int64_t* perm = rt.perm.data_ptr<int64_t>();
   std::vector<Task> tasks = make_tasks(rt.offsets, tile_rows);
   run_tasks(static_cast<int64_t>(tasks.size()), [&](int64_t i) {
@@ -407,7 +422,7 @@ std::tuple<at::Tensor, at::Tensor, std::vector<at::Tensor>> backward(
   for (auto& t : lora_t) t = t.detach();
   const int64_t tokens = x.size(0), hidden = x.size(1), k = ids.size(1);
   const int64_t num_experts = gate_up.size(0), inter = down.size(2);
-  const int64_t n = tokens * k;
+  TORCH_CHECK(tile_rows > 0 && tile_rows % kPad == 0, "tile_rows must be a multiple of ", kPad);
   TORCH_CHECK(saved.size() == 3 || saved.size() == 6, "corrupt saved state");
   Routing rt{saved[0], saved[1], saved[2]};
   const bool have_saved = saved.size() == 6;
@@ -415,22 +430,31 @@ std::tuple<at::Tensor, at::Tensor, std::vector<at::Tensor>> backward(
   const int64_t ra = l.on ? l.a_cat.size(1) : 0, r = l.rank;
   auto opts = x.options();
   const int64_t* perm = rt.perm.data_ptr<int64_t>();
-  // Per-row routing weight in sorted order (float/double), and the per-row dw.
-  at::Tensor w_rows = w.reshape({-1}).index_select(0, rt.perm).contiguous();
-  at::Tensor dw_rows = at::empty({n}, w.options());
+  const int64_t np = rt.perm.numel();
+  // Per-row routing weight in sorted order (0 on padding rows), and the per-row dw.
+  at::Tensor w_flat = w.reshape({-1}).contiguous();
+  at::Tensor w_rows = at::zeros({np}, w.options());
+  AT_DISPATCH_FLOATING_TYPES(w.scalar_type(), "kt_w_rows", [&] {
+    const scalar_t* src = w_flat.data_ptr<scalar_t>();
+    scalar_t* dst = w_rows.data_ptr<scalar_t>();
+    for (int64_t p = 0; p < np; ++p) {
+      if (perm[p] >= 0) dst[p] = src[perm[p]];
+    }
+  });
+  at::Tensor dw_rows = at::empty({np}, w.options());
   const bool need_xs = l.on || !have_saved;
   const auto dt = x.scalar_type();
-  Scratch xs_s(need_xs ? n : 0, hidden, dt), dys_s(n, hidden, dt), dgu_s(n, 2 * inter, dt);
-  Scratch dxs_s(need_dx ? n : 0, hidden, dt), h_s(l.on ? n : 0, inter, dt);
+  Scratch xs_s(need_xs ? np : 0, hidden, dt), dys_s(np, hidden, dt), dgu_s(np, 2 * inter, dt);
+  Scratch dxs_s(need_dx ? np : 0, hidden, dt), h_s(l.on ? np : 0, inter, dt);
   at::Tensor xs = need_xs ? xs_s.t : at::Tensor();
   at::Tensor dys = dys_s.t;
   at::Tensor dgu = dgu_s.t;
   at::Tensor dxs = need_dx ? dxs_s.t : at::Tensor();
   at::Tensor h = l.on ? h_s.t : at::Tensor();
-  at::Tensor z = have_saved ? saved[4] : (l.on ? at::empty({n, ra}, opts) : at::Tensor());
-  at::Tensor zd = have_saved ? saved[5] : (l.on ? at::empty({n, r}, opts) : at::Tensor());
-  at::Tensor q = l.on ? at::empty({n, r}, opts) : at::Tensor();
-  at::Tensor dz = l.on ? at::empty({n, ra}, opts) : at::Tensor();
+  at::Tensor z = have_saved ? saved[4] : (l.on ? at::empty({np, ra}, opts) : at::Tensor());
+  at::Tensor zd = have_saved ? saved[5] : (l.on ? at::empty({np, r}, opts) : at::Tensor());
+  at::Tensor q = l.on ? at::empty({np, r}, opts) : at::Tensor();
+  at::Tensor dz = l.on ? at::empty({np, ra}, opts) : at::Tensor();
   std::vector<Task> tasks = make_tasks(rt.offsets, tile_rows);
   run_tasks(static_cast<int64_t>(tasks.size()), [&](int64_t i) {
     const Task& tk = tasks[i];
@@ -503,29 +527,23 @@ std::tuple<at::Tensor, at::Tensor, std::vector<at::Tensor>> backward(
     at::Tensor d_bd = at::zeros_like(l.b_down);
     const int64_t* off = rt.offsets.data_ptr<int64_t>();
     run_tasks(num_experts, [&](int64_t e) {
-      const int64_t b = off[e], m = off[e + 1] - off[e];
-      if (m == 0) return;
+      // Row tiles of one expert are summed in order into its gradients (fixed K per GEMM).
       at::Tensor d_bd_e = d_bd[e], d_ad_e = d_ad[e], d_acat_e = d_acat[e];
-      at::mm_out(d_bd_e, dys.narrow(0, b, m).t(), zdw.narrow(0, b, m));
-      at::mm_out(d_ad_e, qw.narrow(0, b, m).t(), h.narrow(0, b, m));
-      at::Tensor dgu_e = dgu.narrow(0, b, m), z_e = z.narrow(0, b, m);
-      if (fused) {
-        at::Tensor d_bbd_e = d_bbd[e];
-        at::mm_out(d_bbd_e, dgu_e.t(), z_e);
-      } else {
-        at::Tensor d_bg_e = d_bg[e], d_bu_e = d_bu[e];
-        at::mm_out(d_bg_e, dgu_e.narrow(1, 0, inter).t(), z_e.narrow(1, 0, r));
-        at::mm_out(d_bu_e, dgu_e.narrow(1, inter, inter).t(), z_e.narrow(1, r, r));
-      }
-      at::mm_out(d_acat_e, dz.narrow(0, b, m).t(), xs.narrow(0, b, m));
-      d_bd_e.mul_(l.s);
-      d_ad_e.mul_(l.s);
-      d_acat_e.mul_(l.s);
-      if (fused) {
-        d_bbd[e].mul_(l.s);
-      } else {
-        d_bg[e].mul_(l.s);
-        d_bu[e].mul_(l.s);
+      at::Tensor d_bbd_e = fused ? d_bbd[e] : at::Tensor();
+      at::Tensor d_bg_e = fused ? at::Tensor() : d_bg[e];
+      at::Tensor d_bu_e = fused ? at::Tensor() : d_bu[e];
+      for (int64_t b = off[e]; b < off[e + 1]; b += tile_rows) {
+        const int64_t m = std::min(tile_rows, off[e + 1] - b);
+        at::Tensor dgu_t = dgu.narrow(0, b, m), z_t = z.narrow(0, b, m);
+        d_bd_e.addmm_(dys.narrow(0, b, m).t(), zdw.narrow(0, b, m), 1.0, l.s);
+        d_ad_e.addmm_(qw.narrow(0, b, m).t(), h.narrow(0, b, m), 1.0, l.s);
+        if (fused) {
+          d_bbd_e.addmm_(dgu_t.t(), z_t, 1.0, l.s);
+        } else {
+          d_bg_e.addmm_(dgu_t.narrow(1, 0, inter).t(), z_t.narrow(1, 0, r), 1.0, l.s);
+          d_bu_e.addmm_(dgu_t.narrow(1, inter, inter).t(), z_t.narrow(1, r, r), 1.0, l.s);
+        }
+        d_acat_e.addmm_(dz.narrow(0, b, m).t(), xs.narrow(0, b, m), 1.0, l.s);
       }
     });
     if (fused) {
