@@ -333,5 +333,8 @@ def _as_param_like(value: Any, param: torch.Tensor) -> Any:
         from torch.distributed.tensor import DTensor
 
         if value.shape == param.to_local().shape and value.dim() > 0:
-            return DTensor.from_local(value, param.device_mesh, param.placements, run_check=False)
+            # Pass the global shape: FSDP shards unevenly (e.g. 259 rows as 130 + 129), and
+            # from_local would otherwise infer local_rows * world_size.
+            return DTensor.from_local(value, param.device_mesh, param.placements,
+                                      run_check=False, shape=param.shape, stride=param.stride())
     return value

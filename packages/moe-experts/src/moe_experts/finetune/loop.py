@@ -190,6 +190,11 @@ def run_finetune(args: FinetuneArgs) -> FinetuneSummary:
             raise FinetuneError(f"--resume {args.resume}: the checkpoint has no training state")
         ckpt.training_state.apply(optimizer, result)
         first_step = ckpt.training_state.step
+        if first_step >= args.steps:
+            raise FinetuneError(
+                f"--resume {args.resume}: the checkpoint is at step {first_step}; pass "
+                f"--steps greater than {first_step} to train further"
+            )
 
     out = Path(args.output)
     log_path = out / "train_log.jsonl"
