@@ -52,6 +52,8 @@ NAME_TO_DTYPE: dict[str, torch.dtype] = {str(d).removeprefix("torch."): d for d 
 # Chunks hashed/written at a time: big enough to amortise thread hand-offs, small enough
 # that the hash of chunk i overlaps the write (or read) of chunk i+1.
 CHUNK_BYTES = 16 * 1024 * 1024
+# Bytes written between background fdatasync calls (see write_safetensors).
+FLUSH_BYTES = 64 * 1024 * 1024
 # Threads hashing tensors while the file is written (the file hash has its own thread).
 HASH_WORKERS = max(1, min(8, (os.cpu_count() or 2) - 1))
 # safetensors refuses headers above 100 MB; so do we, before allocating anything.
@@ -168,12 +170,18 @@ def write_safetensors(
     try:
         # The file hash is one ordered stream (one worker, chunks in order); tensor hashes are
         # independent, so they spread over the other cores. hashlib releases the GIL, so both
-        # overlap the write syscalls of this thread. The views are zero-copy.
+        # overlap the write syscalls of this thread. The views are zero-copy views of tensors
+        # that stay alive, so the hash queue needs no bound. Every FLUSH_BYTES a background
+        # fdatasync starts the disk writeback early, so the final fsync overlaps the hashing
+        # instead of following it.
         with (
             ThreadPoolExecutor(1) as file_pool,
             ThreadPoolExecutor(HASH_WORKERS) as tensor_pool,
+            ThreadPoolExecutor(1) as flush_pool,
         ):
             pending: list[Future[None]] = []
+            flush: Future[None] | None = None
+            unflushed = 0
             _write_all(fd, memoryview(prefix))
             for key, t in prepared:
                 view = _byte_view(t)
@@ -181,12 +189,15 @@ def write_safetensors(
                 for chunk in _chunks(view):
                     pending.append(file_pool.submit(file_hash.update, chunk))
                     _write_all(fd, chunk)
-                    if len(pending) > 8:
-                        # Bound the queue so hashing never falls far behind the writes.
-                        pending.pop(0).result()
+                    unflushed += len(chunk)
+                    if unflushed >= FLUSH_BYTES and (flush is None or flush.done()):
+                        flush = flush_pool.submit(os.fdatasync, fd)
+                        unflushed = 0
             for f in pending:
                 f.result()
             digests = [(key, t, fut.result()) for key, t, fut in tensor_hashes]
+            if flush is not None:
+                flush.result()
         os.fsync(fd)
     finally:
         os.close(fd)
