@@ -205,6 +205,14 @@ def test_manifest_listing_pickle_file_refused(tmp_path, ckpt):
     assert not marker.exists()
 
 
+def test_symlinked_file_refused(tmp_path, ckpt):
+    target = tmp_path / "elsewhere.safetensors"
+    os.replace(ckpt / "fused_expert_lora.safetensors", target)
+    os.symlink(target, ckpt / "fused_expert_lora.safetensors")
+    with pytest.raises(lc.UnsafeFileError, match=r"fused_expert_lora.safetensors is a symbolic"):
+        lc.load(ckpt)
+
+
 def test_corrupt_safetensors_header(ckpt):
     path = ckpt / "fused_expert_lora.safetensors"
     data = bytearray(path.read_bytes())

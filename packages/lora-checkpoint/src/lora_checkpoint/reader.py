@@ -102,6 +102,12 @@ def _check_unsafe(ckpt: Path, manifest: Manifest) -> None:
                 f"{ckpt / f.file}: the manifest lists a {kind} file; "
                 f"only {list(_SAFE_SUFFIXES)} are read, never pickle"
             )
+        if (ckpt / f.file).is_symlink():
+            # A link could make a verified checkpoint read bytes from anywhere on the machine.
+            raise UnsafeFileError(
+                f"{ckpt / f.file} is a symbolic link; checkpoint files must be regular files "
+                "inside the checkpoint directory (copy the target in instead)"
+            )
     for child in ckpt.iterdir():
         if child.name in listed or child.name == MANIFEST or not child.is_file():
             continue
