@@ -68,6 +68,6 @@ def test_two_gloo_ranks_save_load_restore(tmp_path):
     assert one.training_state.data_position == {"rank": 1}
     ownership = {p.name: p.ownership.value for p in m.parameters}
     assert ownership["dense.lora_B.weight"] == "sharded"
-    assert next(p for p in m.parameters if p.name == "dense.lora_B.weight").shape == (6, 4)
+    assert next(p for p in m.parameters if p.name == "dense.lora_B.weight").shape == (7, 4)
     with pytest.raises(lc.CheckpointError, match=r"world_size 2"):
         lc.load(root, rank=2)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -37,6 +38,8 @@ __all__ = ["LoadedCheckpoint", "load", "resolve_checkpoint", "restore", "verify"
 # Extensions whose usual readers (torch.load, pickle) can execute code.
 UNSAFE_SUFFIXES = frozenset({".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt", ".joblib"})
 _SAFE_SUFFIXES = (".safetensors", ".json")
+# Files read (and hashed) at the same time.
+READ_WORKERS = max(1, min(4, os.cpu_count() or 1))
 
 
 @dataclass(frozen=True)
@@ -218,12 +221,19 @@ def load(
     by_file: dict[str, dict[str, torch.Tensor]] = {}
     ts_json: bytes | None = None
     st_file, js_file = training_state_files(rank)
-    for entry in manifest.files:
-        if entry.rank is not None and entry.rank != rank:
-            continue
+    mine = [e for e in manifest.files if e.rank is None or e.rank == rank]
+    st_entries = [e for e in mine if e.file.endswith(".safetensors")]
+    # Each file's sha256 is one sequential stream: read and hash the files concurrently.
+    with ThreadPoolExecutor(max(1, min(len(st_entries), READ_WORKERS))) as pool:
+        futures = [
+            pool.submit(_read_safetensors_file, ckpt, e, manifest, verify) for e in st_entries
+        ]
+        for e, fut in zip(st_entries, futures, strict=True):
+            by_file[e.file] = fut.result()  # the first failure (in manifest order) raises
+    for entry in mine:
         if entry.file.endswith(".safetensors"):
-            by_file[entry.file] = _read_safetensors_file(ckpt, entry, manifest, verify)
-        elif entry.file == js_file:
+            continue
+        if entry.file == js_file:
             ts_json = _read_json_file(ckpt, entry, verify)
         elif verify:
             _read_json_file(ckpt, entry, verify)

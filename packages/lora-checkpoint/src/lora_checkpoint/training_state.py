@@ -335,6 +335,12 @@ def _as_param_like(value: Any, param: torch.Tensor) -> Any:
         if value.shape == param.to_local().shape and value.dim() > 0:
             # Pass the global shape: FSDP shards unevenly (e.g. 259 rows as 130 + 129), and
             # from_local would otherwise infer local_rows * world_size.
-            return DTensor.from_local(value, param.device_mesh, param.placements,
-                                      run_check=False, shape=param.shape, stride=param.stride())
+            return DTensor.from_local(
+                value,
+                param.device_mesh,
+                param.placements,
+                run_check=False,
+                shape=param.shape,
+                stride=param.stride(),
+            )
     return value

@@ -12,6 +12,7 @@ import json
 import os
 import uuid
 from collections.abc import Mapping
+from concurrent.futures import ThreadPoolExecutor
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -59,6 +60,8 @@ __all__ = [
 ]
 
 MANIFEST = "manifest.json"
+# Files written (and hashed) at the same time by one rank.
+FILE_WORKERS = max(1, min(4, os.cpu_count() or 1))
 ADAPTER_CONFIG = "adapter_config.json"
 ADAPTER_MODEL = "adapter_model.safetensors"
 FUSED_EXPERT_LORA = "fused_expert_lora.safetensors"
@@ -197,11 +200,14 @@ def _write_rank_files(
 ) -> dict[str, Any]:
     files: list[dict[str, Any]] = []
     tensors: list[dict[str, Any]] = []
+    # (file, tensors, kinds, rank) of every safetensors file; written concurrently below so
+    # each file's sequential sha256 stream gets its own core.
+    jobs: list[tuple[str, dict[str, torch.Tensor], Any, int | None]] = []
 
-    def add(rec: FileRecord, file: str, kinds: Any, file_rank: int | None) -> None:
-        f, ts = _entries(rec, file, kinds, file_rank)
-        files.append(f)
-        tensors.extend(ts)
+    def add(
+        tensors_: dict[str, torch.Tensor], file: str, kinds: Any, file_rank: int | None
+    ) -> None:
+        jobs.append((file, tensors_, kinds, file_rank))
 
     if rank == 0:
         peft: dict[str, torch.Tensor] = {}
@@ -224,12 +230,7 @@ def _write_rank_files(
             own[n] = t
             own_kinds[n] = (n, TensorKind.PARAMETER, None)
         if peft:
-            add(
-                write_safetensors(tmp / ADAPTER_MODEL, peft, {"format": "pt"}),
-                ADAPTER_MODEL,
-                peft_kinds,
-                None,
-            )
+            add(peft, ADAPTER_MODEL, peft_kinds, None)
             if result.lora_config is not None:
                 text = (
                     json.dumps(
@@ -245,29 +246,16 @@ def _write_rank_files(
                     FileEntry(file=ADAPTER_CONFIG, size=size, sha256=digest).model_dump(mode="json")
                 )
         if own:
-            add(
-                write_safetensors(tmp / FUSED_EXPERT_LORA, own, {"format": "pt"}),
-                FUSED_EXPERT_LORA,
-                own_kinds,
-                None,
-            )
+            add(own, FUSED_EXPERT_LORA, own_kinds, None)
     if local:
         file = rank_local_file(rank)
-        add(
-            write_safetensors(tmp / file, local, {"format": "pt"}),
-            file,
-            {n: (n, TensorKind.PARAMETER, None) for n in local},
-            rank,
-        )
+        add(local, file, {n: (n, TensorKind.PARAMETER, None) for n in local}, rank)
     if training_state is not None:
         st_file, js_file = training_state_files(rank)
         ts_tensors, doc = training_state.to_files()
         ts_tensors = {k: as_cpu_contiguous(v) for k, v in ts_tensors.items()}
         add(
-            write_safetensors(tmp / st_file, ts_tensors),
-            st_file,
-            {k: (k, TensorKind.TRAINING_STATE, None) for k in ts_tensors},
-            rank,
+            ts_tensors, st_file, {k: (k, TensorKind.TRAINING_STATE, None) for k in ts_tensors}, rank
         )
         data = (json.dumps(doc, indent=1, sort_keys=True) + "\n").encode()
         _fs.write_bytes_durable(tmp / js_file, data)
@@ -276,6 +264,16 @@ def _write_rank_files(
                 mode="json"
             )
         )
+    with ThreadPoolExecutor(max(1, min(len(jobs), FILE_WORKERS))) as pool:
+        futures = [
+            pool.submit(write_safetensors, tmp / file, ts, {"format": "pt"})
+            for file, ts, _, _ in jobs
+        ]
+        records = [f.result() for f in futures]  # the first failure (in file order) raises
+    for (file, _, kinds, file_rank), rec in zip(jobs, records, strict=True):
+        f, ts = _entries(rec, file, kinds, file_rank)
+        files.append(f)
+        tensors.extend(ts)
     return {"files": files, "tensors": tensors}
 
 

@@ -29,7 +29,7 @@ def full_values() -> dict[str, torch.Tensor]:
     g = torch.Generator().manual_seed(0)
     return {
         "dense.lora_A.weight": torch.randn(4, 8, generator=g),
-        "dense.lora_B.weight": torch.randn(6, 4, generator=g),
+        "dense.lora_B.weight": torch.randn(7, 4, generator=g),  # uneven: 4 + 3 rows
         "experts.lora_A": torch.randn(3, 4, 8, generator=g),
     }
 
