@@ -9,10 +9,11 @@ import torch
 from kt_kernel._native import native_module
 from kt_kernel.errors import KernelDTypeError, KernelInputError
 from kt_kernel.lora import LoraBuffers
+from kt_kernel.quant import NativeInt8Experts
 from kt_kernel.reference import moe_experts_forward_reference
 from kt_kernel.spec import ExpertWeights
 
-__all__ = ["moe_experts_forward", "activation_memory_bytes", "Policy", "Backend"]
+__all__ = ["Backend", "Policy", "activation_memory_bytes", "moe_experts_forward"]
 
 Policy = Literal["save", "recompute"]
 Backend = Literal["auto", "native", "reference"]
@@ -52,7 +53,11 @@ def _validate(
         raise KernelInputError(
             f"topk_ids must have shape [T={tokens}, k>=1], got {list(topk_ids.shape)}"
         )
-    if topk_ids.dtype.is_floating_point or topk_ids.dtype.is_complex or topk_ids.dtype == torch.bool:
+    if (
+        topk_ids.dtype.is_floating_point
+        or topk_ids.dtype.is_complex
+        or topk_ids.dtype == torch.bool
+    ):
         raise KernelDTypeError(f"topk_ids must be an integer tensor, got {topk_ids.dtype}")
     if tuple(topk_weights.shape) != tuple(topk_ids.shape):
         raise KernelInputError(
@@ -71,9 +76,9 @@ def _validate(
                 f"topk_ids must lie in [0, num_experts={spec.num_experts}), got id {bad}"
             )
     for name, t in (("x", x), ("topk_ids", topk_ids), ("topk_weights", topk_weights)):
-        if t.device != weights.gate_up.device:
+        if t.device != weights.device:
             raise KernelDTypeError(
-                f"{name} is on {t.device} but the expert weights are on {weights.gate_up.device}"
+                f"{name} is on {t.device} but the expert weights are on {weights.device}"
             )
     if lora is not None:
         if not isinstance(lora, LoraBuffers):
@@ -173,7 +178,9 @@ def moe_experts_forward(
     """
     _validate(x, topk_ids, topk_weights, weights, lora, policy, backend)
     on_cpu = x.device.type == "cpu"
-    use_native = backend == "native" or (backend == "auto" and native_module() is not None and on_cpu)
+    use_native = backend == "native" or (
+        backend == "auto" and native_module() is not None and on_cpu
+    )
     if backend == "native" and (native_module() is None or not on_cpu):
         raise KernelInputError(
             "backend='native' needs the compiled extension and CPU tensors; "
@@ -191,6 +198,9 @@ def moe_experts_forward(
     else:
         factors = tuple(t.to(weights.dtype).contiguous() for t in lora.tensors())
         scaling, fused = lora.scaling, lora.layout == "fused"
+    if weights.is_quantized:
+        base = weights.int8_storage()
+        return NativeInt8Experts.apply(xc, w, ids, base, scaling, fused, policy == "save", *factors)
     y = _NativeExperts.apply(xc, w, ids, weights, scaling, fused, policy == "save", *factors)
     return y
 
@@ -211,7 +221,7 @@ def activation_memory_bytes(
     """
     spec = weights.spec
     n = tokens * top_k
-    elt = weights.gate_up.element_size()
+    elt = weights.dtype.itemsize
     routing = (n + spec.num_experts + 1) * 8
     if policy == "recompute":
         return routing

@@ -11,9 +11,7 @@ from kt_kernel.spec import ExpertWeights
 __all__ = ["moe_experts_forward_reference"]
 
 
-def _lora_term(
-    x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float
-) -> torch.Tensor:
+def _lora_term(x: torch.Tensor, a: torch.Tensor, b: torch.Tensor, scaling: float) -> torch.Tensor:
     return scaling * ((x @ a.t()) @ b.t())
 
 
@@ -47,8 +45,6 @@ def moe_experts_forward_reference(
     wc = topk_weights.to(dtype)
     acc = torch.float64 if dtype == torch.float64 else torch.float32
     y = torch.zeros(x.shape[0], spec.hidden_size, dtype=acc, device=x.device)
-    gate_up = weights.gate_up
-    down = weights.down
     if lora is not None:
         s = lora.scaling
         f = {n: t.to(dtype) for n, t in lora.named_lora_parameters()}
@@ -57,7 +53,8 @@ def moe_experts_forward_reference(
         if tok.numel() == 0:
             continue
         xe = xc[tok]
-        gu = xe @ gate_up[e].t()
+        # Per expert: for int8 weights this dequantises one expert, never the whole bank.
+        gu = xe @ weights.expert_gate_up(e).t()
         if lora is not None:
             if lora.layout == "fused":
                 gu = gu + _lora_term(xe, f["gate_up_lora_a"][e], f["gate_up_lora_b"][e], s)
@@ -70,7 +67,7 @@ def moe_experts_forward_reference(
                     dim=-1,
                 )
         h = F.silu(gu[:, :inter]) * gu[:, inter:]
-        o = h @ down[e].t()
+        o = h @ weights.expert_down(e).t()
         if lora is not None:
             o = o + _lora_term(h, f["down_lora_a"][e], f["down_lora_b"][e], s)
         y = y.index_add(0, tok, (o * wc[tok, slot].unsqueeze(-1)).to(acc))

@@ -1,0 +1,644 @@
+// Routed SwiGLU experts over a weight-only INT8 base (per-output-channel fp32 scales), with
+// LoRA in the compute dtype (fp32 or bf16): forward and backward on CPU.
+//
+// The structure follows moe_kernel.cpp (counting sort by expert, padded row blocks, one
+// OpenMP task per (expert, row tile), deterministic scatter), but every base GEMM runs on
+// weight tiles dequantised on the fly into a per-thread scratch buffer of ~256 KiB (L2
+// resident): `W x` reads row blocks of W, `dh W` (dx and gh) reads column blocks of the
+// same int8 storage. No full-precision copy of an expert, let alone of the model, exists.
+//
+// The ops are registered with TORCH_LIBRARY_FRAGMENT under `torch.ops.kt_kernel_int8`, so this
+// translation unit plugs into the `kt_kernel._C` module without touching its pybind table.
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Exception.h>
+#include <immintrin.h>
+#include <omp.h>
+#include <torch/library.h>
+
+#include <algorithm>
+#include <cstdlib>
+#include <cstring>
+#include <exception>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "elementwise.h"
+
+namespace kt_kernel {
+namespace int8 {
+namespace {
+
+// ---------------------------------------------------------------- dequantisation kernels
+// out[r * ldo + c] = q[r * ldq + c] * scale[r] for r < rows, c < cols. The product is formed
+// in fp32 and rounded once (to nearest even for bf16), exactly as the Python reference does,
+// so every ISA gives bitwise the same tile.
+using DequantFn = void (*)(const int8_t* q, int64_t ldq, const float* scale, int64_t rows,
+                           int64_t cols, void* out, int64_t ldo);
+
+void dequant_f32_scalar(const int8_t* q, int64_t ldq, const float* scale, int64_t rows,
+                        int64_t cols, void* out, int64_t ldo) {
+  float* o = static_cast<float*>(out);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float s = scale[r];
+    for (int64_t c = 0; c < cols; ++c) o[r * ldo + c] = static_cast<float>(q[r * ldq + c]) * s;
+  }
+}
+
+void dequant_bf16_scalar(const int8_t* q, int64_t ldq, const float* scale, int64_t rows,
+                         int64_t cols, void* out, int64_t ldo) {
+  c10::BFloat16* o = static_cast<c10::BFloat16*>(out);
+  for (int64_t r = 0; r < rows; ++r) {
+    const float s = scale[r];
+    for (int64_t c = 0; c < cols; ++c) {
+      o[r * ldo + c] = c10::BFloat16(static_cast<float>(q[r * ldq + c]) * s);
+    }
+  }
+}
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#define KT_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
+#define KT_AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
+
+KT_AVX512 inline __m512 load16_ps(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+
+KT_AVX512 inline __m512 load_tail_ps(const int8_t* p, __mmask16 m) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, p)));
+}
+
+KT_AVX512 void dequant_f32_avx512(const int8_t* q, int64_t ldq, const float* scale, int64_t rows,
+                                  int64_t cols, void* out, int64_t ldo) {
+  float* o = static_cast<float*>(out);
+  for (int64_t r = 0; r < rows; ++r) {
+    const __m512 s = _mm512_set1_ps(scale[r]);
+    const int8_t* src = q + r * ldq;
+    float* dst = o + r * ldo;
+    int64_t c = 0;
+    for (; c + 16 <= cols; c += 16) _mm512_storeu_ps(dst + c, _mm512_mul_ps(load16_ps(src + c), s));
+    if (c < cols) {
+      const __mmask16 m = static_cast<__mmask16>((1u << (cols - c)) - 1u);
+      _mm512_mask_storeu_ps(dst + c, m, _mm512_mul_ps(load_tail_ps(src + c, m), s));
+    }
+  }
+}
+
+// int8 -> int32 (vpmovsxbd) -> fp32 -> * scale -> bf16 (vcvtne2ps2bf16, round to nearest even).
+KT_AVX512BF16 void dequant_bf16_avx512(const int8_t* q, int64_t ldq, const float* scale,
+                                       int64_t rows, int64_t cols, void* out, int64_t ldo) {
+  uint16_t* o = static_cast<uint16_t*>(out);
+  for (int64_t r = 0; r < rows; ++r) {
+    const __m512 s = _mm512_set1_ps(scale[r]);
+    const int8_t* src = q + r * ldq;
+    uint16_t* dst = o + r * ldo;
+    int64_t c = 0;
+    for (; c + 32 <= cols; c += 32) {
+      const __m512 lo = _mm512_mul_ps(load16_ps(src + c), s);
+      const __m512 hi = _mm512_mul_ps(load16_ps(src + c + 16), s);
+      _mm512_storeu_si512(dst + c, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
+    }
+    for (; c < cols; c += 16) {
+      const int64_t left = std::min<int64_t>(16, cols - c);
+      const __mmask16 m = static_cast<__mmask16>(left == 16 ? 0xFFFFu : (1u << left) - 1u);
+      const __m256bh v = _mm512_cvtneps_pbh(_mm512_mul_ps(load_tail_ps(src + c, m), s));
+      _mm256_mask_storeu_epi16(dst + c, m, (__m256i)v);
+    }
+  }
+}
+#endif
+
+struct DequantTable {
+  DequantFn f32 = dequant_f32_scalar;
+  DequantFn bf16 = dequant_bf16_scalar;
+  std::string isa = "scalar";
+};
+
+DequantTable select_dequant() {
+  DequantTable t;
+  // KT_KERNEL_ISA=avx2|scalar caps the choice, as for the elementwise loops (fallback tests).
+  const char* cap = std::getenv("KT_KERNEL_ISA");
+  const bool allow512 = !cap || std::strcmp(cap, "avx512") == 0;
+#if defined(__x86_64__) && defined(__GNUC__)
+  __builtin_cpu_init();
+  const bool f512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                    __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
+  if (allow512 && f512) {
+    t.f32 = dequant_f32_avx512;
+    t.isa = "avx512";
+    if (__builtin_cpu_supports("avx512bf16")) {
+      t.bf16 = dequant_bf16_avx512;
+      t.isa = "avx512_bf16";
+    }
+  }
+#endif
+  return t;
+}
+
+const DequantTable& dequant_table() {
+  static const DequantTable t = select_dequant();
+  return t;
+}
+
+void dequant(const int8_t* q, int64_t ldq, const float* scale, int64_t rows, int64_t cols,
+             at::ScalarType dt, void* out, int64_t ldo) {
+  const auto& t = dequant_table();
+  if (dt == at::kBFloat16) {
+    t.bf16(q, ldq, scale, rows, cols, out, ldo);
+  } else {
+    TORCH_CHECK(dt == at::kFloat, "int8 base: compute dtype must be float32 or bfloat16, got ", dt);
+    t.f32(q, ldq, scale, rows, cols, out, ldo);
+  }
+}
+
+// ------------------------------------------------------------------- tiles and base GEMMs
+// Elements per dequantised tile: 128 Ki elements (256 KiB of bf16) stays in a 1 MiB L2 next
+// to the activation rows it multiplies. Overridable for tuning (KT_INT8_TILE_ELEMS).
+int64_t tile_elems() {
+  static const int64_t v = [] {
+    const char* s = std::getenv("KT_INT8_TILE_ELEMS");
+    const long long n = s ? std::atoll(s) : 0;
+    return n >= 1024 ? static_cast<int64_t>(n) : int64_t{128 * 1024};
+  }();
+  return v;
+}
+
+// A per-thread scratch tile; only one is alive per thread at a time (dequantise, GEMM, next).
+at::Tensor scratch_tile(int64_t rows, int64_t cols, at::ScalarType dt) {
+  thread_local std::vector<char> buf;
+  const size_t bytes = static_cast<size_t>(rows * cols) * c10::elementSize(dt);
+  if (buf.size() < bytes) buf.resize(bytes);
+  return at::from_blob(buf.data(), {rows, cols}, at::TensorOptions().dtype(dt));
+}
+
+// Tile extent along one axis: a multiple of 16 that fills about tile_elems() elements.
+int64_t tile_extent(int64_t full, int64_t other) {
+  int64_t t = std::max<int64_t>(16, tile_elems() / std::max<int64_t>(other, 1)) / 16 * 16;
+  t = std::min(t, full);
+  return std::max<int64_t>(t, 1);
+}
+
+// out [m, N] = in [m, K] @ (scale[:, None] * q)^T, q [N, K] int8 (row blocks of q).
+void base_nt(at::Tensor out, const at::Tensor& in, const int8_t* q, const float* scale,
+             int64_t n_rows, int64_t k) {
+  const auto dt = in.scalar_type();
+  const int64_t nt = tile_extent(n_rows, k);
+  for (int64_t n0 = 0; n0 < n_rows; n0 += nt) {
+    const int64_t len = std::min(nt, n_rows - n0);
+    at::Tensor tile = scratch_tile(len, k, dt);
+    dequant(q + n0 * k, k, scale + n0, len, k, dt, tile.data_ptr(), k);
+    at::Tensor o = out.narrow(1, n0, len);
+    at::mm_out(o, in, tile.t());
+  }
+}
+
+// out [m, K] = in [m, N] @ (scale[:, None] * q), q [N, K] int8 (column blocks of q): the
+// transposed use of the same storage, for dx and for the gradient into the down input.
+void base_nn(at::Tensor out, const at::Tensor& in, const int8_t* q, const float* scale,
+             int64_t n_rows, int64_t k) {
+  const auto dt = in.scalar_type();
+  const int64_t ct = tile_extent(k, n_rows);
+  for (int64_t c0 = 0; c0 < k; c0 += ct) {
+    const int64_t len = std::min(ct, k - c0);
+    at::Tensor tile = scratch_tile(n_rows, len, dt);
+    dequant(q + c0, k, scale, n_rows, len, dt, tile.data_ptr(), len);
+    at::Tensor o = out.narrow(1, c0, len);
+    at::mm_out(o, in, tile);
+  }
+}
+
+// The int8 base of one layer: q [E, N, K] int8 and scale [E, N] fp32.
+struct QBase {
+  const int8_t* q;
+  const float* s;
+  int64_t n, k;
+  const int8_t* qe(int64_t e) const { return q + e * n * k; }
+  const float* se(int64_t e) const { return s + e * n; }
+};
+
+QBase make_base(const at::Tensor& q, const at::Tensor& s, const char* name) {
+  TORCH_CHECK(q.scalar_type() == at::kChar && q.dim() == 3 && q.is_contiguous(), name,
+              " must be a contiguous int8 [E, N, K] tensor, got ", q.scalar_type(), " ", q.sizes());
+  TORCH_CHECK(s.scalar_type() == at::kFloat && s.dim() == 2 && s.is_contiguous() &&
+                  s.size(0) == q.size(0) && s.size(1) == q.size(1),
+              name, "_scale must be a contiguous float32 [E, N] tensor matching ", name);
+  return {q.data_ptr<int8_t>(), s.data_ptr<float>(), q.size(1), q.size(2)};
+}
+
+// ---------------------------------------------------------------- routing and scheduling
+// Rows of each expert start at a multiple of kPad and are zero-padded to one, so GEMM shapes
+// come from a small set (oneDNN caches one JIT primitive per shape). Padding rows carry zero
+// input and zero routing weight, so they change no result.
+constexpr int64_t kPad = 16;
+
+struct Routing {
+  at::Tensor perm;     // [Np] flat (t*k + j) index of sorted row p, -1 for a padding row
+  at::Tensor pos;      // [N] sorted row of flat index f
+  at::Tensor offsets;  // [E+1] first sorted row of each expert
+};
+
+Routing route(const at::Tensor& ids, int64_t num_experts) {
+  const int64_t n = ids.numel();
+  auto opts = at::TensorOptions().dtype(at::kLong);
+  at::Tensor offsets = at::zeros({num_experts + 1}, opts);
+  const int64_t* id = ids.data_ptr<int64_t>();
+  int64_t* off = offsets.data_ptr<int64_t>();
+  for (int64_t f = 0; f < n; ++f) {
+    TORCH_CHECK(id[f] >= 0 && id[f] < num_experts, "topk_ids must lie in [0, ", num_experts,
+                "), got id ", id[f]);
+    off[id[f] + 1]++;
+  }
+  for (int64_t e = 0; e < num_experts; ++e) {
+    off[e + 1] = off[e] + (off[e + 1] + kPad - 1) / kPad * kPad;
+  }
+  Routing r{at::full({off[num_experts]}, -1, opts), at::empty({n}, opts), offsets};
+  std::vector<int64_t> fill(off, off + num_experts);
+  int64_t* perm = r.perm.data_ptr<int64_t>();
+  int64_t* pos = r.pos.data_ptr<int64_t>();
+  for (int64_t f = 0; f < n; ++f) {  // stable: an expert's rows stay in token order
+    const int64_t p = fill[id[f]]++;
+    perm[p] = f;
+    pos[f] = p;
+  }
+  return r;
+}
+
+struct Task {
+  int64_t expert, begin, end;
+};
+
+std::vector<Task> make_tasks(const at::Tensor& offsets, int64_t tile_rows) {
+  const int64_t* off = offsets.data_ptr<int64_t>();
+  const int64_t e_count = offsets.numel() - 1;
+  std::vector<Task> tasks;
+  for (int64_t e = 0; e < e_count; ++e) {
+    for (int64_t b = off[e]; b < off[e + 1]; b += tile_rows) {
+      tasks.push_back({e, b, std::min(b + tile_rows, off[e + 1])});
+    }
+  }
+  std::stable_sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& b) {
+    return (a.end - a.begin) > (b.end - b.begin);
+  });
+  return tasks;
+}
+
+// fn(i) for i in [0, n) over OpenMP threads; nested parallelism off so each GEMM computes as
+// it would single-threaded and results do not depend on the thread count.
+template <typename Fn>
+void run_tasks(int64_t n, const Fn& fn) {
+  if (n == 0) return;
+  const int threads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), n));
+  std::exception_ptr error;
+  std::mutex mu;
+#pragma omp parallel num_threads(threads)
+  {
+    omp_set_num_threads(1);
+    at::NoGradGuard no_grad;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < n; ++i) {
+      try {
+        fn(i);
+      } catch (...) {
+        std::lock_guard<std::mutex> lock(mu);
+        if (!error) error = std::current_exception();
+      }
+    }
+  }
+  if (error) std::rethrow_exception(error);
+}
+
+// LoRA factors in internal form: A_cat [E, ra, H], B_bd [E, 2I, ra] (block-diagonal for the
+// split layout), and the down adapter.
+struct Lora {
+  bool on = false;
+  int64_t rank = 0;
+  at::Tensor a_cat, b_bd, a_down, b_down;
+  double s = 0;
+};
+
+Lora prepare_lora(const std::vector<at::Tensor>& t, bool fused, double scaling, int64_t inter) {
+  Lora l;
+  if (t.empty()) return l;
+  l.on = true;
+  l.s = scaling;
+  if (fused) {
+    TORCH_CHECK(t.size() == 4, "fused LoRA needs 4 tensors, got ", t.size());
+    l.rank = t[0].size(1);
+    l.a_cat = t[0].contiguous();
+    l.b_bd = t[1].contiguous();
+    l.a_down = t[2].contiguous();
+    l.b_down = t[3].contiguous();
+  } else {
+    TORCH_CHECK(t.size() == 6, "split LoRA needs 6 tensors, got ", t.size());
+    const int64_t r = t[0].size(1);
+    l.rank = r;
+    l.a_cat = at::cat({t[0], t[2]}, 1);
+    l.b_bd = at::zeros({t[1].size(0), 2 * inter, 2 * r}, t[1].options());
+    l.b_bd.narrow(1, 0, inter).narrow(2, 0, r).copy_(t[1]);
+    l.b_bd.narrow(1, inter, inter).narrow(2, r, r).copy_(t[3]);
+    l.a_down = t[4].contiguous();
+    l.b_down = t[5].contiguous();
+  }
+  return l;
+}
+
+void gather_rows(const at::Tensor& src, const int64_t* perm, int64_t k, int64_t begin,
+                 int64_t end, at::Tensor& dst) {
+  const int64_t row_bytes = src.size(1) * src.element_size();
+  const char* s = static_cast<const char*>(src.data_ptr());
+  char* d = static_cast<char*>(dst.data_ptr());
+  for (int64_t p = begin; p < end; ++p) {
+    if (perm[p] < 0) {
+      std::memset(d + p * row_bytes, 0, row_bytes);
+    } else {
+      std::memcpy(d + p * row_bytes, s + (perm[p] / k) * row_bytes, row_bytes);
+    }
+  }
+}
+
+void silu_mul(const at::Tensor& gu, at::Tensor& h) {
+  const auto& kt = kernels();
+  const int64_t rows = gu.size(0), inter = h.size(1);
+  if (gu.scalar_type() == at::kBFloat16) {
+    kt.silu_mul_bf16(reinterpret_cast<const uint16_t*>(gu.data_ptr()),
+                     reinterpret_cast<uint16_t*>(h.data_ptr()), rows, inter);
+  } else {
+    kt.silu_mul_f32(gu.data_ptr<float>(), h.data_ptr<float>(), rows, inter);
+  }
+}
+
+void silu_mul_bwd(const at::Tensor& gu, const at::Tensor& gh, const at::Tensor& w,
+                  at::Tensor& dgu, at::Tensor& h, at::Tensor& dw) {
+  const auto& kt = kernels();
+  const int64_t rows = gu.size(0), inter = h.size(1);
+  if (gu.scalar_type() == at::kBFloat16) {
+    kt.silu_mul_bwd_bf16(reinterpret_cast<const uint16_t*>(gu.data_ptr()),
+                         reinterpret_cast<const uint16_t*>(gh.data_ptr()), w.data_ptr<float>(),
+                         reinterpret_cast<uint16_t*>(dgu.data_ptr()),
+                         reinterpret_cast<uint16_t*>(h.data_ptr()), dw.data_ptr<float>(), rows,
+                         inter);
+  } else {
+    kt.silu_mul_bwd_f32(gu.data_ptr<float>(), gh.data_ptr<float>(), w.data_ptr<float>(),
+                        dgu.data_ptr<float>(), h.data_ptr<float>(), dw.data_ptr<float>(), rows,
+                        inter);
+  }
+}
+
+// out[t] = sum_j w[t, j] * src[pos[t, j]] (w undefined: weight 1), tokens in parallel.
+at::Tensor scatter(const at::Tensor& src, const at::Tensor& pos, const at::Tensor& w,
+                   int64_t tokens, int64_t k) {
+  const int64_t hidden = src.size(1);
+  at::Tensor out = at::empty({tokens, hidden}, src.options());
+  const auto& kt = kernels();
+  const int64_t* p = pos.data_ptr<int64_t>();
+  const float* wp = w.defined() ? w.data_ptr<float>() : nullptr;
+  const bool bf = src.scalar_type() == at::kBFloat16;
+  at::parallel_for(0, tokens, 16, [&](int64_t t0, int64_t t1) {
+    if (bf) {
+      kt.scatter_bf16(reinterpret_cast<const uint16_t*>(src.data_ptr()), p, wp,
+                      reinterpret_cast<uint16_t*>(out.data_ptr()), t0, t1, k, hidden);
+    } else {
+      kt.scatter_f32(src.data_ptr<float>(), p, wp, out.data_ptr<float>(), t0, t1, k, hidden);
+    }
+  });
+  return out;
+}
+
+// gu = xs @ W_gu[e]^T (+ s * (xs @ A_cat^T) @ B_bd^T, keeping z = xs @ A_cat^T).
+void gate_up_rows(const at::Tensor& xs, const QBase& gu_b, const Lora& l, int64_t e,
+                  at::Tensor& gu, at::Tensor* z) {
+  base_nt(gu, xs, gu_b.qe(e), gu_b.se(e), gu_b.n, gu_b.k);
+  if (l.on) {
+    at::mm_out(*z, xs, l.a_cat[e].t());
+    gu.addmm_(*z, l.b_bd[e].t(), 1.0, l.s);
+  }
+}
+
+void check_inputs(const at::Tensor& x, const at::Tensor& w) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
+              "int8 base: x must be float32 or bfloat16, got ", x.scalar_type());
+  TORCH_CHECK(w.scalar_type() == at::kFloat, "int8 base: topk_weights must be float32, got ",
+              w.scalar_type());
+}
+
+std::tuple<at::Tensor, std::vector<at::Tensor>> forward(
+    at::Tensor x, at::Tensor ids, at::Tensor w, at::Tensor gate_up_q, at::Tensor gate_up_scale,
+    at::Tensor down_q, at::Tensor down_scale, std::vector<at::Tensor> lora_t, double scaling,
+    bool fused, bool save, int64_t tile_rows) {
+  at::NoGradGuard no_grad;
+  x = x.detach().contiguous();
+  ids = ids.detach().contiguous();
+  w = w.detach().contiguous();
+  check_inputs(x, w);
+  for (auto& t : lora_t) t = t.detach();
+  TORCH_CHECK(tile_rows > 0 && tile_rows % kPad == 0, "tile_rows must be a multiple of ", kPad);
+  const QBase gub = make_base(gate_up_q, gate_up_scale, "gate_up");
+  const QBase dnb = make_base(down_q, down_scale, "down");
+  const int64_t tokens = x.size(0), hidden = x.size(1), k = ids.size(1);
+  const int64_t num_experts = gate_up_q.size(0), inter = down_q.size(2);
+  TORCH_CHECK(gub.k == hidden && gub.n == 2 * inter && dnb.n == hidden, "int8 base shapes ",
+              gate_up_q.sizes(), " / ", down_q.sizes(), " do not match x ", x.sizes());
+  Routing rt = route(ids, num_experts);
+  Lora l = prepare_lora(lora_t, fused, scaling, inter);
+  const int64_t ra = l.on ? l.a_cat.size(1) : 0;
+  const int64_t np = rt.perm.numel();
+  auto opts = x.options();
+  at::Tensor xs = at::empty({np, hidden}, opts), out = at::empty({np, hidden}, opts);
+  at::Tensor gu = at::empty({np, 2 * inter}, opts);
+  at::Tensor z = l.on ? at::empty({np, ra}, opts) : at::empty({0}, opts);
+  at::Tensor zd = l.on ? at::empty({np, l.rank}, opts) : at::empty({0}, opts);
+  const int64_t* perm = rt.perm.data_ptr<int64_t>();
+  std::vector<Task> tasks = make_tasks(rt.offsets, tile_rows);
+  run_tasks(static_cast<int64_t>(tasks.size()), [&](int64_t i) {
+    const Task& tk = tasks[i];
+    const int64_t b = tk.begin, m = tk.end - tk.begin, e = tk.expert;
+    gather_rows(x, perm, k, b, tk.end, xs);
+    at::Tensor xs_t = xs.narrow(0, b, m);
+    at::Tensor gu_t = gu.narrow(0, b, m);
+    at::Tensor z_t = l.on ? z.narrow(0, b, m) : at::Tensor();
+    gate_up_rows(xs_t, gub, l, e, gu_t, &z_t);
+    at::Tensor h_t = at::empty({m, inter}, opts);
+    silu_mul(gu_t, h_t);
+    at::Tensor o_t = out.narrow(0, b, m);
+    base_nt(o_t, h_t, dnb.qe(e), dnb.se(e), dnb.n, dnb.k);
+    if (l.on) {
+      at::Tensor zd_t = zd.narrow(0, b, m);
+      at::mm_out(zd_t, h_t, l.a_down[e].t());
+      o_t.addmm_(zd_t, l.b_down[e].t(), 1.0, l.s);
+    }
+  });
+  at::Tensor y = scatter(out, rt.pos, w, tokens, k);
+  std::vector<at::Tensor> saved = {rt.perm, rt.pos, rt.offsets};
+  if (save) {
+    saved.push_back(gu);
+    saved.push_back(z);
+    saved.push_back(zd);
+  }
+  return {y, saved};
+}
+
+std::tuple<at::Tensor, at::Tensor, std::vector<at::Tensor>> backward(
+    at::Tensor dy, at::Tensor x, at::Tensor ids, at::Tensor w, at::Tensor gate_up_q,
+    at::Tensor gate_up_scale, at::Tensor down_q, at::Tensor down_scale,
+    std::vector<at::Tensor> lora_t, double scaling, bool fused, std::vector<at::Tensor> saved,
+    bool need_dx, int64_t tile_rows) {
+  at::NoGradGuard no_grad;
+  dy = dy.detach().contiguous();
+  x = x.detach().contiguous();
+  check_inputs(x, w);
+  for (auto& t : lora_t) t = t.detach();
+  TORCH_CHECK(tile_rows > 0 && tile_rows % kPad == 0, "tile_rows must be a multiple of ", kPad);
+  TORCH_CHECK(saved.size() == 3 || saved.size() == 6, "corrupt saved state");
+  const QBase gub = make_base(gate_up_q, gate_up_scale, "gate_up");
+  const QBase dnb = make_base(down_q, down_scale, "down");
+  const int64_t tokens = x.size(0), hidden = x.size(1), k = ids.size(1);
+  const int64_t num_experts = gate_up_q.size(0), inter = down_q.size(2);
+  Routing rt{saved[0], saved[1], saved[2]};
+  const bool have_saved = saved.size() == 6;
+  Lora l = prepare_lora(lora_t, fused, scaling, inter);
+  const int64_t ra = l.on ? l.a_cat.size(1) : 0, r = l.rank;
+  auto opts = x.options();
+  const int64_t* perm = rt.perm.data_ptr<int64_t>();
+  const int64_t np = rt.perm.numel();
+  // Per-row routing weight in sorted order (0 on padding rows), and the per-row dw.
+  at::Tensor w_flat = w.reshape({-1}).contiguous();
+  at::Tensor w_rows = at::zeros({np}, w.options());
+  {
+    const float* src = w_flat.data_ptr<float>();
+    float* dst = w_rows.data_ptr<float>();
+    for (int64_t p = 0; p < np; ++p) {
+      if (perm[p] >= 0) dst[p] = src[perm[p]];
+    }
+  }
+  at::Tensor dw_rows = at::empty({np}, w.options());
+  const bool need_xs = l.on || !have_saved;
+  at::Tensor xs = need_xs ? at::empty({np, hidden}, opts) : at::Tensor();
+  at::Tensor dys = at::empty({np, hidden}, opts);
+  at::Tensor dgu = at::empty({np, 2 * inter}, opts);
+  at::Tensor dxs = need_dx ? at::empty({np, hidden}, opts) : at::Tensor();
+  at::Tensor h = l.on ? at::empty({np, inter}, opts) : at::Tensor();
+  at::Tensor z = have_saved ? saved[4] : (l.on ? at::empty({np, ra}, opts) : at::Tensor());
+  at::Tensor zd = have_saved ? saved[5] : (l.on ? at::empty({np, r}, opts) : at::Tensor());
+  at::Tensor q = l.on ? at::empty({np, r}, opts) : at::Tensor();
+  at::Tensor dz = l.on ? at::empty({np, ra}, opts) : at::Tensor();
+  std::vector<Task> tasks = make_tasks(rt.offsets, tile_rows);
+  run_tasks(static_cast<int64_t>(tasks.size()), [&](int64_t i) {
+    const Task& tk = tasks[i];
+    const int64_t b = tk.begin, m = tk.end - tk.begin, e = tk.expert;
+    at::Tensor gu_t;
+    if (need_xs) gather_rows(x, perm, k, b, tk.end, xs);
+    if (have_saved) {
+      gu_t = saved[3].narrow(0, b, m);
+    } else {
+      gu_t = at::empty({m, 2 * inter}, opts);
+      at::Tensor z_t = l.on ? z.narrow(0, b, m) : at::Tensor();
+      gate_up_rows(xs.narrow(0, b, m), gub, l, e, gu_t, &z_t);
+    }
+    gather_rows(dy, perm, k, b, tk.end, dys);
+    at::Tensor dys_t = dys.narrow(0, b, m);
+    at::Tensor gh_t = at::empty({m, inter}, opts);
+    base_nn(gh_t, dys_t, dnb.qe(e), dnb.se(e), dnb.n, dnb.k);
+    if (l.on) {
+      at::Tensor q_t = q.narrow(0, b, m);
+      at::mm_out(q_t, dys_t, l.b_down[e]);
+      gh_t.addmm_(q_t, l.a_down[e], 1.0, l.s);
+    }
+    at::Tensor dgu_t = dgu.narrow(0, b, m);
+    at::Tensor h_t = l.on ? h.narrow(0, b, m) : at::empty({m, inter}, opts);
+    at::Tensor dw_t = dw_rows.narrow(0, b, m);
+    silu_mul_bwd(gu_t, gh_t, w_rows.narrow(0, b, m), dgu_t, h_t, dw_t);
+    if (l.on) {
+      if (!have_saved) {
+        at::Tensor zd_t = zd.narrow(0, b, m);
+        at::mm_out(zd_t, h_t, l.a_down[e].t());
+      }
+      at::Tensor dz_t = dz.narrow(0, b, m);
+      at::mm_out(dz_t, dgu_t, l.b_bd[e]);
+    }
+    if (need_dx) {
+      at::Tensor dxs_t = dxs.narrow(0, b, m);
+      base_nn(dxs_t, dgu_t, gub.qe(e), gub.se(e), gub.n, gub.k);
+      if (l.on) dxs_t.addmm_(dz.narrow(0, b, m), l.a_cat[e], 1.0, l.s);
+    }
+  });
+
+  std::vector<at::Tensor> grads;
+  if (l.on) {
+    // LoRA weight gradients: one GEMM per expert over all its rows (a fixed reduction order).
+    at::Tensor w_col = w_rows.to(opts.dtype()).unsqueeze(1);
+    at::Tensor qw = q * w_col;
+    at::Tensor zdw = zd * w_col;
+    at::Tensor d_acat = at::zeros_like(l.a_cat);
+    at::Tensor d_bbd = fused ? at::zeros_like(l.b_bd) : at::Tensor();
+    at::Tensor d_bg = fused ? at::Tensor() : at::zeros({num_experts, inter, r}, opts);
+    at::Tensor d_bu = fused ? at::Tensor() : at::zeros({num_experts, inter, r}, opts);
+    at::Tensor d_ad = at::zeros_like(l.a_down);
+    at::Tensor d_bd = at::zeros_like(l.b_down);
+    const int64_t* off = rt.offsets.data_ptr<int64_t>();
+    run_tasks(num_experts, [&](int64_t e) {
+      const int64_t b = off[e], m = off[e + 1] - off[e];
+      if (m == 0) return;
+      at::Tensor d_bd_e = d_bd[e], d_ad_e = d_ad[e], d_acat_e = d_acat[e];
+      d_bd_e.addmm_(dys.narrow(0, b, m).t(), zdw.narrow(0, b, m), 0.0, l.s);
+      d_ad_e.addmm_(qw.narrow(0, b, m).t(), h.narrow(0, b, m), 0.0, l.s);
+      at::Tensor dgu_e = dgu.narrow(0, b, m), z_e = z.narrow(0, b, m);
+      if (fused) {
+        d_bbd[e].addmm_(dgu_e.t(), z_e, 0.0, l.s);
+      } else {
+        d_bg[e].addmm_(dgu_e.narrow(1, 0, inter).t(), z_e.narrow(1, 0, r), 0.0, l.s);
+        d_bu[e].addmm_(dgu_e.narrow(1, inter, inter).t(), z_e.narrow(1, r, r), 0.0, l.s);
+      }
+      d_acat_e.addmm_(dz.narrow(0, b, m).t(), xs.narrow(0, b, m), 0.0, l.s);
+    });
+    if (fused) {
+      grads = {d_acat, d_bbd, d_ad, d_bd};
+    } else {
+      grads = {d_acat.narrow(1, 0, r), d_bg, d_acat.narrow(1, r, r), d_bu, d_ad, d_bd};
+    }
+  }
+  at::Tensor dx = need_dx ? scatter(dxs, rt.pos, at::Tensor(), tokens, k) : at::Tensor();
+  at::Tensor dw = dw_rows.index_select(0, rt.pos).reshape({tokens, k});
+  return {dx, dw, grads};
+}
+
+// The whole [E, N, K] tensor dequantised: for tests of the SIMD tile loop against the Python
+// reference only; the op itself never builds this.
+at::Tensor dequantize(at::Tensor q, at::Tensor scale, at::ScalarType dtype) {
+  const QBase b = make_base(q, scale, "q");
+  at::Tensor out = at::empty(q.sizes(), at::TensorOptions().dtype(dtype));
+  const int64_t e_count = q.size(0);
+  for (int64_t e = 0; e < e_count; ++e) {
+    char* dst = static_cast<char*>(out.data_ptr()) + e * b.n * b.k * out.element_size();
+    dequant(b.qe(e), b.k, b.se(e), b.n, b.k, dtype, dst, b.k);
+  }
+  return out;
+}
+
+// One column block, exercising the strided (transposed-use) path and the masked tails.
+at::Tensor dequantize_columns(at::Tensor q, at::Tensor scale, int64_t c0, int64_t cols,
+                              at::ScalarType dtype) {
+  const QBase b = make_base(q, scale, "q");
+  TORCH_CHECK(c0 >= 0 && cols > 0 && c0 + cols <= b.k, "column block out of range");
+  at::Tensor out = at::empty({q.size(0), b.n, cols}, at::TensorOptions().dtype(dtype));
+  for (int64_t e = 0; e < q.size(0); ++e) {
+    char* dst = static_cast<char*>(out.data_ptr()) + e * b.n * cols * out.element_size();
+    dequant(b.qe(e) + c0, b.k, b.se(e), b.n, cols, dtype, dst, cols);
+  }
+  return out;
+}
+
+std::string isa() { return dequant_table().isa; }
+
+}  // namespace
+}  // namespace int8
+}  // namespace kt_kernel
+
+TORCH_LIBRARY_FRAGMENT(kt_kernel_int8, m) {
+  m.def("forward", &kt_kernel::int8::forward);
+  m.def("backward", &kt_kernel::int8::backward);
+  m.def("dequantize", &kt_kernel::int8::dequantize);
+  m.def("dequantize_columns", &kt_kernel::int8::dequantize_columns);
+  m.def("isa", &kt_kernel::int8::isa);
+}
