@@ -117,6 +117,15 @@ def test_manifest_parameter_dtype_altered(ckpt):
         lc.load(ckpt)
 
 
+def test_manifest_parameter_shape_altered(ckpt):
+    raw = _manifest(ckpt)
+    entry = next(p for p in raw["parameters"] if p["name"] == "moe.experts.gate_up_proj.lora_A")
+    entry["shape"] = [3, 4, 9]
+    _write_manifest(ckpt, raw)
+    with pytest.raises(lc.ShapeMismatchError, match=r"gate_up_proj.lora_A.*\[3, 4, 9\]"):
+        lc.load(ckpt)
+
+
 def test_manifest_drops_a_tensor_entry(ckpt):
     raw = _manifest(ckpt)
     raw["tensors"] = [t for t in raw["tensors"] if t["name"] != "layer.q_proj.lora_B.weight"]

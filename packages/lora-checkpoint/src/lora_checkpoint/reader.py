@@ -22,13 +22,14 @@ from lora_checkpoint.errors import (
     CheckpointError,
     DigestMismatchError,
     DtypeMismatchError,
+    ManifestError,
     MissingFileError,
     MissingTensorError,
     ShapeMismatchError,
     UnexpectedTensorError,
     UnsafeFileError,
 )
-from lora_checkpoint.manifest import FileEntry, Manifest, TensorKind, parse_manifest
+from lora_checkpoint.manifest import FileEntry, Manifest, TensorEntry, TensorKind, parse_manifest
 from lora_checkpoint.training_state import TrainingState
 from lora_checkpoint.writer import MANIFEST, training_state_files
 from lora_core.contracts import AdaptationResult
@@ -237,8 +238,15 @@ def load(
             ts_json = _read_json_file(ckpt, entry, verify)
         elif verify:
             _read_json_file(ckpt, entry, verify)
+    where: dict[str, TensorEntry] = {}
     for t in manifest.tensors:
         if t.kind is TensorKind.PARAMETER and t.file in by_file:
+            if t.name in where:
+                raise ManifestError(
+                    f"{ckpt}: parameter {t.name!r} is stored twice, in {where[t.name].file!r} "
+                    f"and {t.file!r}"
+                )
+            where[t.name] = t
             tensors[t.name] = by_file[t.file][t.key]
     for p in manifest.parameters:
         if p.name not in tensors:
@@ -247,6 +255,12 @@ def load(
                 "lists it but no file holds it"
             )
         got = tensors[p.name]
+        # rank-local tensors (in per-rank files) may legitimately differ in shape per rank
+        if where[p.name].rank is None and tuple(got.shape) != p.shape:
+            raise ShapeMismatchError(
+                f"{ckpt}: parameter {p.name!r} is stored with shape {list(got.shape)} in "
+                f"{where[p.name].file!r}, the manifest expects {list(p.shape)}"
+            )
         if p.dtype != dtype_name(got.dtype):
             raise DtypeMismatchError(
                 f"{ckpt}: parameter {p.name!r} is stored as {dtype_name(got.dtype)}, the manifest "
