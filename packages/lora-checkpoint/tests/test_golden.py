@@ -26,7 +26,7 @@ def _maker():
 
 def test_manifest_schema_is_frozen():
     expected = (GOLDEN / "manifest_schema_v1.json").read_text()
-    assert json.dumps(lc.Manifest.model_json_schema(), indent=2, sort_keys=True) + "\n" == expected
+    assert json.dumps(_maker().schema_summary(), indent=2, sort_keys=True) + "\n" == expected
     assert lc.FORMAT_VERSION == 1
 
 
