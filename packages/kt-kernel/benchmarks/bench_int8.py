@@ -1,0 +1,204 @@
+"""Benchmark the INT8 expert base against the bf16 base in the same process, on the same weights.
+
+Usage: ``python bench_int8.py --out DIR [--quick]``. Writes ``DIR/bench_int8.json`` and
+``DIR/bench_int8.md``. Both bases hold the same (bf16) weights; the INT8 one is quantised from
+them. Compute is bf16 with bf16 LoRA (fused layout, policy ``save``) in both. Repetitions of
+the two are interleaved (bf16, int8, bf16, int8, ...) so load on the shared cores hits both
+alike, and medians are reported. ``speedup = t_bf16 / t_int8`` (> 1: INT8 is faster).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import statistics
+import time
+from pathlib import Path
+
+import torch
+
+import kt_kernel as kk
+
+# (name, H, I, E, k, r, token counts)
+MEDIUM = ("medium", 2048, 768, 64, 8, 16, (64, 256, 2048))
+QUICK = ("quick", 1024, 384, 32, 8, 16, (64, 256, 1024))
+TARGETS = {
+    "memory_ratio_max": 0.55,  # int8 nbytes / bf16 nbytes
+    "speedup_min_large_t": 0.9,  # at the largest T
+    "speedup_min_small_t": 1.0,  # at T = 64 and 256: weight streaming dominates
+}
+
+
+def _weights(h: int, i: int, e: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    gate_up = torch.empty(e, 2 * i, h, dtype=torch.bfloat16)
+    down = torch.empty(e, h, i, dtype=torch.bfloat16)
+    for x in range(e):  # expert by expert: no whole-model fp32 temporary
+        gate_up[x].copy_(torch.randn(2 * i, h, generator=gen) / h**0.5)
+        down[x].copy_(torch.randn(h, i, generator=gen) / i**0.5)
+    return gate_up, down
+
+
+def _lora(spec: kk.ExpertSpec, rank: int, seed: int) -> kk.LoraBuffers:
+    gen = torch.Generator().manual_seed(seed)
+    lora = kk.LoraBuffers(spec, rank, 2.0 * rank, "fused", dtype=torch.bfloat16)
+    with torch.no_grad():
+        for _, p in lora.named_parameters():
+            p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
+    return lora
+
+
+def _step(x, ids, w, dy, weights, lora, backward: bool) -> float:
+    for p in lora.parameters():
+        p.grad = None
+    xg = x.detach().requires_grad_(backward)
+    wg = w.detach().requires_grad_(backward)
+    t0 = time.perf_counter()
+    y = kk.moe_experts_forward(xg, ids, wg, weights, lora, policy="save", backend="native")
+    if backward:
+        y.backward(dy)
+    return time.perf_counter() - t0
+
+
+def run_shape(shape: tuple, reps: int) -> dict:
+    """Time bf16 vs int8 forward and forward+backward at each token count of ``shape``."""
+    name, h, i, e, k, r, token_counts = shape
+    spec = kk.ExpertSpec(e, h, i)
+    gate_up, down = _weights(h, i, e, seed=0)
+    t0 = time.perf_counter()
+    w_int8 = kk.ExpertWeights.from_fused(spec, gate_up, down, weight_dtype="int8")
+    quant_s = time.perf_counter() - t0
+    w_bf16 = kk.ExpertWeights.from_fused(spec, gate_up, down, dtype=torch.bfloat16)
+    del gate_up, down
+    lora = _lora(spec, r, seed=1)
+    out = {
+        "shape": {"name": name, "H": h, "I": i, "E": e, "k": k, "r": r},
+        "bytes_bf16": w_bf16.nbytes,
+        "bytes_int8": w_int8.nbytes,
+        "memory_ratio": w_int8.nbytes / w_bf16.nbytes,
+        "quantize_seconds": quant_s,
+        "quantization_report": w_int8.quantization_report().as_dict(),
+        "timings": [],
+    }
+    gen = torch.Generator().manual_seed(2)
+    for tokens in token_counts:
+        x = torch.randn(tokens, h, generator=gen).to(torch.bfloat16)
+        ids = torch.rand(tokens, e, generator=gen).topk(k, dim=-1).indices
+        w = torch.rand(tokens, k, generator=gen)
+        dy = torch.randn(tokens, h, generator=gen).to(torch.bfloat16)
+        row = {"tokens": tokens}
+        for mode, backward in (("fwd", False), ("fwd_bwd", True)):
+            samples: dict[str, list[float]] = {"bf16": [], "int8": []}
+            for weights in (w_bf16, w_int8):  # warm-up: oneDNN primitives, allocator
+                _step(x, ids, w, dy, weights, lora, backward)
+            for _ in range(reps):
+                samples["bf16"].append(_step(x, ids, w, dy, w_bf16, lora, backward))
+                samples["int8"].append(_step(x, ids, w, dy, w_int8, lora, backward))
+            med = {key: statistics.median(v) for key, v in samples.items()}
+            row[mode] = {
+                "bf16_s": med["bf16"],
+                "int8_s": med["int8"],
+                "speedup": med["bf16"] / med["int8"],
+                "bf16_samples": samples["bf16"],
+                "int8_samples": samples["int8"],
+            }
+        out["timings"].append(row)
+        print(
+            f"[{name}] T={tokens}: fwd {row['fwd']['speedup']:.2f}x, "
+            f"fwd+bwd {row['fwd_bwd']['speedup']:.2f}x "
+            f"(bf16 {row['fwd_bwd']['bf16_s'] * 1e3:.1f} ms, "
+            f"int8 {row['fwd_bwd']['int8_s'] * 1e3:.1f} ms)",
+            flush=True,
+        )
+    return out
+
+
+def check_targets(res: dict) -> dict[str, bool]:
+    """Which of :data:`TARGETS` the measurements meet."""
+    timings = res["timings"]
+    largest = max(timings, key=lambda t: t["tokens"])
+    small = [t for t in timings if t["tokens"] in (64, 256)]
+    return {
+        "memory_ratio<=0.55": res["memory_ratio"] <= TARGETS["memory_ratio_max"],
+        f"fwd_bwd_speedup@T={largest['tokens']}>=0.9": largest["fwd_bwd"]["speedup"]
+        >= TARGETS["speedup_min_large_t"],
+        "fwd_bwd_speedup@T=64,256>1": all(
+            t["fwd_bwd"]["speedup"] > TARGETS["speedup_min_small_t"] for t in small
+        ),
+    }
+
+
+def write_markdown(path: Path, meta: dict, res: dict, targets: dict[str, bool]) -> None:
+    """The table: one row per token count, medians and speedups."""
+    s = res["shape"]
+    lines = [
+        "# kt-kernel: INT8 vs bf16 expert base",
+        "",
+        f"Shape {s['name']}: H={s['H']}, I={s['I']}, E={s['E']}, k={s['k']}, r={s['r']}; "
+        f"bf16 compute, fused bf16 LoRA, policy save; {meta['threads']} threads, "
+        f"{meta['reps']} interleaved reps, medians. Load average at start: {meta['loadavg']}.",
+        "",
+        f"Expert weight memory: bf16 {res['bytes_bf16'] / 2**20:.1f} MiB, int8 "
+        f"{res['bytes_int8'] / 2**20:.1f} MiB (ratio {res['memory_ratio']:.3f}); quantised "
+        f"in {res['quantize_seconds']:.1f} s.",
+        "",
+        "| T | fwd bf16 ms | fwd int8 ms | fwd speedup | fwd+bwd bf16 ms | fwd+bwd int8 ms "
+        "| fwd+bwd speedup |",
+        "|---|---|---|---|---|---|---|",
+    ]
+    for t in res["timings"]:
+        f, fb = t["fwd"], t["fwd_bwd"]
+        lines.append(
+            f"| {t['tokens']} | {f['bf16_s'] * 1e3:.1f} | {f['int8_s'] * 1e3:.1f} | "
+            f"{f['speedup']:.2f} | {fb['bf16_s'] * 1e3:.1f} | {fb['int8_s'] * 1e3:.1f} | "
+            f"{fb['speedup']:.2f} |"
+        )
+    lines += ["", "Quantisation error (vs the bf16 weights):", ""]
+    lines += [
+        "| projection | max abs error | rel Frobenius error | max step |",
+        "|---|---|---|---|",
+    ]
+    for proj, v in res["quantization_report"].items():
+        lines.append(
+            f"| {proj} | {v['max_abs_error']:.3g} | {v['rel_fro_error']:.3g} | "
+            f"{v['max_step']:.3g} |"
+        )
+    lines += ["", "Targets:", ""]
+    lines += [f"- {k}: {'met' if ok else 'MISSED'}" for k, ok in targets.items()]
+    path.write_text("\n".join(lines) + "\n")
+
+
+def main() -> None:
+    """Parse ``--out``/``--quick``, run, write JSON and markdown."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, required=True, help="output directory")
+    ap.add_argument("--quick", action="store_true", help="a smaller shape and fewer reps")
+    ap.add_argument("--reps", type=int, default=None, help="interleaved repetitions")
+    args = ap.parse_args()
+    shape = QUICK if args.quick else MEDIUM
+    reps = args.reps or (3 if args.quick else 5)
+    meta = {
+        "quick": args.quick,
+        "reps": reps,
+        "threads": torch.get_num_threads(),
+        "torch": torch.__version__,
+        "kt_kernel": kk.__version__,
+        "int8_isa": str(torch.ops.kt_kernel_int8.isa()),
+        "backend": kk.backend_info().isa,
+        "cpu": platform.processor() or platform.machine(),
+        "loadavg": os.getloadavg(),
+    }
+    res = run_shape(shape, reps)
+    targets = check_targets(res)
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "bench_int8.json").write_text(
+        json.dumps({"meta": meta, "result": res, "targets": targets}, indent=2)
+    )
+    write_markdown(args.out / "bench_int8.md", meta, res, targets)
+    print((args.out / "bench_int8.md").read_text())
+
+
+if __name__ == "__main__":
+    main()
