@@ -20,16 +20,20 @@ EXPECTED_ALL = {
     "KernelInputError",
     "LoraBuffers",
     "NativeBackendError",
+    "ProjectionQuantError",
+    "QuantizationReport",
     "SPLIT_NAMES",
     "__version__",
     "activation_memory_bytes",
     "backend_info",
     "copy_lora_from_peft",
+    "dequantize_per_channel",
     "lora_from_peft",
     "lora_to_peft",
     "moe_experts_forward",
     "moe_experts_forward_reference",
     "peft_keys",
+    "quantize_per_channel",
     "stack_lora_a",
     "stack_lora_b",
     "unstack_lora_a",
@@ -55,7 +59,8 @@ def test_version_single_source() -> None:
 def test_backend_info_reports_native() -> None:
     info = kk.backend_info()
     if os.environ.get("KT_KERNEL_REQUIRE_NATIVE") == "1":
-        assert info.active == "native" and info.native_error is None
+        assert info.active == "native"
+        assert info.native_error is None
     if info.native_available:
         assert info.isa in ("avx512", "avx2", "scalar")
         assert info.torch_version == torch.__version__.split("+")[0]
@@ -68,12 +73,16 @@ def test_from_split_equals_from_fused() -> None:
     gate, up, down = torch.randn(3, 4, 8), torch.randn(3, 4, 8), torch.randn(3, 8, 4)
     a = kk.ExpertWeights.from_split(spec, gate, up, down)
     b = kk.ExpertWeights.from_fused(spec, torch.cat([gate, up], 1), down)
-    assert torch.equal(a.gate_up, b.gate_up) and torch.equal(a.down, b.down)
-    assert torch.equal(a.gate, gate) and torch.equal(a.up, up)
+    assert torch.equal(a.gate_up, b.gate_up)
+    assert torch.equal(a.down, b.down)
+    assert torch.equal(a.gate, gate)
+    assert torch.equal(a.up, up)
     assert a.nbytes == (3 * 8 * 8 + 3 * 8 * 4) * 4
     bf = kk.ExpertWeights.from_split(spec, gate, up, down, dtype="bfloat16")
-    assert bf.dtype == torch.bfloat16 and bf.nbytes == a.nbytes // 2
-    assert bf.gate_up.is_contiguous() and not bf.gate_up.requires_grad
+    assert bf.dtype == torch.bfloat16
+    assert bf.nbytes == a.nbytes // 2
+    assert bf.gate_up.is_contiguous()
+    assert not bf.gate_up.requires_grad
 
 
 def test_weights_do_not_alias_inputs() -> None:
@@ -88,12 +97,16 @@ def test_lora_buffers_layouts_and_names() -> None:
     spec = kk.ExpertSpec(5, 16, 8)
     split = kk.LoraBuffers(spec, 2, 4.0, "split")
     assert [n for n, _ in split.named_parameters()] == list(kk.SPLIT_NAMES)
-    assert split.gate_lora_a.shape == (5, 2, 16) and split.gate_lora_b.shape == (5, 8, 2)
-    assert split.down_lora_a.shape == (5, 2, 8) and split.down_lora_b.shape == (5, 16, 2)
-    assert split.scaling == 2.0 and all(float(t.detach().abs().sum()) == 0 for t in split.tensors())
+    assert split.gate_lora_a.shape == (5, 2, 16)
+    assert split.gate_lora_b.shape == (5, 8, 2)
+    assert split.down_lora_a.shape == (5, 2, 8)
+    assert split.down_lora_b.shape == (5, 16, 2)
+    assert split.scaling == 2.0
+    assert all(float(t.detach().abs().sum()) == 0 for t in split.tensors())
     fused = kk.LoraBuffers(spec, 2, None, "fused", init=lambda n, t: t.fill_(1.0))
     assert [n for n, _ in fused.named_parameters()] == list(kk.FUSED_NAMES)
-    assert fused.gate_up_lora_b.shape == (5, 16, 2) and fused.scaling == 1.0
+    assert fused.gate_up_lora_b.shape == (5, 16, 2)
+    assert fused.scaling == 1.0
     assert all(bool((t == 1).all()) for t in fused.tensors())
 
 

@@ -20,28 +20,38 @@ from kt_kernel.peft_mapping import (
     unstack_lora_a,
     unstack_lora_b,
 )
+from kt_kernel.quant import (
+    ProjectionQuantError,
+    QuantizationReport,
+    dequantize_per_channel,
+    quantize_per_channel,
+)
 from kt_kernel.reference import moe_experts_forward_reference
 from kt_kernel.spec import ExpertSpec, ExpertWeights
 
 __all__ = [
+    "FUSED_NAMES",
+    "SPLIT_NAMES",
     "BackendInfo",
     "ExpertSpec",
     "ExpertWeights",
-    "FUSED_NAMES",
     "KernelDTypeError",
     "KernelInputError",
     "LoraBuffers",
     "NativeBackendError",
-    "SPLIT_NAMES",
+    "ProjectionQuantError",
+    "QuantizationReport",
     "__version__",
     "activation_memory_bytes",
     "backend_info",
     "copy_lora_from_peft",
+    "dequantize_per_channel",
     "lora_from_peft",
     "lora_to_peft",
     "moe_experts_forward",
     "moe_experts_forward_reference",
     "peft_keys",
+    "quantize_per_channel",
     "stack_lora_a",
     "stack_lora_b",
     "unstack_lora_a",
