@@ -21,8 +21,14 @@ from moe_experts.placeholders import named_placeholders
 
 __all__ = ["WeightDType", "WrapReport", "experts_sites", "wrap"]
 
-WeightDType = Literal["bf16", "fp32"]
-_DTYPES: dict[str, torch.dtype] = {"bf16": torch.bfloat16, "fp32": torch.float32}
+WeightDType = Literal["bf16", "fp32", "int8"]
+# Compute dtype per storage name; "int8" is kt-kernel's weight-only INT8 base (per-channel fp32
+# scales, quantised once here) computing, with its LoRA, in bf16.
+_DTYPES: dict[str, torch.dtype] = {
+    "bf16": torch.bfloat16,
+    "fp32": torch.float32,
+    "int8": torch.bfloat16,
+}
 
 
 @dataclass(frozen=True)
@@ -39,6 +45,8 @@ class WrapReport:
             ``bytes_moved`` when ``weight_dtype`` differs from the model's dtype).
         weight_dtype: kernel storage dtype name.
         adopted_peft: experts modules whose PEFT ``target_parameters`` LoRA was adopted.
+        quantization: for ``weight_dtype="int8"``, ``(experts module, report)`` per wrapped
+            block: each projection's max abs and relative Frobenius quantisation error.
     """
 
     family: str
@@ -49,6 +57,7 @@ class WrapReport:
     kernel_bytes: int
     weight_dtype: str
     adopted_peft: tuple[str, ...] = ()
+    quantization: tuple[tuple[str, kt_kernel.QuantizationReport], ...] = ()
 
 
 def _peft_param_wrapper_type() -> type[nn.Module] | None:
@@ -189,7 +198,9 @@ def wrap(
 
     Args:
         model: a supported transformers MoE model (or a PEFT model around one).
-        weight_dtype: kernel storage dtype, ``"bf16"`` or ``"fp32"``; activations are cast
+        weight_dtype: kernel storage dtype, ``"bf16"``, ``"fp32"`` or ``"int8"`` (weight-only
+            INT8 with per-output-channel scales, computing in bf16; about half the memory of
+            bf16, quantisation error in ``WrapReport.quantization``); activations are cast
             to it inside the experts and the output is cast back.
         policy: kt-kernel activation policy, ``"save"`` or ``"recompute"``.
 
@@ -209,6 +220,7 @@ def wrap(
     wrapped: list[str] = []
     already: list[str] = []
     adopted: list[str] = []
+    reports: list[tuple[str, kt_kernel.QuantizationReport]] = []
     moved = kernel_bytes = 0
     for site in iter_moe_blocks(model, arch):
         outer = getattr(site.block, arch.experts_attr)
@@ -226,8 +238,14 @@ def wrap(
             )
         spec = _expert_spec(site, gate_up, down)
         weights = kt_kernel.ExpertWeights.from_fused(
-            spec, gate_up, down, dtype=_DTYPES[weight_dtype]
+            spec,
+            gate_up,
+            down,
+            dtype=_DTYPES[weight_dtype],
+            weight_dtype="int8" if weight_dtype == "int8" else None,
         )
+        if weights.is_quantized:
+            reports.append((site.experts_name, weights.quantization_report()))
         kernel = KernelExperts(
             weights,
             gate_up_like=gate_up,
@@ -260,4 +278,5 @@ def wrap(
         kernel_bytes=kernel_bytes,
         weight_dtype=weight_dtype,
         adopted_peft=tuple(adopted),
+        quantization=tuple(reports),
     )

@@ -43,7 +43,7 @@ def build_parser(prog: str = "moe-experts finetune") -> argparse.ArgumentParser:
     p.add_argument("--resume", type=Path, default=None,
                    help="a checkpoint directory (or checkpoints root) to continue from")
     p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--weight-dtype", choices=("fp32", "bf16"), default=d.weight_dtype)
+    p.add_argument("--weight-dtype", choices=("fp32", "bf16", "int8"), default=d.weight_dtype)
     p.add_argument("--max-grad-norm", type=float, default=d.max_grad_norm)
     p.add_argument("--no-progress", action="store_true", help="no progress bar")
     p.add_argument("--debug", action="store_true", help="show tracebacks on errors")
