@@ -64,7 +64,9 @@ def make_problem(
         lora = kk.LoraBuffers(spec, rank, 2.0 * rank, layout, dtype=lora_dtype or dtype)
         with torch.no_grad():
             for _, p in lora.named_parameters():
-                p.copy_(torch.randn(p.shape, generator=gen, dtype=torch.float64) / p.shape[-1] ** 0.5)
+                p.copy_(
+                    torch.randn(p.shape, generator=gen, dtype=torch.float64) / p.shape[-1] ** 0.5
+                )
     x = torch.randn(tokens, hidden, generator=gen, dtype=torch.float64).to(dtype)
     if ids is None:
         ids = random_ids(tokens, k, experts, gen)

@@ -15,8 +15,17 @@ def test_bitwise_across_threads_and_runs(kt, dtype: torch.dtype, policy: str) ->
     gen = torch.Generator().manual_seed(5)
     ids = torch.randint(0, 12, (600, 4), generator=gen)
     ids[:, 0] = 3
-    p = kt.make_problem(tokens=600, hidden=96, inter=80, experts=12, k=4, rank=8, dtype=dtype,
-                     lora_dtype=torch.float32, ids=ids)
+    p = kt.make_problem(
+        tokens=600,
+        hidden=96,
+        inter=80,
+        experts=12,
+        k=4,
+        rank=8,
+        dtype=dtype,
+        lora_dtype=torch.float32,
+        ids=ids,
+    )
     before = torch.get_num_threads()
     try:
         torch.set_num_threads(1)

@@ -33,7 +33,9 @@ def test_gradcheck(backend: str, layout: str, policy: str) -> None:
     names = [n for n, _ in lora.named_parameters()]
 
     def fn(x_: torch.Tensor, w_: torch.Tensor, *factors: torch.Tensor) -> torch.Tensor:
-        buf = kk.LoraBuffers.from_tensors(spec, r, 3.0, layout, dict(zip(names, factors)))
+        buf = kk.LoraBuffers.from_tensors(
+            spec, r, 3.0, layout, dict(zip(names, factors, strict=False))
+        )
         return kk.moe_experts_forward(x_, ids, w_, weights, buf, policy=policy, backend=backend)
 
     factors = [p.detach().clone().requires_grad_(True) for _, p in lora.named_parameters()]

@@ -23,12 +23,18 @@ from transformers.models.qwen3_moe.modeling_qwen3_moe import (  # noqa: E402
     Qwen3MoeSparseMoeBlock,
 )
 
-E, H, I, K, R, ALPHA = 6, 16, 12, 2, 3, 6.0
+E, H, I, K, R, ALPHA = 6, 16, 12, 2, 3, 6.0  # noqa: E741 - E, H, I as in the shapes [E, 2I, H]
 
 
 def _config(impl: str) -> Qwen3MoeConfig:
-    cfg = Qwen3MoeConfig(hidden_size=H, moe_intermediate_size=I, num_experts=E,
-                         num_experts_per_tok=K, hidden_act="silu", norm_topk_prob=True)
+    cfg = Qwen3MoeConfig(
+        hidden_size=H,
+        moe_intermediate_size=I,
+        num_experts=E,
+        num_experts_per_tok=K,
+        hidden_act="silu",
+        norm_topk_prob=True,
+    )
     cfg._experts_implementation = impl
     return cfg
 
@@ -48,9 +54,13 @@ def _peft_fused(impl: str = "eager"):
         block.experts.gate_up_proj.normal_(0, 0.3)
         block.experts.down_proj.normal_(0, 0.3)
         block.gate.weight.normal_(0, 1.0)
-    cfg = peft.LoraConfig(r=R, lora_alpha=ALPHA, target_modules=[],
-                          target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
-                          init_lora_weights=False)
+    cfg = peft.LoraConfig(
+        r=R,
+        lora_alpha=ALPHA,
+        target_modules=[],
+        target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+        init_lora_weights=False,
+    )
     experts = block.experts  # PEFT replaces block.experts with its wrappers
     model = peft.get_peft_model(_Holder(block), cfg)
     block.base_experts = experts
@@ -60,8 +70,11 @@ def _peft_fused(impl: str = "eager"):
 
 
 def _peft_tensors(wrappers) -> dict[str, torch.Tensor]:
-    return {f"{name}.lora_{m}.weight": getattr(w, f"lora_{m}")["default"].weight
-            for name, w in wrappers.items() for m in ("A", "B")}
+    return {
+        f"{name}.lora_{m}.weight": getattr(w, f"lora_{m}")["default"].weight
+        for name, w in wrappers.items()
+        for m in ("A", "B")
+    }
 
 
 @pytest.mark.timeout(60)
@@ -74,9 +87,16 @@ def test_fused_peft_adapter_matches_kernel(impl: str) -> None:
     y_peft.backward(dy)
 
     spec = kk.ExpertSpec(E, H, I)
-    weights = kk.ExpertWeights.from_fused(spec, block.base_experts.gate_up_proj, block.base_experts.down_proj)
-    lora = kk.lora_from_peft(spec, {k: v.detach() for k, v in _peft_tensors(wrappers).items()},
-                             rank=R, alpha=ALPHA, layout="fused")
+    weights = kk.ExpertWeights.from_fused(
+        spec, block.base_experts.gate_up_proj, block.base_experts.down_proj
+    )
+    lora = kk.lora_from_peft(
+        spec,
+        {k: v.detach() for k, v in _peft_tensors(wrappers).items()},
+        rank=R,
+        alpha=ALPHA,
+        layout="fused",
+    )
     xk = x.detach().reshape(-1, H).requires_grad_(True)
     with torch.no_grad():
         _, w, ids = block.gate(xk)
@@ -85,9 +105,11 @@ def test_fused_peft_adapter_matches_kernel(impl: str) -> None:
     torch.testing.assert_close(y.reshape_as(y_peft), y_peft.detach(), rtol=1e-5, atol=1e-5)
     # dx through the experts only (the router's own path is excluded by no_grad above), so
     # compare LoRA gradients: ours, stacked the PEFT way, must equal PEFT's.
-    grads = kk.lora_to_peft(kk.LoraBuffers.from_tensors(
-        spec, R, ALPHA, "fused",
-        {n: nn.Parameter(t.grad) for n, t in lora.named_parameters()}))
+    grads = kk.lora_to_peft(
+        kk.LoraBuffers.from_tensors(
+            spec, R, ALPHA, "fused", {n: nn.Parameter(t.grad) for n, t in lora.named_parameters()}
+        )
+    )
     for key, p in _peft_tensors(wrappers).items():
         torch.testing.assert_close(grads[key], p.grad, rtol=1e-5, atol=1e-6, msg=key)
 
@@ -105,8 +127,9 @@ def test_kernel_adapter_exports_into_peft() -> None:
     with torch.no_grad():
         y_peft = model(x[None])[0]
         _, w, ids = block.gate(x)
-        weights = kk.ExpertWeights.from_fused(spec, block.base_experts.gate_up_proj,
-                                              block.base_experts.down_proj)
+        weights = kk.ExpertWeights.from_fused(
+            spec, block.base_experts.gate_up_proj, block.base_experts.down_proj
+        )
         y = kk.moe_experts_forward(x, ids, w, weights, ours, backend="native")
     torch.testing.assert_close(y, y_peft, rtol=1e-5, atol=1e-5)
 
@@ -129,7 +152,7 @@ def test_round_trip_bitwise(layout: str) -> None:
     tensors = kk.lora_to_peft(ours)
     assert tuple(tensors) == kk.peft_keys(spec, layout)
     back = kk.lora_from_peft(spec, tensors, rank=R, alpha=ALPHA, layout=layout)
-    for (n, a), (_, b) in zip(ours.named_parameters(), back.named_parameters()):
+    for (n, a), (_, b) in zip(ours.named_parameters(), back.named_parameters(), strict=False):
         assert torch.equal(a, b), n
     again = kk.lora_to_peft(back)
     assert all(torch.equal(tensors[k], again[k]) for k in tensors)
@@ -145,8 +168,11 @@ def test_bad_peft_keys_are_named() -> None:
     tensors = kk.lora_to_peft(kk.LoraBuffers(spec, R, ALPHA, "fused"))
     tensors.pop("down_proj.lora_B.weight")
     tensors["down_proj.lora_C.weight"] = torch.zeros(1)
-    with pytest.raises(kk.KernelInputError, match=r"missing \['down_proj.lora_B.weight'\], "
-                                                  r"unexpected \['down_proj.lora_C.weight'\]"):
+    with pytest.raises(
+        kk.KernelInputError,
+        match=r"missing \['down_proj.lora_B.weight'\], "
+        r"unexpected \['down_proj.lora_C.weight'\]",
+    ):
         kk.lora_from_peft(spec, tensors, rank=R, alpha=ALPHA, layout="fused")
 
 
@@ -169,8 +195,12 @@ class _SplitExperts(nn.Module):
 @pytest.mark.timeout(60)
 def test_split_peft_adapter_matches_kernel() -> None:
     module = _SplitExperts(_config("eager"))
-    cfg = peft.LoraConfig(r=R, lora_alpha=ALPHA, init_lora_weights=False,
-                          target_modules=["gate_proj", "up_proj", "down_proj"])
+    cfg = peft.LoraConfig(
+        r=R,
+        lora_alpha=ALPHA,
+        init_lora_weights=False,
+        target_modules=["gate_proj", "up_proj", "down_proj"],
+    )
     model = peft.get_peft_model(module, cfg)
     x = torch.randn(11, H)
     ids = torch.stack([torch.randperm(E)[:K] for _ in range(11)])
@@ -185,13 +215,27 @@ def test_split_peft_adapter_matches_kernel() -> None:
         torch.stack([m.up_proj.base_layer.weight for m in mlps]),
         torch.stack([m.down_proj.base_layer.weight for m in mlps]),
     )
-    tensors = {f"{e}.{p}.lora_{ab}.weight": getattr(getattr(mlps[e], p), f"lora_{ab}")["default"].weight.detach()
-               for e in range(E) for p in ("gate_proj", "up_proj", "down_proj") for ab in "AB"}
+    tensors = {
+        f"{e}.{p}.lora_{ab}.weight": getattr(getattr(mlps[e], p), f"lora_{ab}")[
+            "default"
+        ].weight.detach()
+        for e in range(E)
+        for p in ("gate_proj", "up_proj", "down_proj")
+        for ab in "AB"
+    }
     lora = kk.lora_from_peft(spec, tensors, rank=R, alpha=ALPHA, layout="split")
     y = kk.moe_experts_forward(x, ids, w, weights, lora, backend="native")
     y.sum().backward()
     torch.testing.assert_close(y, y_peft.detach(), rtol=1e-5, atol=1e-5)
-    torch.testing.assert_close(lora.gate_lora_b.grad[4],
-                               mlps[4].gate_proj.lora_B["default"].weight.grad, rtol=1e-5, atol=1e-6)
-    torch.testing.assert_close(lora.down_lora_a.grad[1],
-                               mlps[1].down_proj.lora_A["default"].weight.grad, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        lora.gate_lora_b.grad[4],
+        mlps[4].gate_proj.lora_B["default"].weight.grad,
+        rtol=1e-5,
+        atol=1e-6,
+    )
+    torch.testing.assert_close(
+        lora.down_lora_a.grad[1],
+        mlps[1].down_proj.lora_A["default"].weight.grad,
+        rtol=1e-5,
+        atol=1e-6,
+    )

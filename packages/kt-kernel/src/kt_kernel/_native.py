@@ -9,7 +9,7 @@ from types import ModuleType
 
 from kt_kernel.errors import NativeBackendError
 
-__all__ = ["BackendInfo", "backend_info", "native_module", "REQUIRE_NATIVE_ENV"]
+__all__ = ["REQUIRE_NATIVE_ENV", "BackendInfo", "backend_info", "native_module"]
 
 REQUIRE_NATIVE_ENV = "KT_KERNEL_REQUIRE_NATIVE"
 
@@ -20,7 +20,7 @@ def _load() -> tuple[ModuleType | None, str | None]:
 
     try:
         from kt_kernel import _C  # type: ignore[attr-defined]
-    except Exception as exc:  # noqa: BLE001 - any load failure (missing file, ABI, symbols) falls back
+    except Exception as exc:
         return None, f"{type(exc).__name__}: {exc}"
     return _C, None
 

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["KernelInputError", "KernelDTypeError", "NativeBackendError"]
+__all__ = ["KernelDTypeError", "KernelInputError", "NativeBackendError"]
 
 
 class KernelInputError(ValueError):

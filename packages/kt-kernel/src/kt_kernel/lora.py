@@ -11,7 +11,7 @@ from torch import nn
 from kt_kernel.errors import KernelDTypeError, KernelInputError
 from kt_kernel.spec import ExpertSpec, check_shape
 
-__all__ = ["LoraBuffers", "LoraLayout", "SPLIT_NAMES", "FUSED_NAMES"]
+__all__ = ["FUSED_NAMES", "SPLIT_NAMES", "LoraBuffers", "LoraLayout"]
 
 LoraLayout = Literal["split", "fused"]
 # Names are part of the public contract: moe-experts and checkpoints key on them.

@@ -201,8 +201,17 @@ def moe_experts_forward(
     if weights.is_quantized:
         base = weights.int8_storage()
         return NativeInt8Experts.apply(xc, w, ids, base, scaling, fused, policy == "save", *factors)
-    y = _NativeExperts.apply(xc, w, ids, weights, scaling, fused, policy == "save", *factors)
-    return y
+    needs_graph = torch.is_grad_enabled() and (
+        xc.requires_grad or w.requires_grad or any(f.requires_grad for f in factors)
+    )
+    if not needs_graph:  # inference: nothing is kept for a backward
+        mod = native_module()
+        y, _ = mod.forward(
+            xc, ids, w, weights._gate_up, weights._down, list(factors), scaling, fused, False,
+            TILE_ROWS,
+        )
+        return y
+    return _NativeExperts.apply(xc, w, ids, weights, scaling, fused, policy == "save", *factors)
 
 
 def activation_memory_bytes(

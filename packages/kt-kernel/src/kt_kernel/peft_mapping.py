@@ -34,9 +34,9 @@ from kt_kernel.lora import LoraBuffers, LoraLayout, lora_shapes
 from kt_kernel.spec import ExpertSpec
 
 __all__ = [
-    "lora_to_peft",
-    "lora_from_peft",
     "copy_lora_from_peft",
+    "lora_from_peft",
+    "lora_to_peft",
     "peft_keys",
     "stack_lora_a",
     "stack_lora_b",
@@ -98,8 +98,12 @@ def lora_to_peft(buffers: LoraBuffers) -> dict[str, torch.Tensor]:
             for proj, ours in _FUSED_PROJ:
                 a = getattr(buffers, f"{ours}_lora_a").detach()
                 b = getattr(buffers, f"{ours}_lora_b").detach()
-                out[f"{proj}.lora_A.weight"] = stack_lora_a(a).clone(memory_format=torch.contiguous_format)
-                out[f"{proj}.lora_B.weight"] = stack_lora_b(b).clone(memory_format=torch.contiguous_format)
+                out[f"{proj}.lora_A.weight"] = stack_lora_a(a).clone(
+                    memory_format=torch.contiguous_format
+                )
+                out[f"{proj}.lora_B.weight"] = stack_lora_b(b).clone(
+                    memory_format=torch.contiguous_format
+                )
         else:
             for e in range(buffers.spec.num_experts):
                 for proj, ours in _SPLIT_PROJ:
