@@ -235,8 +235,9 @@ QBase make_base(const at::Tensor& q, const at::Tensor& s, const char* name) {
 // ---------------------------------------------------------------- routing and scheduling
 // Rows of each expert start at a multiple of kPad and are zero-padded to one, so GEMM shapes
 // come from a small set (oneDNN caches one JIT primitive per shape). Padding rows carry zero
-// input and zero routing weight, so they change no result.
-constexpr int64_t kPad = 16;
+// input and zero routing weight, so they change no result. 8 rather than the dense op's 16:
+// at small T an expert holds ~8 rows, and padding them to 16 measured ~5% slower here.
+constexpr int64_t kPad = 8;
 
 struct Routing {
   at::Tensor perm;     // [Np] flat (t*k + j) index of sorted row p, -1 for a padding row
