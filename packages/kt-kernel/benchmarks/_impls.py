@@ -98,7 +98,6 @@ class Runner:
                 self.forward(p.x, p.w)
 
 
-
 def _step(forward: Callable[[torch.Tensor, torch.Tensor], torch.Tensor], p: Problem) -> Runner:
     return Runner(forward, p)
 
@@ -109,16 +108,25 @@ def kt_native(p: Problem, policy: str = "save", backend: str = "native") -> Runn
     spec = kk.ExpertSpec(s.experts, s.hidden, s.inter)
     weights = kk.ExpertWeights.from_fused(spec, p.gate_up, p.down)
     lora = kk.lora_from_peft(spec, p.fused_lora, rank=s.rank, alpha=2.0 * s.rank, layout="fused")
-    return _step(lambda x, w: kk.moe_experts_forward(x, p.ids, w, weights, lora, policy=policy,
-                                                     backend=backend), p)
+    return _step(
+        lambda x, w: kk.moe_experts_forward(
+            x, p.ids, w, weights, lora, policy=policy, backend=backend
+        ),
+        p,
+    )
 
 
 def _qwen3_config(p: Problem, impl: str):
     from transformers import Qwen3MoeConfig
 
     s = p.shape
-    cfg = Qwen3MoeConfig(hidden_size=s.hidden, moe_intermediate_size=s.inter,
-                         num_experts=s.experts, num_experts_per_tok=s.top_k, hidden_act="silu")
+    cfg = Qwen3MoeConfig(
+        hidden_size=s.hidden,
+        moe_intermediate_size=s.inter,
+        num_experts=s.experts,
+        num_experts_per_tok=s.top_k,
+        hidden_act="silu",
+    )
     cfg._experts_implementation = impl
     return cfg
 
@@ -149,16 +157,21 @@ def hf_fused_peft(p: Problem, impl: str) -> Runner:
     with torch.no_grad():
         experts.gate_up_proj.copy_(p.gate_up)
         experts.down_proj.copy_(p.down)
-    cfg = peft.LoraConfig(r=s.rank, lora_alpha=2 * s.rank, target_modules=[],
-                          target_parameters=["experts.gate_up_proj", "experts.down_proj"],
-                          init_lora_weights=False)
+    cfg = peft.LoraConfig(
+        r=s.rank,
+        lora_alpha=2 * s.rank,
+        target_modules=[],
+        target_parameters=["experts.gate_up_proj", "experts.down_proj"],
+        init_lora_weights=False,
+    )
     model = peft.get_peft_model(_Holder(experts), cfg)
     with torch.no_grad():
         for m in model.modules():
             if isinstance(m, ParamWrapper):
                 for ab in "AB":
                     getattr(m, f"lora_{ab}")["default"].weight.copy_(
-                        p.fused_lora[f"{m.parameter_name}.lora_{ab}.weight"])
+                        p.fused_lora[f"{m.parameter_name}.lora_{ab}.weight"]
+                    )
     return _step(lambda x, w: model(x, p.ids, w), p)
 
 
@@ -201,9 +214,15 @@ def linear_peft(p: Problem) -> Runner:
             m.gate_proj.weight.copy_(p.gate_up[e, : s.inter])
             m.up_proj.weight.copy_(p.gate_up[e, s.inter :])
             m.down_proj.weight.copy_(p.down[e])
-    model = peft.get_peft_model(_LinearExperts(mlps), peft.LoraConfig(
-        r=r, lora_alpha=2 * r, target_modules=["gate_proj", "up_proj", "down_proj"],
-        init_lora_weights=False))
+    model = peft.get_peft_model(
+        _LinearExperts(mlps),
+        peft.LoraConfig(
+            r=r,
+            lora_alpha=2 * r,
+            target_modules=["gate_proj", "up_proj", "down_proj"],
+            init_lora_weights=False,
+        ),
+    )
     with torch.no_grad():
         for e, m in enumerate(mlps):
             m.gate_proj.lora_A["default"].weight.copy_(a_gu[e])
@@ -225,5 +244,10 @@ IMPLS: dict[str, Callable[[Problem], Runner]] = {
     "hf_grouped_mm_peft": lambda p: hf_fused_peft(p, "grouped_mm"),
     "linear_peft": linear_peft,
 }
-BASELINES = ("hf_eager_peft", "hf_batched_mm_peft", "hf_grouped_mm_peft", "linear_peft",
-             "kt_reference")
+BASELINES = (
+    "hf_eager_peft",
+    "hf_batched_mm_peft",
+    "hf_grouped_mm_peft",
+    "linear_peft",
+    "kt_reference",
+)

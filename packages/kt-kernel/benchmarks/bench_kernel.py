@@ -9,6 +9,8 @@ subprocess (peak RSS over the step minus RSS before it, from /proc VmHWM after r
 from __future__ import annotations
 
 import argparse
+import contextlib
+import functools
 import json
 import os
 import platform
@@ -20,9 +22,9 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling _impls module (a script)
-import _impls  # noqa: E402
+import _impls
 
-import kt_kernel as kk  # noqa: E402
+import kt_kernel as kk
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 # Memory is measured for these (the eager/reference loops are too slow to run twice more).
@@ -75,10 +77,9 @@ def memory_child(shape: str, tokens: int, dtype: str, impl: str) -> None:
     """
     p = _impls.make_problem(_impls.SHAPES[shape], tokens, DTYPES[dtype])
     step = _impls.IMPLS[impl](p).step
-    try:
-        Path("/proc/self/clear_refs").write_text("5")  # reset VmHWM to the current RSS
-    except OSError:
-        pass  # VmHWM then includes setup; the numbers are upper bounds
+    # Reset VmHWM to the current RSS; if that fails VmHWM includes setup (an upper bound).
+    with contextlib.suppress(OSError):
+        Path("/proc/self/clear_refs").write_text("5")
     before = _read_status("VmRSS")
     step(True)
     step(True)
@@ -98,8 +99,15 @@ def measure_memory(shape: str, tokens: int, dtype: str, impl: str) -> dict:
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
-def run_config(shape: _impls.Shape, tokens: int, dtype: str, impls: list[str], reps: int,
-               memory: bool, skip: set[tuple[str, str]] = frozenset()) -> dict:
+def run_config(
+    shape: _impls.Shape,
+    tokens: int,
+    dtype: str,
+    impls: list[str],
+    reps: int,
+    memory: bool,
+    skip: set[tuple[str, str]] = frozenset(),
+) -> dict:
     """Time every implementation forward and forward+backward on one shared problem."""
     p = _impls.make_problem(shape, tokens, DTYPES[dtype])
     out: dict = {"shape": shape.name, "tokens": tokens, "dtype": dtype, "impls": {}}
@@ -116,7 +124,7 @@ def run_config(shape: _impls.Shape, tokens: int, dtype: str, impls: list[str], r
                 row[mode] = {"skipped": "not timed in this configuration (too slow)"}
                 continue
             try:
-                sec = _time(lambda: step.step(bwd), reps)
+                sec = _time(functools.partial(step.step, bwd), reps)
             except (MemoryError, RuntimeError) as exc:
                 row[mode] = {"skipped": f"{type(exc).__name__}: {exc}"[:200]}
                 continue
@@ -130,7 +138,6 @@ def run_config(shape: _impls.Shape, tokens: int, dtype: str, impls: list[str], r
             y_ref = y
         elif y_ref is not None:
             row["max_rel_err_vs_reference"] = ((y - y_ref).abs().max() / y_ref.abs().max()).item()
-        del step
         if memory and name in MEMORY_IMPLS:
             row["memory"] = measure_memory(shape.name, tokens, dtype, name)
     return out
@@ -151,24 +158,31 @@ def summarize(results: list[dict], peaks: dict[str, float]) -> list[dict]:
             if "seconds" not in kt_m:
                 continue
             row = {
-                "shape": cfg["shape"], "tokens": cfg["tokens"], "dtype": cfg["dtype"],
-                "mode": mode, "kt_gflops": kt_m["gflops"],
+                "shape": cfg["shape"],
+                "tokens": cfg["tokens"],
+                "dtype": cfg["dtype"],
+                "mode": mode,
+                "kt_gflops": kt_m["gflops"],
                 "kt_tokens_per_s": kt_m["tokens_per_s"],
                 "fraction_of_peak": kt_m["gflops"] / peaks[cfg["dtype"]],
-                "speedup": {}, "memory_ratio": {},
+                "speedup": {},
+                "memory_ratio": {},
             }
-            for base in _impls.BASELINES + ("kt_native_recompute",):
+            for base in (*_impls.BASELINES, "kt_native_recompute"):
                 b = impls.get(base, {}).get(mode, {})
                 row["speedup"][base] = _ratio(b.get("seconds"), kt_m["seconds"])
-            fastest = [(impls[b][mode]["seconds"], b) for b in _impls.BASELINES
-                       if b != "kt_reference" and "seconds" in impls.get(b, {}).get(mode, {})]
+            fastest = [
+                (impls[b][mode]["seconds"], b)
+                for b in _impls.BASELINES
+                if b != "kt_reference" and "seconds" in impls.get(b, {}).get(mode, {})
+            ]
             if fastest:
                 sec, name = min(fastest)
                 row["fastest_hf_peft"] = name
                 row["speedup_vs_fastest_hf_peft"] = sec / kt_m["seconds"]
             if mode == "fwd_bwd":
                 kt_mem = kt.get("memory", {}).get("peak_step_bytes")
-                for base in _impls.BASELINES + ("kt_native_recompute",):
+                for base in (*_impls.BASELINES, "kt_native_recompute"):
                     bm = impls.get(base, {}).get("memory", {}).get("peak_step_bytes")
                     row["memory_ratio"][base] = _ratio(kt_mem, bm)
             rows.append(row)
@@ -185,7 +199,8 @@ def write_markdown(path: Path, meta: dict, results: list[dict], summary: list[di
         "# kt-kernel benchmark",
         "",
         f"torch {meta['torch']}, {meta['threads']} threads, backend {meta['backend']}; "
-        f"matmul peak: " + ", ".join(f"{k} {v:.0f} GFLOP/s" for k, v in meta["peak_gflops"].items()),
+        f"matmul peak: "
+        + ", ".join(f"{k} {v:.0f} GFLOP/s" for k, v in meta["peak_gflops"].items()),
         "",
         "FLOPs: forward `2*N*3*H*I + 2*N*r*3*(H+I)`, forward+backward `2*(2*N*3*H*I) + "
         "3*(2*N*r*3*(H+I))` with N = T*k (frozen base: no weight gradient).",
@@ -197,8 +212,10 @@ def write_markdown(path: Path, meta: dict, results: list[dict], summary: list[di
     for cfg in results:
         for name, row in cfg["impls"].items():
             if "skipped" in row:
-                lines.append(f"| {cfg['shape']} | {cfg['tokens']} | {cfg['dtype']} | {name} | "
-                             f"skipped: {row['skipped'][:80]} | | | | | | |")
+                lines.append(
+                    f"| {cfg['shape']} | {cfg['tokens']} | {cfg['dtype']} | {name} | "
+                    f"skipped: {row['skipped'][:80]} | | | | | | |"
+                )
                 continue
             f, fb = row.get("fwd", {}), row.get("fwd_bwd", {})
             mem = row.get("memory", {}).get("peak_step_bytes")
@@ -209,7 +226,8 @@ def write_markdown(path: Path, meta: dict, results: list[dict], summary: list[di
                 f"{_fmt(fb.get('seconds') and fb['seconds'] * 1e3, '.1f')} | "
                 f"{_fmt(fb.get('gflops'), '.1f')} | {_fmt(fb.get('tokens_per_s'), '.0f')} | "
                 f"{_fmt(mem and mem / 2**20, '.0f')} | "
-                f"{_fmt(row.get('max_rel_err_vs_reference'), '.1e')} |")
+                f"{_fmt(row.get('max_rel_err_vs_reference'), '.1e')} |"
+            )
     lines += [
         "",
         "## kt_native summary (speedup = baseline time / kt_native time; memory = kt / baseline)",
@@ -229,7 +247,8 @@ def write_markdown(path: Path, meta: dict, results: list[dict], summary: list[di
             f"{_fmt(r.get('speedup_vs_fastest_hf_peft'))}x ({r.get('fastest_hf_peft', '—')}) | "
             f"{_fmt(sp.get('hf_grouped_mm_peft'))}x | {_fmt(sp.get('hf_eager_peft'))}x | "
             f"{_fmt(sp.get('linear_peft'))}x | {_fmt(sp.get('kt_reference'))}x | "
-            f"{_fmt(mr.get('hf_grouped_mm_peft'))} | {_fmt(rec)} |")
+            f"{_fmt(mr.get('hf_grouped_mm_peft'))} | {_fmt(rec)} |"
+        )
     path.write_text("\n".join(lines) + "\n")
 
 
@@ -239,10 +258,15 @@ def main() -> None:
     ap.add_argument("--out", type=Path, help="output directory")
     ap.add_argument("--quick", action="store_true", help="one small shape, both dtypes")
     ap.add_argument("--no-memory", action="store_true", help="skip the memory subprocesses")
-    ap.add_argument("--config", action="append", metavar="SHAPE:T:DTYPE",
-                    help="run only these configurations (e.g. medium:2048:bfloat16)")
-    ap.add_argument("--memory-child", nargs=4, metavar=("SHAPE", "T", "DTYPE", "IMPL"),
-                    help=argparse.SUPPRESS)
+    ap.add_argument(
+        "--config",
+        action="append",
+        metavar="SHAPE:T:DTYPE",
+        help="run only these configurations (e.g. medium:2048:bfloat16)",
+    )
+    ap.add_argument(
+        "--memory-child", nargs=4, metavar=("SHAPE", "T", "DTYPE", "IMPL"), help=argparse.SUPPRESS
+    )
     args = ap.parse_args()
     if args.memory_child:
         shape, tokens, dtype, impl = args.memory_child
@@ -256,8 +280,12 @@ def main() -> None:
         impls = ["kt_reference", "kt_native", "kt_native_recompute", "hf_grouped_mm_peft"]
         reps, peak_size, skip = 2, 2048, QUICK_SKIP
     else:
-        configs = [(s, t, d) for s in ("small", "medium") for t in (512, 2048)
-                   for d in ("bfloat16", "float32")]
+        configs = [
+            (s, t, d)
+            for s in ("small", "medium")
+            for t in (512, 2048)
+            for d in ("bfloat16", "float32")
+        ]
         impls = list(_impls.IMPLS)
         reps, peak_size, skip = 3, 4096, set()
     if args.config:
@@ -265,22 +293,30 @@ def main() -> None:
     info = kk.backend_info()
     peaks = {d: matmul_peak(DTYPES[d], peak_size) for d in sorted({c[2] for c in configs})}
     meta = {
-        "torch": torch.__version__, "threads": torch.get_num_threads(),
-        "backend": f"{info.active} ({info.isa})", "cpu_features": list(info.cpu_features),
-        "machine": platform.processor() or platform.machine(), "peak_gflops": peaks,
-        "quick": args.quick, "reps": reps,
+        "torch": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "backend": f"{info.active} ({info.isa})",
+        "cpu_features": list(info.cpu_features),
+        "machine": platform.processor() or platform.machine(),
+        "peak_gflops": peaks,
+        "quick": args.quick,
+        "reps": reps,
     }
     results = []
     for shape, tokens, dtype in configs:
         t0 = time.perf_counter()
         memory = not args.no_memory and not (args.quick and dtype != "bfloat16")
         cfg_skip = skip if args.quick or (shape, tokens) == ("small", 512) else SLOW_SKIP
-        results.append(run_config(_impls.SHAPES[shape], tokens, dtype, impls, reps,
-                                  memory=memory, skip=cfg_skip))
+        results.append(
+            run_config(
+                _impls.SHAPES[shape], tokens, dtype, impls, reps, memory=memory, skip=cfg_skip
+            )
+        )
         print(f"{shape} T={tokens} {dtype}: {time.perf_counter() - t0:.0f} s", flush=True)
     summary = summarize(results, peaks)
     (args.out / "bench_kernel.json").write_text(
-        json.dumps({"meta": meta, "results": results, "summary": summary}, indent=2))
+        json.dumps({"meta": meta, "results": results, "summary": summary}, indent=2)
+    )
     write_markdown(args.out / "bench_kernel.md", meta, results, summary)
     print((args.out / "bench_kernel.md").read_text())
 
