@@ -170,6 +170,68 @@ int64_t tile_elems() {
   return v;
 }
 
+// Activation-sized scratch reused across calls (the dense op keeps the same kind of pool):
+// fresh multi-MiB buffers are mmapped and page-faulted on first touch every call, which at
+// T=2048 costs more than the whole dequantisation. Buffers are handed out under a mutex and
+// returned when their Scratch dies; nothing that escapes to Python is ever pooled.
+class Pool {
+ public:
+  at::Tensor take(int64_t bytes) {
+    if (bytes <= 0) return at::empty({0}, at::kByte);
+    std::lock_guard<std::mutex> lock(mu_);
+    int best = -1;
+    for (int i = 0; i < static_cast<int>(free_.size()); ++i) {
+      const int64_t cap = free_[i].numel();
+      if (cap >= bytes && (best < 0 || cap < free_[best].numel())) best = i;
+    }
+    if (best < 0) return at::empty({bytes}, at::kByte);
+    at::Tensor t = free_[best];
+    free_.erase(free_.begin() + best);
+    return t;
+  }
+  void give(at::Tensor t) {
+    if (t.numel() == 0) return;
+    std::lock_guard<std::mutex> lock(mu_);
+    free_.push_back(std::move(t));
+    if (free_.size() > kMaxFree) {  // drop the smallest
+      auto it = std::min_element(free_.begin(), free_.end(), [](const auto& a, const auto& b) {
+        return a.numel() < b.numel();
+      });
+      free_.erase(it);
+    }
+  }
+  void clear() {
+    std::lock_guard<std::mutex> lock(mu_);
+    free_.clear();
+  }
+
+ private:
+  static constexpr size_t kMaxFree = 8;
+  std::mutex mu_;
+  std::vector<at::Tensor> free_;
+};
+
+Pool& pool() {
+  static Pool* p = new Pool();  // never destroyed: avoids teardown-order issues at exit
+  return *p;
+}
+
+// A [rows, cols] tensor of `dtype` over a pooled buffer, returned to the pool on scope exit.
+struct Scratch {
+  at::Tensor buf, t;
+  Scratch(int64_t rows, int64_t cols, at::ScalarType dtype) {
+    const int64_t bytes = rows * cols * static_cast<int64_t>(c10::elementSize(dtype));
+    buf = pool().take(bytes);
+    t = buf.narrow(0, 0, bytes).view(dtype).view({rows, cols});
+  }
+  ~Scratch() {
+    t.reset();
+    pool().give(std::move(buf));
+  }
+  Scratch(const Scratch&) = delete;
+  Scratch& operator=(const Scratch&) = delete;
+};
+
 // A per-thread scratch tile; only one is alive per thread at a time (dequantise, GEMM, next).
 at::Tensor scratch_tile(int64_t rows, int64_t cols, at::ScalarType dt) {
   thread_local std::vector<char> buf;
@@ -178,11 +240,14 @@ at::Tensor scratch_tile(int64_t rows, int64_t cols, at::ScalarType dt) {
   return at::from_blob(buf.data(), {rows, cols}, at::TensorOptions().dtype(dt));
 }
 
-// Tile extent along one axis: a multiple of 16 that fills about tile_elems() elements.
+// Tile extent along one axis: at most about tile_elems() elements per tile, split evenly
+// (a multiple of 16) so no thin tail tile is left (e.g. 2048 columns -> 4 x 512, not
+// 3 x 672 + 32: a thin GEMM costs nearly as much as a full one).
 int64_t tile_extent(int64_t full, int64_t other) {
-  int64_t t = std::max<int64_t>(16, tile_elems() / std::max<int64_t>(other, 1)) / 16 * 16;
-  t = std::min(t, full);
-  return std::max<int64_t>(t, 1);
+  const int64_t cap = std::max<int64_t>(16, tile_elems() / std::max<int64_t>(other, 1));
+  const int64_t tiles = (full + cap - 1) / cap;
+  const int64_t t = ((full + tiles - 1) / tiles + 15) / 16 * 16;
+  return std::max<int64_t>(std::min(t, full), 1);
 }
 
 // out [m, N] = in [m, K] @ (scale[:, None] * q)^T, q [N, K] int8 (row blocks of q).
@@ -451,8 +516,10 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> forward(
   const int64_t ra = l.on ? l.a_cat.size(1) : 0;
   const int64_t np = rt.perm.numel();
   auto opts = x.options();
-  at::Tensor xs = at::empty({np, hidden}, opts), out = at::empty({np, hidden}, opts);
-  at::Tensor gu = at::empty({np, 2 * inter}, opts);
+  const auto dt = x.scalar_type();
+  Scratch xs_s(np, hidden, dt), out_s(np, hidden, dt), gu_s(save ? 0 : np, 2 * inter, dt);
+  at::Tensor xs = xs_s.t, out = out_s.t;
+  at::Tensor gu = save ? at::empty({np, 2 * inter}, opts) : gu_s.t;
   at::Tensor z = l.on ? at::empty({np, ra}, opts) : at::empty({0}, opts);
   at::Tensor zd = l.on ? at::empty({np, l.rank}, opts) : at::empty({0}, opts);
   const int64_t* perm = rt.perm.data_ptr<int64_t>();
@@ -520,11 +587,14 @@ std::tuple<at::Tensor, at::Tensor, std::vector<at::Tensor>> backward(
   }
   at::Tensor dw_rows = at::empty({np}, w.options());
   const bool need_xs = l.on || !have_saved;
-  at::Tensor xs = need_xs ? at::empty({np, hidden}, opts) : at::Tensor();
-  at::Tensor dys = at::empty({np, hidden}, opts);
-  at::Tensor dgu = at::empty({np, 2 * inter}, opts);
-  at::Tensor dxs = need_dx ? at::empty({np, hidden}, opts) : at::Tensor();
-  at::Tensor h = l.on ? at::empty({np, inter}, opts) : at::Tensor();
+  const auto dt = x.scalar_type();
+  Scratch xs_s(need_xs ? np : 0, hidden, dt), dys_s(np, hidden, dt), dgu_s(np, 2 * inter, dt);
+  Scratch dxs_s(need_dx ? np : 0, hidden, dt), h_s(l.on ? np : 0, inter, dt);
+  at::Tensor xs = need_xs ? xs_s.t : at::Tensor();
+  at::Tensor dys = dys_s.t;
+  at::Tensor dgu = dgu_s.t;
+  at::Tensor dxs = need_dx ? dxs_s.t : at::Tensor();
+  at::Tensor h = l.on ? h_s.t : at::Tensor();
   at::Tensor z = have_saved ? saved[4] : (l.on ? at::empty({np, ra}, opts) : at::Tensor());
   at::Tensor zd = have_saved ? saved[5] : (l.on ? at::empty({np, r}, opts) : at::Tensor());
   at::Tensor q = l.on ? at::empty({np, r}, opts) : at::Tensor();
@@ -637,6 +707,9 @@ at::Tensor dequantize_columns(at::Tensor q, at::Tensor scale, int64_t c0, int64_
 
 std::string isa() { return dequant_table().isa; }
 
+// Frees the pooled activation scratch (the dense op's `kt_kernel._C.release_scratch` twin).
+void release_scratch() { pool().clear(); }
+
 }  // namespace
 }  // namespace int8
 }  // namespace kt_kernel
@@ -647,4 +720,5 @@ TORCH_LIBRARY_FRAGMENT(kt_kernel_int8, m) {
   m.def("dequantize", &kt_kernel::int8::dequantize);
   m.def("dequantize_columns", &kt_kernel::int8::dequantize_columns);
   m.def("isa", &kt_kernel::int8::isa);
+  m.def("release_scratch", &kt_kernel::int8::release_scratch);
 }
