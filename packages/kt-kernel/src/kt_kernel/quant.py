@@ -16,6 +16,7 @@ __all__ = [
     "ProjectionQuantError",
     "QuantizationReport",
     "dequantize_per_channel",
+    "int8_isa",
     "quantize_per_channel",
 ]
 
@@ -50,9 +51,9 @@ def quantize_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     if w.dim() < 2:
         raise KernelInputError(f"w must be [..., N, K] with at least 2 dims, got {list(w.shape)}")
     w32 = w.detach().to(torch.float32)
-    if not bool(torch.isfinite(w32).all()):
-        raise KernelInputError("w holds NaN or inf; INT8 quantisation needs finite weights")
     scale = w32.abs().amax(dim=-1) / _QMAX
+    if not bool(torch.isfinite(scale).all()):  # amax propagates NaN and inf: one small check
+        raise KernelInputError("w holds NaN or inf; INT8 quantisation needs finite weights")
     safe = torch.where(scale > 0, scale, torch.ones_like(scale))
     q = torch.round(w32 / safe.unsqueeze(-1)).clamp_(-_QMAX, _QMAX).to(torch.int8)
     return q.contiguous(), scale.contiguous()
@@ -120,13 +121,15 @@ class _ErrorSum:
         self.max_step = 0.0
 
     def add(self, w: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> None:
-        w64 = w.detach().to(torch.float64)
-        diff = w64 - q.to(torch.float64) * scale.to(torch.float64).unsqueeze(-1)
+        # fp32 differences (W is at most fp32 here) summed in fp64: cheap enough to report on
+        # every expert of a large model at wrap time.
+        w32 = w.detach().to(torch.float32)
+        diff = w32 - q.to(torch.float32) * scale.unsqueeze(-1)
         if diff.numel():
             self.max_abs = max(self.max_abs, float(diff.abs().max()))
             self.max_step = max(self.max_step, float(scale.max()))
-        self.err_sq += float((diff * diff).sum())
-        self.ref_sq += float((w64 * w64).sum())
+        self.err_sq += float(torch.sum(diff * diff, dtype=torch.float64))
+        self.ref_sq += float(torch.sum(w32 * w32, dtype=torch.float64))
 
     def result(self) -> ProjectionQuantError:
         rel = (self.err_sq / self.ref_sq) ** 0.5 if self.ref_sq > 0 else 0.0
@@ -164,6 +167,17 @@ def quantize_experts(
             errs["down"].add(down[e], q, s)
     report = QuantizationReport(errs["gate"].result(), errs["up"].result(), errs["down"].result())
     return gu_q, gu_s, dn_q, dn_s, report
+
+
+def int8_isa() -> str | None:
+    """ISA the INT8 tile dequantisation dispatches to, ``None`` without the extension.
+
+    ``"avx512_bf16"`` (AVX-512 with native bf16 conversion), ``"avx512"`` (fp32 tiles only;
+    bf16 tiles use the scalar loop) or ``"scalar"``; ``KT_KERNEL_ISA=scalar`` caps it.
+    """
+    if native_module() is None:
+        return None
+    return str(torch.ops.kt_kernel_int8.isa())
 
 
 def _ops() -> Any:
