@@ -28,6 +28,7 @@ EXPECTED_ALL = {
     "backend_info",
     "copy_lora_from_peft",
     "dequantize_per_channel",
+    "int8_isa",
     "lora_from_peft",
     "lora_to_peft",
     "moe_experts_forward",

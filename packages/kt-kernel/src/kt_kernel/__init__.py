@@ -24,6 +24,7 @@ from kt_kernel.quant import (
     ProjectionQuantError,
     QuantizationReport,
     dequantize_per_channel,
+    int8_isa,
     quantize_per_channel,
 )
 from kt_kernel.reference import moe_experts_forward_reference
@@ -46,6 +47,7 @@ __all__ = [
     "backend_info",
     "copy_lora_from_peft",
     "dequantize_per_channel",
+    "int8_isa",
     "lora_from_peft",
     "lora_to_peft",
     "moe_experts_forward",
