@@ -234,6 +234,44 @@ print(int8_isa(), same, y.float().abs().sum().item())
     assert abs(float(sum_s) - float(sum_d)) <= 1e-2 * abs(float(sum_d))
 
 
+@pytest.mark.skipif(not os.path.exists("/proc/self/clear_refs"), reason="needs Linux /proc")
+def test_no_full_precision_copy_of_the_weights_is_made() -> None:
+    # Peak RSS growth over a forward+backward at few tokens (VmHWM after resetting it) must stay
+    # far below the 96 MiB a bf16 copy of these weights would take: the op only ever holds
+    # one dequantised tile per thread (2 MiB) next to small activations.
+    code = r"""
+import torch, kt_kernel as kk
+from pathlib import Path
+def hwm():
+    for line in Path("/proc/self/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+spec = kk.ExpertSpec(16, 1024, 1024)
+w8 = kk.ExpertWeights.from_fused(spec, torch.randn(16, 2048, 1024).bfloat16(),
+                                 torch.randn(16, 1024, 1024).bfloat16(), weight_dtype="int8")
+lora = kk.LoraBuffers(spec, 4, 8.0, "fused", dtype=torch.bfloat16)
+x = torch.randn(16, 1024).bfloat16().requires_grad_()
+ids = torch.arange(32).reshape(16, 2) % 16
+w = torch.rand(16, 2, requires_grad=True)
+def step():
+    kk.moe_experts_forward(x, ids, w, w8, lora).sum().backward()
+step()  # warm-up: oneDNN primitives, scratch pool, thread-local tiles
+full_bf16 = 2 * sum(t.numel() for t in w8.int8_storage()[::2])
+Path("/proc/self/clear_refs").write_text("5")
+base = hwm()
+step()
+print(hwm() - base, full_bf16)
+"""
+    env = dict(os.environ, OMP_NUM_THREADS="2")
+    out = subprocess.run(
+        [sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120
+    )
+    assert out.returncode == 0, out.stderr
+    growth, full_bf16 = (int(v) for v in out.stdout.split())
+    assert full_bf16 == 96 * 2**20
+    assert growth < full_bf16 // 4, (growth, full_bf16)
+
+
 def test_thread_count_does_not_change_bits(kt) -> None:
     p, _ = int8_problem(kt, torch.bfloat16, tokens=64)
     before = torch.get_num_threads()
