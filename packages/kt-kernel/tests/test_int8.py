@@ -286,6 +286,15 @@ def test_thread_count_does_not_change_bits(kt) -> None:
         assert torch.equal(one[name], two[name]), name
 
 
+def test_inference_path_keeps_no_graph_and_matches(kt) -> None:
+    p, _ = int8_problem(kt, torch.bfloat16)
+    trained = kt.run(p, "native")["y"]
+    with torch.no_grad():
+        y = kk.moe_experts_forward(p.x, p.ids, p.w, p.weights, p.lora)
+    assert y.grad_fn is None
+    assert torch.equal(y, trained)
+
+
 def test_int8_errors() -> None:
     spec = kk.ExpertSpec(2, 8, 4)
     gu, dn = torch.randn(2, 8, 8), torch.randn(2, 8, 4)

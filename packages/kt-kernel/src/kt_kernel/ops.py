@@ -9,7 +9,7 @@ import torch
 from kt_kernel._native import native_module
 from kt_kernel.errors import KernelDTypeError, KernelInputError
 from kt_kernel.lora import LoraBuffers
-from kt_kernel.quant import NativeInt8Experts
+from kt_kernel.quant import int8_experts_forward
 from kt_kernel.reference import moe_experts_forward_reference
 from kt_kernel.spec import ExpertWeights
 
@@ -200,7 +200,7 @@ def moe_experts_forward(
         scaling, fused = lora.scaling, lora.layout == "fused"
     if weights.is_quantized:
         base = weights.int8_storage()
-        return NativeInt8Experts.apply(xc, w, ids, base, scaling, fused, policy == "save", *factors)
+        return int8_experts_forward(xc, w, ids, base, scaling, fused, policy == "save", factors)
     needs_graph = torch.is_grad_enabled() and (
         xc.requires_grad or w.requires_grad or any(f.requires_grad for f in factors)
     )

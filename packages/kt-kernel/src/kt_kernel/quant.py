@@ -186,6 +186,42 @@ def _ops() -> Any:
     return torch.ops.kt_kernel_int8
 
 
+def int8_experts_forward(
+    x: torch.Tensor,
+    w: torch.Tensor,
+    ids: torch.Tensor,
+    base: tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    scaling: float,
+    fused: bool,
+    save: bool,
+    factors: tuple[torch.Tensor, ...],
+) -> torch.Tensor:
+    """The native INT8 op on validated, contiguous inputs; no saved state without autograd.
+
+    Args:
+        x: ``[T, H]`` in the compute dtype.
+        w: ``[T, k]`` float32 routing weights.
+        ids: ``[T, k]`` int64 expert ids.
+        base: :meth:`~kt_kernel.ExpertWeights.int8_storage`.
+        scaling: LoRA ``alpha / rank`` (0 without LoRA).
+        fused: whether ``factors`` are the fused-layout LoRA tensors.
+        save: policy ``"save"`` (keep pre-activations) rather than ``"recompute"``.
+        factors: LoRA tensors in the compute dtype (empty without LoRA).
+
+    Returns:
+        ``y [T, H]`` in the compute dtype.
+    """
+    needs_graph = torch.is_grad_enabled() and (
+        x.requires_grad or w.requires_grad or any(f.requires_grad for f in factors)
+    )
+    if not needs_graph:  # inference: nothing is kept for a backward
+        y, _ = _ops().forward(
+            x, ids, w, *base, list(factors), scaling, fused, False, INT8_TILE_ROWS
+        )
+        return y
+    return NativeInt8Experts.apply(x, w, ids, base, scaling, fused, save, *factors)
+
+
 class NativeInt8Experts(torch.autograd.Function):
     """Autograd wrapper over ``torch.ops.kt_kernel_int8.forward`` / ``backward``."""
 
