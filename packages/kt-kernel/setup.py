@@ -19,7 +19,12 @@ if os.environ.get("KT_KERNEL_NO_NATIVE", "0") != "1":
     ext_modules = [
         CppExtension(
             name="kt_kernel._C",
-            sources=["csrc/moe_kernel.cpp", "csrc/elementwise.cpp", "csrc/int8_kernel.cpp"],
+            sources=[
+                "csrc/moe_kernel.cpp",
+                "csrc/elementwise.cpp",
+                "csrc/int8_kernel.cpp",
+                "csrc/int8_dequant.cpp",
+            ],
             extra_compile_args=["-O3", "-fopenmp", "-fno-math-errno"],
             extra_link_args=["-fopenmp"],
         )

@@ -7,13 +7,12 @@
 // tile_elems()): `W x` reads row blocks of W, `dh W` (dx and gh) reads column blocks of the
 // same int8 storage. No full-precision copy of an expert, let alone of the model, exists.
 //
-// The ops are registered with TORCH_LIBRARY_FRAGMENT under `torch.ops.kt_kernel_int8`, so this
+// The SIMD dequantisation loops live in int8_dequant.cpp. The ops are registered with
+// TORCH_LIBRARY_FRAGMENT under `torch.ops.kt_kernel_int8`, so this
 // translation unit plugs into the `kt_kernel._C` module without touching its pybind table.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
-#include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
-#include <immintrin.h>
 #include <omp.h>
 #include <torch/library.h>
 
@@ -26,133 +25,11 @@
 #include <vector>
 
 #include "elementwise.h"
+#include "int8_dequant.h"
 
 namespace kt_kernel {
 namespace int8 {
 namespace {
-
-// ---------------------------------------------------------------- dequantisation kernels
-// out[r * ldo + c] = q[r * ldq + c] * scale[r] for r < rows, c < cols. The product is formed
-// in fp32 and rounded once (to nearest even for bf16), exactly as the Python reference does,
-// so every ISA gives bitwise the same tile.
-using DequantFn = void (*)(const int8_t* q, int64_t ldq, const float* scale, int64_t rows,
-                           int64_t cols, void* out, int64_t ldo);
-
-void dequant_f32_scalar(const int8_t* q, int64_t ldq, const float* scale, int64_t rows,
-                        int64_t cols, void* out, int64_t ldo) {
-  float* o = static_cast<float*>(out);
-  for (int64_t r = 0; r < rows; ++r) {
-    const float s = scale[r];
-    for (int64_t c = 0; c < cols; ++c) o[r * ldo + c] = static_cast<float>(q[r * ldq + c]) * s;
-  }
-}
-
-void dequant_bf16_scalar(const int8_t* q, int64_t ldq, const float* scale, int64_t rows,
-                         int64_t cols, void* out, int64_t ldo) {
-  c10::BFloat16* o = static_cast<c10::BFloat16*>(out);
-  for (int64_t r = 0; r < rows; ++r) {
-    const float s = scale[r];
-    for (int64_t c = 0; c < cols; ++c) {
-      o[r * ldo + c] = c10::BFloat16(static_cast<float>(q[r * ldq + c]) * s);
-    }
-  }
-}
-
-#if defined(__x86_64__) && defined(__GNUC__)
-#define KT_AVX512 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq")))
-#define KT_AVX512BF16 __attribute__((target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")))
-
-KT_AVX512 inline __m512 load16_ps(const int8_t* p) {
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
-}
-
-KT_AVX512 inline __m512 load_tail_ps(const int8_t* p, __mmask16 m) {
-  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_maskz_loadu_epi8(m, p)));
-}
-
-KT_AVX512 void dequant_f32_avx512(const int8_t* q, int64_t ldq, const float* scale, int64_t rows,
-                                  int64_t cols, void* out, int64_t ldo) {
-  float* o = static_cast<float*>(out);
-  for (int64_t r = 0; r < rows; ++r) {
-    const __m512 s = _mm512_set1_ps(scale[r]);
-    const int8_t* src = q + r * ldq;
-    float* dst = o + r * ldo;
-    int64_t c = 0;
-    for (; c + 16 <= cols; c += 16) _mm512_storeu_ps(dst + c, _mm512_mul_ps(load16_ps(src + c), s));
-    if (c < cols) {
-      const __mmask16 m = static_cast<__mmask16>((1u << (cols - c)) - 1u);
-      _mm512_mask_storeu_ps(dst + c, m, _mm512_mul_ps(load_tail_ps(src + c, m), s));
-    }
-  }
-}
-
-// int8 -> int32 (vpmovsxbd) -> fp32 -> * scale -> bf16 (vcvtne2ps2bf16, round to nearest even).
-KT_AVX512BF16 void dequant_bf16_avx512(const int8_t* q, int64_t ldq, const float* scale,
-                                       int64_t rows, int64_t cols, void* out, int64_t ldo) {
-  uint16_t* o = static_cast<uint16_t*>(out);
-  for (int64_t r = 0; r < rows; ++r) {
-    const __m512 s = _mm512_set1_ps(scale[r]);
-    const int8_t* src = q + r * ldq;
-    uint16_t* dst = o + r * ldo;
-    int64_t c = 0;
-    for (; c + 32 <= cols; c += 32) {
-      const __m512 lo = _mm512_mul_ps(load16_ps(src + c), s);
-      const __m512 hi = _mm512_mul_ps(load16_ps(src + c + 16), s);
-      _mm512_storeu_si512(dst + c, (__m512i)_mm512_cvtne2ps_pbh(hi, lo));
-    }
-    for (; c < cols; c += 16) {
-      const int64_t left = std::min<int64_t>(16, cols - c);
-      const __mmask16 m = static_cast<__mmask16>(left == 16 ? 0xFFFFu : (1u << left) - 1u);
-      const __m256bh v = _mm512_cvtneps_pbh(_mm512_mul_ps(load_tail_ps(src + c, m), s));
-      _mm256_mask_storeu_epi16(dst + c, m, (__m256i)v);
-    }
-  }
-}
-
-#endif
-
-struct DequantTable {
-  DequantFn f32 = dequant_f32_scalar;
-  DequantFn bf16 = dequant_bf16_scalar;
-  std::string isa = "scalar";
-};
-
-DequantTable select_dequant() {
-  DequantTable t;
-  // KT_KERNEL_ISA=avx2|scalar caps the choice, as for the elementwise loops (fallback tests).
-  const char* cap = std::getenv("KT_KERNEL_ISA");
-  const bool allow512 = !cap || std::strcmp(cap, "avx512") == 0;
-#if defined(__x86_64__) && defined(__GNUC__)
-  __builtin_cpu_init();
-  const bool f512 = __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-                    __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq");
-  if (allow512 && f512) {
-    t.f32 = dequant_f32_avx512;
-    t.isa = "avx512";
-    if (__builtin_cpu_supports("avx512bf16")) {
-      t.bf16 = dequant_bf16_avx512;
-      t.isa = "avx512_bf16";
-    }
-  }
-#endif
-  return t;
-}
-
-const DequantTable& dequant_table() {
-  static const DequantTable t = select_dequant();
-  return t;
-}
-
-void dequant(const int8_t* q, int64_t ldq, const float* scale, int64_t rows, int64_t cols,
-             at::ScalarType dt, void* out, int64_t ldo) {
-  const auto& t = dequant_table();
-  if (dt == at::kBFloat16) {
-    t.bf16(q, ldq, scale, rows, cols, out, ldo);
-  } else {
-    TORCH_CHECK(dt == at::kFloat, "int8 base: compute dtype must be float32 or bfloat16, got ", dt);
-    t.f32(q, ldq, scale, rows, cols, out, ldo);
-  }
-}
 
 // ------------------------------------------------------------------- tiles and base GEMMs
 // Elements per dequantised tile: 1 Mi (2 MiB of bf16; 512 rows of a 2048-wide gate_up, a third
@@ -705,7 +582,7 @@ at::Tensor dequantize_columns(at::Tensor q, at::Tensor scale, int64_t c0, int64_
   return out;
 }
 
-std::string isa() { return dequant_table().isa; }
+std::string isa() { return dequant_isa(); }
 
 // Frees the pooled activation scratch (the dense op's `kt_kernel._C.release_scratch` twin).
 void release_scratch() { pool().clear(); }
