@@ -31,6 +31,10 @@ LOCAL_DEPS: dict[str, tuple[str, ...]] = {
     "lora-checkpoint": ("lora-core",),
     "moe-experts": ("lora-core", "kt-kernel"),
 }
+# Sibling packages that an extra pulls in (``moe-experts[train]`` brings lora-checkpoint).
+EXTRA_LOCAL_DEPS: dict[tuple[str, str], tuple[str, ...]] = {
+    ("moe-experts", "train"): ("lora-core", "lora-checkpoint"),
+}
 # The packages whose wheels contain compiled code built against the session's torch.
 NATIVE = {"kt-kernel"}
 # Extras installed in the integration cells (all four packages, their test deps, the train CLI).
@@ -106,8 +110,13 @@ def _wheel(session: nox.Session, package: str, constraints: Path) -> Path:
 
 def _install_packages(session: nox.Session, requirements: list[str], constraints: Path) -> None:
     """Install packages (``name`` or ``name[extra]``) from wheels built in this run."""
-    names = [r.split("[")[0] for r in requirements]
-    needed = list(dict.fromkeys(d for n in names for d in (*LOCAL_DEPS[n], n)))
+    deps: list[str] = []
+    for req in requirements:
+        name, _, extras = req.partition("[")
+        for extra in filter(None, extras.rstrip("]").split(",")):
+            deps += EXTRA_LOCAL_DEPS.get((name, extra.strip()), ())
+        deps += [*LOCAL_DEPS[name], name]
+    needed = list(dict.fromkeys(deps))
     wheels = {n: _wheel(session, n, constraints) for n in needed}
     specs = []
     for n in needed:
