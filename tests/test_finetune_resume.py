@@ -44,3 +44,9 @@ def test_resume_equals_uninterrupted(tmp_path: Path, cli) -> None:
             else:
                 assert value == other, (name, key)
     assert a.training_state.step == b.training_state.step == 6
+    # And the files themselves: every tensor file is byte-identical (only the manifest's
+    # creation time differs).
+    files = sorted(p.name for p in final_a.glob("*.safetensors"))
+    assert files == sorted(p.name for p in final_b.glob("*.safetensors"))
+    for name in files:
+        assert (final_a / name).read_bytes() == (final_b / name).read_bytes(), name

@@ -258,7 +258,12 @@ class TrainingState:
         }
         if self.optimizer is not None:
             state_doc: dict[str, dict[str, Any]] = {}
-            for i, (n, s) in enumerate(self.optimizer.state.items()):
+            # Parameter order, not the optimizer's insertion order (which a resumed run
+            # changes), so the same state always writes the same file bytes.
+            ordered = [n for g in self.optimizer.param_groups for n in g["params"]
+                       if n in self.optimizer.state]
+            for i, n in enumerate(ordered):
+                s = self.optimizer.state[n]
                 entry: dict[str, Any] = {}
                 for k, v in s.items():
                     if isinstance(v, torch.Tensor):
