@@ -26,6 +26,7 @@
 
 #include "elementwise.h"
 #include "int8_dequant.h"
+#include "moe_common.h"
 
 namespace kt_kernel {
 namespace int8 {
@@ -181,177 +182,19 @@ QBase make_base(const at::Tensor& q, const at::Tensor& s, const char* name) {
 // at small T an expert holds ~8 rows, and padding them to 16 measured ~5% slower here.
 constexpr int64_t kPad = 8;
 
-struct Routing {
-  at::Tensor perm;     // [Np] flat (t*k + j) index of sorted row p, -1 for a padding row
-  at::Tensor pos;      // [N] sorted row of flat index f
-  at::Tensor offsets;  // [E+1] first sorted row of each expert
-};
+using common::Lora;
+using common::Routing;
+using common::Task;
+using common::gather_rows;
+using common::make_tasks;
+using common::prepare_lora;
+using common::run_tasks;
+using common::scatter;
+using common::silu_mul;
+using common::silu_mul_bwd;
 
 Routing route(const at::Tensor& ids, int64_t num_experts) {
-  const int64_t n = ids.numel();
-  auto opts = at::TensorOptions().dtype(at::kLong);
-  at::Tensor offsets = at::zeros({num_experts + 1}, opts);
-  const int64_t* id = ids.data_ptr<int64_t>();
-  int64_t* off = offsets.data_ptr<int64_t>();
-  for (int64_t f = 0; f < n; ++f) {
-    TORCH_CHECK(id[f] >= 0 && id[f] < num_experts, "topk_ids must lie in [0, ", num_experts,
-                "), got id ", id[f]);
-    off[id[f] + 1]++;
-  }
-  for (int64_t e = 0; e < num_experts; ++e) {
-    off[e + 1] = off[e] + (off[e + 1] + kPad - 1) / kPad * kPad;
-  }
-  Routing r{at::full({off[num_experts]}, -1, opts), at::empty({n}, opts), offsets};
-  std::vector<int64_t> fill(off, off + num_experts);
-  int64_t* perm = r.perm.data_ptr<int64_t>();
-  int64_t* pos = r.pos.data_ptr<int64_t>();
-  for (int64_t f = 0; f < n; ++f) {  // stable: an expert's rows stay in token order
-    const int64_t p = fill[id[f]]++;
-    perm[p] = f;
-    pos[f] = p;
-  }
-  return r;
-}
-
-struct Task {
-  int64_t expert, begin, end;
-};
-
-std::vector<Task> make_tasks(const at::Tensor& offsets, int64_t tile_rows) {
-  const int64_t* off = offsets.data_ptr<int64_t>();
-  const int64_t e_count = offsets.numel() - 1;
-  std::vector<Task> tasks;
-  for (int64_t e = 0; e < e_count; ++e) {
-    for (int64_t b = off[e]; b < off[e + 1]; b += tile_rows) {
-      tasks.push_back({e, b, std::min(b + tile_rows, off[e + 1])});
-    }
-  }
-  std::stable_sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& b) {
-    return (a.end - a.begin) > (b.end - b.begin);
-  });
-  return tasks;
-}
-
-// fn(i) for i in [0, n) over OpenMP threads; nested parallelism off so each GEMM computes as
-// it would single-threaded and results do not depend on the thread count.
-template <typename Fn>
-void run_tasks(int64_t n, const Fn& fn) {
-  if (n == 0) return;
-  const int threads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), n));
-  std::exception_ptr error;
-  std::mutex mu;
-#pragma omp parallel num_threads(threads)
-  {
-    omp_set_num_threads(1);
-    at::NoGradGuard no_grad;
-#pragma omp for schedule(dynamic, 1)
-    for (int64_t i = 0; i < n; ++i) {
-      try {
-        fn(i);
-      } catch (...) {
-        std::lock_guard<std::mutex> lock(mu);
-        if (!error) error = std::current_exception();
-      }
-    }
-  }
-  if (error) std::rethrow_exception(error);
-}
-
-// LoRA factors in internal form: A_cat [E, ra, H], B_bd [E, 2I, ra] (block-diagonal for the
-// split layout), and the down adapter.
-struct Lora {
-  bool on = false;
-  int64_t rank = 0;
-  at::Tensor a_cat, b_bd, a_down, b_down;
-  double s = 0;
-};
-
-Lora prepare_lora(const std::vector<at::Tensor>& t, bool fused, double scaling, int64_t inter) {
-  Lora l;
-  if (t.empty()) return l;
-  l.on = true;
-  l.s = scaling;
-  if (fused) {
-    TORCH_CHECK(t.size() == 4, "fused LoRA needs 4 tensors, got ", t.size());
-    l.rank = t[0].size(1);
-    l.a_cat = t[0].contiguous();
-    l.b_bd = t[1].contiguous();
-    l.a_down = t[2].contiguous();
-    l.b_down = t[3].contiguous();
-  } else {
-    TORCH_CHECK(t.size() == 6, "split LoRA needs 6 tensors, got ", t.size());
-    const int64_t r = t[0].size(1);
-    l.rank = r;
-    l.a_cat = at::cat({t[0], t[2]}, 1);
-    l.b_bd = at::zeros({t[1].size(0), 2 * inter, 2 * r}, t[1].options());
-    l.b_bd.narrow(1, 0, inter).narrow(2, 0, r).copy_(t[1]);
-    l.b_bd.narrow(1, inter, inter).narrow(2, r, r).copy_(t[3]);
-    l.a_down = t[4].contiguous();
-    l.b_down = t[5].contiguous();
-  }
-  return l;
-}
-
-void gather_rows(const at::Tensor& src, const int64_t* perm, int64_t k, int64_t begin,
-                 int64_t end, at::Tensor& dst) {
-  const int64_t row_bytes = src.size(1) * src.element_size();
-  const char* s = static_cast<const char*>(src.data_ptr());
-  char* d = static_cast<char*>(dst.data_ptr());
-  for (int64_t p = begin; p < end; ++p) {
-    if (perm[p] < 0) {
-      std::memset(d + p * row_bytes, 0, row_bytes);
-    } else {
-      std::memcpy(d + p * row_bytes, s + (perm[p] / k) * row_bytes, row_bytes);
-    }
-  }
-}
-
-void silu_mul(const at::Tensor& gu, at::Tensor& h) {
-  const auto& kt = kernels();
-  const int64_t rows = gu.size(0), inter = h.size(1);
-  if (gu.scalar_type() == at::kBFloat16) {
-    kt.silu_mul_bf16(reinterpret_cast<const uint16_t*>(gu.data_ptr()),
-                     reinterpret_cast<uint16_t*>(h.data_ptr()), rows, inter);
-  } else {
-    kt.silu_mul_f32(gu.data_ptr<float>(), h.data_ptr<float>(), rows, inter);
-  }
-}
-
-void silu_mul_bwd(const at::Tensor& gu, const at::Tensor& gh, const at::Tensor& w,
-                  at::Tensor& dgu, at::Tensor& h, at::Tensor& dw) {
-  const auto& kt = kernels();
-  const int64_t rows = gu.size(0), inter = h.size(1);
-  if (gu.scalar_type() == at::kBFloat16) {
-    kt.silu_mul_bwd_bf16(reinterpret_cast<const uint16_t*>(gu.data_ptr()),
-                         reinterpret_cast<const uint16_t*>(gh.data_ptr()), w.data_ptr<float>(),
-                         reinterpret_cast<uint16_t*>(dgu.data_ptr()),
-                         reinterpret_cast<uint16_t*>(h.data_ptr()), dw.data_ptr<float>(), rows,
-                         inter);
-  } else {
-    kt.silu_mul_bwd_f32(gu.data_ptr<float>(), gh.data_ptr<float>(), w.data_ptr<float>(),
-                        dgu.data_ptr<float>(), h.data_ptr<float>(), dw.data_ptr<float>(), rows,
-                        inter);
-  }
-}
-
-// out[t] = sum_j w[t, j] * src[pos[t, j]] (w undefined: weight 1), tokens in parallel.
-at::Tensor scatter(const at::Tensor& src, const at::Tensor& pos, const at::Tensor& w,
-                   int64_t tokens, int64_t k) {
-  const int64_t hidden = src.size(1);
-  at::Tensor out = at::empty({tokens, hidden}, src.options());
-  const auto& kt = kernels();
-  const int64_t* p = pos.data_ptr<int64_t>();
-  const float* wp = w.defined() ? w.data_ptr<float>() : nullptr;
-  const bool bf = src.scalar_type() == at::kBFloat16;
-  at::parallel_for(0, tokens, 16, [&](int64_t t0, int64_t t1) {
-    if (bf) {
-      kt.scatter_bf16(reinterpret_cast<const uint16_t*>(src.data_ptr()), p, wp,
-                      reinterpret_cast<uint16_t*>(out.data_ptr()), t0, t1, k, hidden);
-    } else {
-      kt.scatter_f32(src.data_ptr<float>(), p, wp, out.data_ptr<float>(), t0, t1, k, hidden);
-    }
-  });
-  return out;
+  return common::route(ids, num_experts, kPad);
 }
 
 // gu = xs @ W_gu[e]^T (+ s * (xs @ A_cat^T) @ B_bd^T, keeping z = xs @ A_cat^T).

@@ -1,0 +1,231 @@
+// Routing, scheduling and element-wise plumbing shared by the dense-base op (moe_kernel.cpp)
+// and the INT8-base op (int8_kernel.cpp): one copy, so both route, tile, pad and scatter
+// identically. Everything here is inline; the translation units keep their own GEMM code.
+#pragma once
+
+#include <ATen/ATen.h>
+#include <ATen/Parallel.h>
+#include <c10/util/Exception.h>
+#include <omp.h>
+
+#include <algorithm>
+#include <cstring>
+#include <exception>
+#include <mutex>
+#include <vector>
+
+#include "elementwise.h"
+
+namespace kt_kernel {
+namespace common {
+
+// Experts' rows start at a multiple of `pad` and are zero-padded to one (each op picks its
+// own pad; see kPad there). Padding rows carry zero input and zero routing weight.
+struct Routing {
+  at::Tensor perm;     // [Np] flat (t*k + j) index of sorted row p, -1 for a padding row
+  at::Tensor pos;      // [N] sorted row of flat index f
+  at::Tensor offsets;  // [E+1] first sorted row of each expert (multiples of pad)
+};
+
+inline Routing route(const at::Tensor& ids, int64_t num_experts, int64_t pad) {
+  const int64_t n = ids.numel();
+  auto opts = at::TensorOptions().dtype(at::kLong);
+  at::Tensor offsets = at::zeros({num_experts + 1}, opts);
+  const int64_t* id = ids.data_ptr<int64_t>();
+  int64_t* off = offsets.data_ptr<int64_t>();
+  for (int64_t f = 0; f < n; ++f) {
+    TORCH_CHECK(id[f] >= 0 && id[f] < num_experts, "topk_ids must lie in [0, ", num_experts,
+                "), got id ", id[f]);
+    off[id[f] + 1]++;
+  }
+  for (int64_t e = 0; e < num_experts; ++e) {
+    off[e + 1] = off[e] + (off[e + 1] + pad - 1) / pad * pad;
+  }
+  Routing r{at::full({off[num_experts]}, -1, opts), at::empty({n}, opts), offsets};
+  std::vector<int64_t> fill(off, off + num_experts);
+  int64_t* perm = r.perm.data_ptr<int64_t>();
+  int64_t* pos = r.pos.data_ptr<int64_t>();
+  // Stable: rows of one expert stay in token order, so the layout is a pure function of ids.
+  for (int64_t f = 0; f < n; ++f) {
+    const int64_t p = fill[id[f]]++;
+    perm[p] = f;
+    pos[f] = p;
+  }
+  return r;
+}
+
+struct Task {
+  int64_t expert, begin, end;
+};
+
+// Tasks in descending size so dynamic scheduling balances the tail.
+inline std::vector<Task> make_tasks(const at::Tensor& offsets, int64_t tile_rows) {
+  const int64_t* off = offsets.data_ptr<int64_t>();
+  const int64_t e_count = offsets.numel() - 1;
+  std::vector<Task> tasks;
+  for (int64_t e = 0; e < e_count; ++e) {
+    for (int64_t b = off[e]; b < off[e + 1]; b += tile_rows) {
+      tasks.push_back({e, b, std::min(b + tile_rows, off[e + 1])});
+    }
+  }
+  std::stable_sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& b) {
+    return (a.end - a.begin) > (b.end - b.begin);
+  });
+  return tasks;
+}
+
+// Runs fn(i) for i in [0, n) on up to at::get_num_threads() threads. Inside, nested
+// parallelism is switched off (ICV set to one thread) so every ATen/MKL/oneDNN call computes
+// exactly as it would single-threaded: results do not depend on the thread count.
+template <typename Fn>
+inline void run_tasks(int64_t n, const Fn& fn) {
+  if (n == 0) return;
+  const int threads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), n));
+  std::exception_ptr error;
+  std::mutex mu;
+#pragma omp parallel num_threads(threads)
+  {
+    omp_set_num_threads(1);
+    at::NoGradGuard no_grad;
+#pragma omp for schedule(dynamic, 1)
+    for (int64_t i = 0; i < n; ++i) {
+      try {
+        fn(i);
+      } catch (...) {
+        std::lock_guard<std::mutex> lock(mu);
+        if (!error) error = std::current_exception();
+      }
+    }
+  }
+  if (error) std::rethrow_exception(error);
+}
+
+// The LoRA factors in the kernel's internal form: A_cat [E, ra, H] (gate and up A stacked for
+// the split layout), B_bd [E, 2I, ra] (block-diagonal for split, B_gate_up for fused), and
+// the down adapter.
+struct Lora {
+  bool on = false;
+  bool fused = false;
+  int64_t rank = 0;
+  at::Tensor a_cat, b_bd, a_down, b_down;
+  double s = 0;
+};
+
+inline Lora prepare_lora(const std::vector<at::Tensor>& t, bool fused, double scaling, int64_t inter) {
+  Lora l;
+  if (t.empty()) return l;
+  l.on = true;
+  l.fused = fused;
+  l.s = scaling;
+  if (fused) {
+    TORCH_CHECK(t.size() == 4, "fused LoRA needs 4 tensors, got ", t.size());
+    l.rank = t[0].size(1);
+    l.a_cat = t[0].contiguous();
+    l.b_bd = t[1].contiguous();
+    l.a_down = t[2].contiguous();
+    l.b_down = t[3].contiguous();
+  } else {
+    TORCH_CHECK(t.size() == 6, "split LoRA needs 6 tensors, got ", t.size());
+    const int64_t r = t[0].size(1);
+    l.rank = r;
+    l.a_cat = at::cat({t[0], t[2]}, 1);
+    l.b_bd = at::zeros({t[1].size(0), 2 * inter, 2 * r}, t[1].options());
+    l.b_bd.narrow(1, 0, inter).narrow(2, 0, r).copy_(t[1]);
+    l.b_bd.narrow(1, inter, inter).narrow(2, r, r).copy_(t[3]);
+    l.a_down = t[4].contiguous();
+    l.b_down = t[5].contiguous();
+  }
+  return l;
+}
+
+inline void gather_rows(const at::Tensor& src, const int64_t* perm, int64_t k, int64_t begin,
+                 int64_t end, at::Tensor& dst) {
+  const int64_t row_bytes = src.size(1) * src.element_size();
+  const char* s = static_cast<const char*>(src.data_ptr());
+  char* d = static_cast<char*>(dst.data_ptr());
+  for (int64_t p = begin; p < end; ++p) {
+    if (perm[p] < 0) {
+      std::memset(d + p * row_bytes, 0, row_bytes);
+    } else {
+      std::memcpy(d + p * row_bytes, s + (perm[p] / k) * row_bytes, row_bytes);
+    }
+  }
+}
+
+inline void silu_mul(const at::Tensor& gu, at::Tensor& h) {
+  const auto& kt = kernels();
+  const int64_t rows = gu.size(0), inter = h.size(1);
+  switch (gu.scalar_type()) {
+    case at::kFloat:
+      kt.silu_mul_f32(gu.data_ptr<float>(), h.data_ptr<float>(), rows, inter);
+      break;
+    case at::kDouble:
+      kt.silu_mul_f64(gu.data_ptr<double>(), h.data_ptr<double>(), rows, inter);
+      break;
+    case at::kBFloat16:
+      kt.silu_mul_bf16(reinterpret_cast<const uint16_t*>(gu.data_ptr()),
+                       reinterpret_cast<uint16_t*>(h.data_ptr()), rows, inter);
+      break;
+    default:
+      TORCH_CHECK(false, "unsupported dtype ", gu.scalar_type());
+  }
+}
+
+inline void silu_mul_bwd(const at::Tensor& gu, const at::Tensor& gh, const at::Tensor& w,
+                  at::Tensor& dgu, at::Tensor& h, at::Tensor& dw) {
+  const auto& kt = kernels();
+  const int64_t rows = gu.size(0), inter = h.size(1);
+  switch (gu.scalar_type()) {
+    case at::kFloat:
+      kt.silu_mul_bwd_f32(gu.data_ptr<float>(), gh.data_ptr<float>(), w.data_ptr<float>(),
+                          dgu.data_ptr<float>(), h.data_ptr<float>(), dw.data_ptr<float>(),
+                          rows, inter);
+      break;
+    case at::kDouble:
+      kt.silu_mul_bwd_f64(gu.data_ptr<double>(), gh.data_ptr<double>(), w.data_ptr<double>(),
+                          dgu.data_ptr<double>(), h.data_ptr<double>(), dw.data_ptr<double>(),
+                          rows, inter);
+      break;
+    case at::kBFloat16:
+      kt.silu_mul_bwd_bf16(reinterpret_cast<const uint16_t*>(gu.data_ptr()),
+                           reinterpret_cast<const uint16_t*>(gh.data_ptr()), w.data_ptr<float>(),
+                           reinterpret_cast<uint16_t*>(dgu.data_ptr()),
+                           reinterpret_cast<uint16_t*>(h.data_ptr()), dw.data_ptr<float>(), rows,
+                           inter);
+      break;
+    default:
+      TORCH_CHECK(false, "unsupported dtype ", gu.scalar_type());
+  }
+}
+
+// out[t] = sum_j w[t, j] * src[pos[t, j]] (w undefined: weight 1), tokens in parallel.
+inline at::Tensor scatter(const at::Tensor& src, const at::Tensor& pos, const at::Tensor& w,
+                   int64_t tokens, int64_t k) {
+  const int64_t hidden = src.size(1);
+  at::Tensor out = at::empty({tokens, hidden}, src.options());
+  const auto& kt = kernels();
+  const int64_t* p = pos.data_ptr<int64_t>();
+  at::parallel_for(0, tokens, 16, [&](int64_t t0, int64_t t1) {
+    switch (src.scalar_type()) {
+      case at::kFloat:
+        kt.scatter_f32(src.data_ptr<float>(), p, w.defined() ? w.data_ptr<float>() : nullptr,
+                       out.data_ptr<float>(), t0, t1, k, hidden);
+        break;
+      case at::kDouble:
+        kt.scatter_f64(src.data_ptr<double>(), p, w.defined() ? w.data_ptr<double>() : nullptr,
+                       out.data_ptr<double>(), t0, t1, k, hidden);
+        break;
+      case at::kBFloat16:
+        kt.scatter_bf16(reinterpret_cast<const uint16_t*>(src.data_ptr()), p,
+                        w.defined() ? w.data_ptr<float>() : nullptr,
+                        reinterpret_cast<uint16_t*>(out.data_ptr()), t0, t1, k, hidden);
+        break;
+      default:
+        TORCH_CHECK(false, "unsupported dtype ", src.scalar_type());
+    }
+  });
+  return out;
+}
+
+}  // namespace common
+}  // namespace kt_kernel
