@@ -11,8 +11,8 @@ from pydantic import ValidationError
 
 from lora_core import DEFAULT_TARGET_MODULES, LoraConfig, LoraConfigError
 
-VALID_KEYS = ["enable", "rank", "alpha", "target_modules", "exclude_modules", "dropout",
-              "init_seed"]
+VALID_KEYS = ["enable", "rank", "alpha", "target_modules", "exclude_modules",
+              "target_parameters", "dropout", "init_seed"]
 
 
 def _yaml(block: str, role: str = "policy") -> str:
@@ -93,15 +93,30 @@ def test_target_modules_must_be_a_list_not_a_string() -> None:
 
 @pytest.mark.parametrize("bad", [".*q_proj", "q_proj.", "", "self attn", "layers.*.q"])
 def test_patterns_and_empty_components_refused(bad: str) -> None:
-    with pytest.raises(ValidationError, match=r"not a module name or dotted suffix"):
+    with pytest.raises(ValidationError, match=r"not a name or dotted suffix"):
         LoraConfig(target_modules=[bad])
     with pytest.raises(ValidationError, match=r"lora\.exclude_modules entry"):
         LoraConfig(exclude_modules=[bad])
 
 
 def test_empty_target_modules_refused() -> None:
-    with pytest.raises(ValidationError, match=r"lora\.target_modules is empty"):
+    with pytest.raises(ValidationError, match=r"lora\.target_modules is empty and so is"):
         LoraConfig(target_modules=[])
+
+
+def test_target_parameters_alone_is_a_valid_target() -> None:
+    cfg = LoraConfig(enable=True, rank=2, target_modules=[], target_parameters=["mlp.gate.weight"])
+    assert cfg.target_parameters == ("mlp.gate.weight",)
+    assert LoraConfig().target_parameters == ()
+    text = _yaml("enable: true\nrank: 2\ntarget_parameters: [mlp.gate.weight]")
+    assert LoraConfig.from_yaml(text, "policy").target_parameters == ("mlp.gate.weight",)
+
+
+def test_target_parameters_refuse_dropout_and_patterns() -> None:
+    with pytest.raises(ValidationError, match=r"lora\.dropout is 0\.1 but lora\.target_parameters"):
+        LoraConfig(target_parameters=["gate.weight"], dropout=0.1)
+    with pytest.raises(ValidationError, match=r"lora\.target_parameters entry '\.\*gate'"):
+        LoraConfig(target_parameters=[".*gate"])
 
 
 def test_frozen_hashable_equal_and_json() -> None:
@@ -117,7 +132,7 @@ def test_frozen_hashable_equal_and_json() -> None:
     dumped = a.model_dump(mode="json")
     assert json.loads(json.dumps(dumped)) == {
         "enable": True, "rank": 8, "alpha": 8.0, "target_modules": ["q_proj", "v_proj"],
-        "exclude_modules": [], "dropout": 0.0, "init_seed": 0,
+        "exclude_modules": [], "target_parameters": [], "dropout": 0.0, "init_seed": 0,
     }
     assert LoraConfig.model_validate(dumped) == a
 

@@ -18,6 +18,7 @@ EXPECTED = {
     "ComponentVersion",
     "ContractError",
     "LoRALinear",
+    "LoRAParameter",
     "LoraConfig",
     "LoraConfigError",
     "LoraTargetError",

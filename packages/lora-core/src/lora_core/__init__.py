@@ -22,7 +22,7 @@ from lora_core.injection import (
     rebind_parameters,
     remap_checkpoint_keys,
 )
-from lora_core.layers import LoRALinear
+from lora_core.layers import LoRALinear, LoRAParameter
 
 __all__ = [
     "ADAPTATION_RESULT_SCHEMA_VERSION",
@@ -31,6 +31,7 @@ __all__ = [
     "ComponentVersion",
     "ContractError",
     "LoRALinear",
+    "LoRAParameter",
     "LoraConfig",
     "LoraConfigError",
     "LoraTargetError",

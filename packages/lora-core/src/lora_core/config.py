@@ -56,20 +56,21 @@ class LoraConfigError(ValueError):
 def _check_names(value: Any, field_name: str) -> tuple[str, ...]:
     if isinstance(value, str):
         raise ValueError(
-            f"lora.{field_name} must be a list of module names, got the string {value!r}; "
+            f"lora.{field_name} must be a list of names, got the string {value!r}; "
             f"write it as a list, e.g. [{value}]"
         )
     if not isinstance(value, list | tuple):
         raise ValueError(
-            f"lora.{field_name} must be a list of module names, got {type(value).__name__} "
+            f"lora.{field_name} must be a list of names, got {type(value).__name__} "
             f"{value!r}"
         )
     names: list[str] = []
     for item in value:
         if not isinstance(item, str) or not all(_COMPONENT.match(c) for c in item.split(".")):
             raise ValueError(
-                f"lora.{field_name} entry {item!r} is not a module name or dotted suffix "
-                "(e.g. 'q_proj' or 'self_attn.q_proj'); patterns and empty components are "
+                f"lora.{field_name} entry {item!r} is not a name or dotted suffix "
+                "(e.g. 'q_proj', 'self_attn.q_proj' or 'mlp.gate.weight'); patterns and empty "
+                "components are "
                 "not supported"
             )
         names.append(item)
@@ -91,7 +92,12 @@ class LoraConfig(BaseModel):
         target_modules: module names or dotted suffixes to adapt. A target matches a module
             when it equals the trailing whole dotted components of the module's name:
             ``o_proj`` matches ``layers.0.self_attn.o_proj`` but never ``foo_proj``.
-        exclude_modules: same matching rule, applied after ``target_modules``.
+        exclude_modules: same matching rule, applied after ``target_modules`` and
+            ``target_parameters`` (a parameter is excluded when its module is).
+        target_parameters: fully-qualified parameter names or dotted suffixes of them
+            (``mlp.gate.weight``) whose 2-D weight gets a LoRA update although its module is
+            not an ``nn.Linear``: the MoE routers. Same matching rule; PEFT's
+            ``target_parameters`` twin. Needs ``dropout == 0``.
         dropout: dropout probability on the LoRA input, in ``[0, 1)``.
         init_seed: seed for the deterministic adapter initialisation
             (see :func:`lora_core.init_lora_tensor`).
@@ -104,6 +110,8 @@ class LoraConfig(BaseModel):
     alpha: float | None = Field(default=None, gt=0)
     target_modules: tuple[str, ...] = DEFAULT_TARGET_MODULES
     exclude_modules: tuple[str, ...] = ()
+    # Empty by default: adapting a router changes which experts run, so it is opt-in.
+    target_parameters: tuple[str, ...] = ()
     dropout: float = Field(default=0.0, ge=0.0, lt=1.0)
     # Not a global torch seed: only the adapter values derive from it, per tensor name.
     init_seed: StrictInt = 0
@@ -138,22 +146,25 @@ class LoraConfig(BaseModel):
             )
         return value
 
-    @field_validator("target_modules", "exclude_modules", mode="before")
+    @field_validator("target_modules", "exclude_modules", "target_parameters", mode="before")
     @classmethod
     def _module_names(cls, value: Any, info: Any) -> tuple[str, ...]:
         return _check_names(value, info.field_name)
 
-    @field_validator("target_modules")
-    @classmethod
-    def _targets_nonempty(cls, value: tuple[str, ...]) -> tuple[str, ...]:
-        if not value:
-            raise ValueError(
-                "lora.target_modules is empty; list at least one module name such as 'q_proj'"
-            )
-        return value
-
     @model_validator(mode="after")
     def _rank_when_enabled(self) -> LoraConfig:
+        if not self.target_modules and not self.target_parameters:
+            raise ValueError(
+                "lora.target_modules is empty and so is lora.target_parameters; list at least "
+                "one module name such as 'q_proj' (or a parameter such as 'mlp.gate.weight')"
+            )
+        if self.target_parameters and self.dropout > 0:
+            raise ValueError(
+                f"lora.dropout is {self.dropout} but lora.target_parameters "
+                f"{list(self.target_parameters)} is set; a LoRA update on a parameter cannot "
+                "apply dropout to its input (PEFT refuses it too): set lora.dropout: 0 or "
+                "drop lora.target_parameters"
+            )
         if self.enable and (self.rank is None or self.rank <= 0):
             raise ValueError(
                 f"lora.rank must be a positive integer when lora.enable is true, got "

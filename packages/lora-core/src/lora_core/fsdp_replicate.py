@@ -24,7 +24,7 @@ from lora_core.fsdp_consistency import (
     check_consistent,
     collective_device,
 )
-from lora_core.layers import LoRALinear
+from lora_core.layers import _LoRAFactors
 
 __all__ = ["replicate_lora_parameters"]
 
@@ -61,8 +61,8 @@ def _bytes_digest(t: torch.Tensor) -> int:
     return int.from_bytes(hashlib.blake2b(data, digest_size=8).digest(), "little", signed=True)
 
 
-def _lora_layers(model: nn.Module) -> list[tuple[str, LoRALinear]]:
-    layers = [(n, m) for n, m in model.named_modules() if isinstance(m, LoRALinear)]
+def _lora_layers(model: nn.Module) -> list[tuple[str, _LoRAFactors]]:
+    layers = [(n, m) for n, m in model.named_modules() if isinstance(m, _LoRAFactors)]
     return sorted(layers, key=lambda item: item[0])
 
 
@@ -84,7 +84,8 @@ def replicate_lora_parameters(
     leaves already replicated adapters as they are.
 
     Args:
-        model: the model, already ``fully_shard``-ed, carrying :class:`LoRALinear` layers.
+        model: the model, already ``fully_shard``-ed, carrying :class:`LoRALinear` and
+            :class:`LoRAParameter` layers.
         check_timeout: how long to wait for the other ranks' fingerprint.
 
     Returns:
@@ -101,10 +102,10 @@ def replicate_lora_parameters(
     if not (dist.is_available() and dist.is_initialized()):
         return 0
     layers = _lora_layers(model)
-    sharded = [(n, m) for n, m in layers if isinstance(m.base_layer.weight, DTensor)]
+    sharded = [(n, m) for n, m in layers if isinstance(m.base_weight, DTensor)]
     if not sharded:
         return 0
-    plain = [n for n, m in layers if not isinstance(m.base_layer.weight, DTensor)]
+    plain = [n for n, m in layers if not isinstance(m.base_weight, DTensor)]
     if plain:
         raise FsdpLayoutError(
             f"LoRA layer {plain[0]!r} has a plain base weight while {sharded[0][0]!r} is "
@@ -113,9 +114,9 @@ def replicate_lora_parameters(
         )
     mesh = sharded[0][1].base_layer.weight.device_mesh
     for n, m in sharded:
-        if m.base_layer.weight.device_mesh != mesh:
+        if m.base_weight.device_mesh != mesh:
             raise FsdpLayoutError(
-                f"LoRA layer {n!r} is sharded on mesh {m.base_layer.weight.device_mesh} but "
+                f"LoRA layer {n!r} is sharded on mesh {m.base_weight.device_mesh} but "
                 f"{sharded[0][0]!r} on {mesh}; replicate_lora_parameters reuses one FSDP mesh"
             )
     if mesh.size() != dist.get_world_size():

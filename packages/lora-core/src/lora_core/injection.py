@@ -1,11 +1,13 @@
-"""Put :class:`LoRALinear` on the targeted ``nn.Linear`` modules of a model.
+"""Put :class:`LoRALinear` on the targeted ``nn.Linear`` modules of a model, and
+:class:`LoRAParameter` on the targeted 2-D parameters of other modules (MoE routers).
 
 Matching rule (shared by ``target_modules`` and ``exclude_modules``): a target matches a
 module when the target's dot-separated components equal the *trailing whole components* of
 the module's fully-qualified name. ``o_proj`` matches ``model.layers.0.self_attn.o_proj``
 but never ``model.layers.0.foo_proj``; ``self_attn.q_proj`` matches
 ``model.layers.0.self_attn.q_proj`` but not ``model.layers.0.cross_attn.q_proj``. Excludes
-are applied after targets. Only ``nn.Linear`` modules are replaced.
+are applied after targets. Only ``nn.Linear`` modules are replaced through
+``target_modules``; ``target_parameters`` matches parameter names by the same rule.
 """
 
 from __future__ import annotations
@@ -15,6 +17,7 @@ import logging
 from collections.abc import Iterable, Mapping
 from typing import Any
 
+import torch
 from torch import nn
 
 from lora_core.config import LoraConfig
@@ -25,7 +28,7 @@ from lora_core.contracts import (
     ParameterOwnership,
     PeftExport,
 )
-from lora_core.layers import LoRALinear
+from lora_core.layers import LoRALinear, LoRAParameter, _LoRAFactors
 
 __all__ = [
     "LoraTargetError",
@@ -41,7 +44,7 @@ _PEFT_PREFIX = "base_model.model."
 
 
 class LoraTargetError(ValueError):
-    """``target_modules``/``exclude_modules`` selected no ``nn.Linear`` of the model."""
+    """The targets selected nothing, or something that cannot be adapted."""
 
 
 def matches_module(name: str, patterns: Iterable[str]) -> bool:
@@ -82,7 +85,7 @@ def _select(
     model: nn.Module, config: LoraConfig
 ) -> tuple[list[tuple[str, nn.Linear | LoRALinear]], list[str]]:
     """Matched ``(name, module)`` in module order, and every Linear name (for errors)."""
-    adapters = {n for n, m in model.named_modules() if isinstance(m, LoRALinear)}
+    adapters = _adapter_names(model)
     seen: dict[int, str] = {}
     chosen: list[tuple[str, nn.Linear | LoRALinear]] = []
     linear_names: list[str] = []
@@ -108,7 +111,10 @@ def _select(
             )
         seen[id(module)] = name
         chosen.append((name, module))
-    if not chosen:
+    # Default attention targets may legitimately match nothing when only parameters (routers)
+    # are targeted; targets the user wrote must match.
+    if not chosen and ("target_modules" in config.model_fields_set
+                       or not config.target_parameters):
         sample = linear_names[:12]
         more = f" (and {len(linear_names) - len(sample)} more)" if len(linear_names) > 12 else ""
         why = (
@@ -126,16 +132,103 @@ def _select(
     return chosen, linear_names
 
 
+def _adapter_names(model: nn.Module) -> set[str]:
+    return {n for n, m in model.named_modules() if isinstance(m, _LoRAFactors)}
+
+
+def _select_parameters(
+    model: nn.Module, config: LoraConfig, linear_targets: set[str]
+) -> list[tuple[str, nn.Module, str, list[str]]]:
+    """Matched ``(module name, owner, parameter name, matching patterns)`` in module order.
+
+    An owner that is already a :class:`LoRAParameter` is matched by the name of the
+    parameter it adapts, so a repeated call finds it instead of wrapping it again.
+    """
+    if not config.target_parameters:
+        return []
+    adapters = _adapter_names(model)
+    chosen: list[tuple[str, nn.Module, str, list[str]]] = []
+    seen: dict[int, str] = {}
+    candidates: list[str] = []
+    excluded: list[str] = []
+    for name, module in model.named_modules(remove_duplicate=False):
+        if _inside(name, adapters) or isinstance(module, LoRALinear):
+            continue
+        if isinstance(module, LoRAParameter):
+            params: list[tuple[str, torch.Tensor]] = [(module.parameter_name, module.base_weight)]
+        else:
+            params = [(k, v) for k, v in module._parameters.items() if v is not None]
+        hits: list[tuple[str, list[str]]] = []
+        for param_name, param in params:
+            fqn = f"{name}.{param_name}" if name else param_name
+            candidates.append(fqn)
+            patterns = [t for t in config.target_parameters if matches_module(fqn, [t])]
+            if not patterns:
+                continue
+            if matches_module(name, config.exclude_modules):
+                excluded.append(fqn)
+                continue
+            if not name:
+                raise LoraTargetError(
+                    f"lora.target_parameters matched {fqn!r}, a parameter of the root module "
+                    f"{type(model).__name__}, which cannot be wrapped; target a submodule's "
+                    "parameter"
+                )
+            if param.dim() != 2:
+                raise LoraTargetError(
+                    f"lora.target_parameters {patterns} matched {fqn!r} of shape "
+                    f"{list(param.shape)}; only 2-D [out, in] weights take a LoRA update "
+                    "(MoE expert banks get theirs from moe_experts.adapt)"
+                )
+            if name in linear_targets:
+                raise LoraTargetError(
+                    f"{name!r} is matched by lora.target_modules and its parameter {fqn!r} by "
+                    "lora.target_parameters; adapt it one way only"
+                )
+            hits.append((param_name, patterns))
+        if not hits:
+            continue
+        if len(hits) > 1:
+            raise LoraTargetError(
+                f"lora.target_parameters matched {len(hits)} parameters of {name!r} "
+                f"({[h for h, _ in hits]}); one LoRA update per module is supported"
+            )
+        if id(module) in seen:
+            raise LoraTargetError(
+                f"module {name!r} is the same object as {seen[id(module)]!r} (a shared "
+                "module); adapting one name would leave the other unadapted. Exclude one of "
+                "them with lora.exclude_modules"
+            )
+        seen[id(module)] = name
+        chosen.append((name, module, *hits[0]))
+    if not chosen:
+        why = (
+            f"; {len(excluded)} matched but lora.exclude_modules removed them: {excluded[:6]}"
+            if excluded
+            else ""
+        )
+        more = f" (and {len(candidates) - 12} more)" if len(candidates) > 12 else ""
+        raise LoraTargetError(
+            f"lora.target_parameters {list(config.target_parameters)} matched no parameter "
+            f"of {type(model).__name__}{why}. Parameters that exist: {candidates[:12]}{more}. "
+            "A target matches whole trailing components of a parameter name (e.g. "
+            "'mlp.gate.weight'), never a substring"
+        )
+    return chosen
+
+
 def enable_lora_training(
     model: nn.Module, config: LoraConfig | None, *, prepare_for_fsdp: bool = False
 ) -> AdaptationResult:
-    """Wrap the targeted ``nn.Linear`` modules in :class:`LoRALinear` and freeze the rest.
+    """Wrap the targeted ``nn.Linear`` modules in :class:`LoRALinear`, the modules owning the
+    targeted 2-D parameters in :class:`LoRAParameter`, and freeze the rest.
 
     Matching: a target (or exclude) matches a module when it equals the trailing whole
     dotted components of the module's name (``o_proj`` matches ``a.o_proj``, not
-    ``a.foo_proj``; ``self_attn.q_proj`` is a dotted suffix). Excludes apply after targets.
-    Layers that are already :class:`LoRALinear` are left as they are and reported in
-    ``already_adapted_layers`` (a repeated call never double-wraps).
+    ``a.foo_proj``; ``self_attn.q_proj`` is a dotted suffix). ``target_parameters`` match
+    parameter names by the same rule (``mlp.gate.weight``: every MoE router). Excludes apply
+    after targets, to module names. Layers that are already adapted are left as they are and
+    reported in ``already_adapted_layers`` (a repeated call never double-wraps).
 
     Every parameter of ``model`` is frozen except the ``lora_A``/``lora_B`` weights of the
     matched layers (LoRA-only training), so call this *before* other adapter producers
@@ -156,15 +249,18 @@ def enable_lora_training(
 
     Returns:
         An :class:`AdaptationResult` covering every matched layer: ``<fqn>.lora_A.weight`` and
-        ``<fqn>.lora_B.weight`` per layer in module order, all ``REPLICATED``; checkpoint key
-        aliases ``<fqn>.weight -> <fqn>.base_layer.weight`` (and bias); PEFT export keys
-        ``base_model.model.<fqn>.lora_A.weight``; sorted unique leaf names as
-        ``peft_target_modules``.
+        ``<fqn>.lora_B.weight`` per layer (Linear layers in module order, then parameter
+        adapters in module order), all ``REPLICATED``; checkpoint key aliases
+        ``<fqn>.<key> -> <fqn>.base_layer.<key>`` for every state-dict key of a wrapped
+        module; PEFT export keys ``base_model.model.<fqn>.lora_A.weight``; sorted unique
+        Linear leaf names as ``peft_target_modules`` and the matching ``target_parameters``
+        patterns as ``peft_target_parameters``.
 
     Raises:
         TypeError: if ``config`` is not a :class:`LoraConfig`.
-        LoraTargetError: if nothing matched (names the targets and existing Linear modules)
-            or a matched Linear is shared under two names.
+        LoraTargetError: if targets matched nothing (names the targets and what exists), a
+            matched module is shared under two names, a matched parameter is not 2-D, or a
+            module is targeted both as a module and through its parameter.
         ValueError: if the model is on the meta device and ``prepare_for_fsdp`` is False.
     """
     if config is None or (isinstance(config, LoraConfig) and not config.enable):
@@ -177,7 +273,8 @@ def enable_lora_training(
         )
     if config.rank is None or config.alpha is None:  # unreachable for a validated config
         raise ValueError("lora.rank must be set when lora.enable is true")
-    chosen, _ = _select(model, config)
+    chosen, _ = _select(model, config) if config.target_modules else ([], [])
+    chosen_params = _select_parameters(model, config, {n for n, _ in chosen})
     adapted: list[str] = []
     repeated: list[str] = []
     layers: list[tuple[str, LoRALinear]] = []
@@ -205,6 +302,32 @@ def enable_lora_training(
         model.get_submodule(parent_name).register_module(leaf, wrapped)
         adapted.append(name)
         layers.append((name, wrapped))
+    matched_patterns: list[str] = []
+    for name, owner, param_name, patterns in chosen_params:
+        matched_patterns += patterns
+        if isinstance(owner, LoRAParameter):
+            repeated.append(name)
+            layers.append((name, owner))
+            continue
+        if owner._parameters[param_name].is_meta and not prepare_for_fsdp:
+            raise ValueError(
+                f"{name}.{param_name} is on the meta device, so adapter values cannot be built "
+                "eagerly; pass prepare_for_fsdp=True and call "
+                "result.missing_parameter_initializer(model) after materialising the model"
+            )
+        wrapper = LoRAParameter(
+            owner,
+            param_name,
+            config.rank,
+            config.alpha,
+            fqn=name,
+            init_seed=config.init_seed,
+            device="meta" if prepare_for_fsdp else None,
+        )
+        parent_name, _, leaf = name.rpartition(".")
+        model.get_submodule(parent_name).register_module(leaf, wrapper)
+        adapted.append(name)
+        layers.append((name, wrapper))
     if repeated:
         logger.info("%d layer(s) already carry LoRA and were left as they were: %s",
                     len(repeated), repeated[:8])
@@ -221,9 +344,10 @@ def enable_lora_training(
             key = f"{name}.{leaf}.weight"
             named.append((key, p))
             exports[key] = PeftExport(key=_PEFT_PREFIX + key)
-        aliases[f"{name}.weight"] = f"{name}.base_layer.weight"
-        if layer.base_layer.bias is not None:
-            aliases[f"{name}.bias"] = f"{name}.base_layer.bias"
+        # Every state-dict key of the wrapped module moves under base_layer (a router's
+        # buffers such as DeepSeek's e_score_correction_bias included).
+        for key in layer.base_layer.state_dict(keep_vars=True):
+            aliases[f"{name}.{key}"] = f"{name}.base_layer.{key}"
     logger.info("LoRA r=%s alpha=%s on %d layer(s) (%d new)", config.rank, config.alpha,
                 len(layers), len(adapted))
 
@@ -239,7 +363,10 @@ def enable_lora_training(
         lora_config=config,
         checkpoint_key_aliases=aliases,
         peft_exports=exports,
-        peft_target_modules=sorted({name.rpartition(".")[2] for name, _ in layers}),
+        peft_target_modules=sorted(
+            {name.rpartition(".")[2] for name, m in layers if isinstance(m, LoRALinear)}
+        ),
+        peft_target_parameters=sorted(set(matched_patterns)),
         missing_parameter_initializer=initializer,
     )
 
@@ -261,10 +388,10 @@ class _Initializer:
                     f"missing_parameter_initializer: model has no module {name!r}; pass the "
                     "same model (or its FSDP-wrapped self) that enable_lora_training adapted"
                 ) from exc
-            if not isinstance(layer, LoRALinear):
+            if not isinstance(layer, _LoRAFactors):
                 raise ContractError(
                     f"missing_parameter_initializer: {name!r} is a {type(layer).__name__}, "
-                    "expected a LoRALinear"
+                    "expected a LoRALinear or LoRAParameter"
                 )
             filled += layer.reset_lora_parameters()
         return filled
