@@ -1,4 +1,5 @@
-"""moe-experts adapters through lora-checkpoint: restore in place, and PEFT reads them exactly."""
+"""moe-experts adapters (dense, router, expert) through lora-checkpoint: restore in place, and
+PEFT reads them exactly."""
 
 from __future__ import annotations
 
@@ -13,7 +14,8 @@ from lora_core import LoraConfig
 from moe_experts import adapt_model
 
 CONFIG = LoraConfig(enable=True, rank=4, alpha=8, init_seed=3,
-                    target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+                    target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+                    target_parameters=["mlp.gate.weight"])
 # Our fp32 kernel and transformers' eager experts sum the same products in another order;
 # across two decoder layers that stays within a few float32 ulps of logits of size ~1.
 LOGITS_ATOL = 2e-5
@@ -68,7 +70,7 @@ def test_restore_reproduces_logits_and_keeps_parameter_objects(base_dir: Path,
 
 
 @pytest.mark.timeout(180)
-def test_peft_loads_dense_and_expert_adapters(base_dir: Path, tmp_path: Path) -> None:
+def test_peft_loads_dense_router_and_expert_adapters(base_dir: Path, tmp_path: Path) -> None:
     from peft import PeftModel
 
     model, result = _adapted(base_dir)
@@ -82,6 +84,8 @@ def test_peft_loads_dense_and_expert_adapters(base_dir: Path, tmp_path: Path) ->
     with torch.no_grad():
         plain = base(input_ids=IDS).logits
     peft_model = PeftModel.from_pretrained(base, ckpt)
+    assert sorted(peft_model.peft_config["default"].target_parameters) == [
+        "mlp.experts.down_proj", "mlp.experts.gate_up_proj", "mlp.gate.weight"]
     with torch.no_grad():
         theirs = peft_model(input_ids=IDS).logits
     assert not torch.allclose(plain, ours, atol=1e-3)  # the adapters matter

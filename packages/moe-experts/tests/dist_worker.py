@@ -25,13 +25,24 @@ from lora_core.fsdp import replicate_lora_parameters, sync_replicated_lora_gradi
 
 STEPS = 5
 # One config for both producers: AdaptationResult.merge refuses two different lora_configs;
-# target_modules selects the dense layers, expert LoRA covers every wrapped experts module.
-CFG = LoraConfig(enable=True, rank=2, alpha=4, init_seed=21, target_modules=["q_proj", "o_proj"])
+# target_modules/target_parameters select the dense layers and the routers, expert LoRA
+# covers every wrapped experts module.
+CFG = LoraConfig(enable=True, rank=2, alpha=4, init_seed=21, target_modules=["q_proj", "o_proj"],
+                 target_parameters=["mlp.gate.weight"])
 
 
 def batch_for(rank: int) -> torch.Tensor:
     """Each rank trains on different tokens, so unsynchronised gradients would differ."""
     return torch.randint(0, 96, (2, 10), generator=torch.Generator().manual_seed(100 + rank))
+
+
+def init_b(named: list[tuple[str, torch.Tensor]]) -> None:
+    """Make every B non-zero, identically on every rank, so every A also gets gradients."""
+    with torch.no_grad():
+        for n, p in named:
+            if n.endswith(("_b", "lora_B.weight")):
+                local = p.to_local() if isinstance(p, DTensor) else p
+                local.copy_(torch.full(local.shape, 0.05))
 
 
 def main() -> None:
@@ -51,16 +62,12 @@ def main() -> None:
     n_replicated = replicate_lora_parameters(model)
     experts = moe_experts.adapt(model, CFG)
     result = dense.merge(experts)
-    # Make expert B non-zero identically on every rank so expert A also gets gradients.
-    with torch.no_grad():
-        for n, p in experts.named_optimizer_parameters:
-            if n.endswith("_b"):
-                p.copy_(torch.full(p.shape, 0.05))
     # replicate_lora_parameters swaps the dense LoRA weights for new DTensor Parameters, so
     # the optimizer takes the live objects by name (the result's names stay valid).
     named = dict(model.named_parameters())
     stale = [n for n, p in result.named_optimizer_parameters if named[n] is not p]
     live = [(n, named[n]) for n in result.parameter_names]
+    init_b(live)
     opt = torch.optim.AdamW([p for _, p in live], lr=1e-2)
     ids = batch_for(rank)
     losses, pre_sync_norms = [], []

@@ -1,17 +1,20 @@
-"""adapt(): expert LoRA on kt-kernel equals transformers + PEFT target_parameters (fp32)."""
+"""adapt() + router LoRA on kt-kernel equal transformers + PEFT target_parameters (fp32)."""
 
 import pytest
 import torch
 
 import kt_kernel
-from lora_core import LoraConfig, init_lora_tensor
+from lora_core import LoraConfig, LoRAParameter, enable_lora_training, init_lora_tensor
 from lora_core.contracts import ParameterOwnership, PeftTensorLayout
-from moe_experts import AdaptError, adapt, adapt_model, wrap
+from moe_experts import AdaptError, adapt, adapt_model, router_targets, wrap
 
 from .conftest import FAMILIES, token_batch
 from .peft_twin import peft_twin, to_peft_layout
 
 CFG = LoraConfig(enable=True, rank=2, alpha=4, init_seed=11)
+# Routers through lora-core (LoRAParameter), experts through adapt: one config for both.
+ROUTER_CFG = LoraConfig(enable=True, rank=2, alpha=4, init_seed=11, target_modules=[],
+                        target_parameters=["mlp.gate.weight"])
 
 
 def _perturb_b(result, scale: float = 0.2) -> None:
@@ -19,28 +22,20 @@ def _perturb_b(result, scale: float = 0.2) -> None:
     gen = torch.Generator().manual_seed(5)
     with torch.no_grad():
         for name, p in result.named_optimizer_parameters:
-            if name.endswith("_b"):
+            if name.endswith(("_b", "lora_B.weight")):
                 p.copy_(torch.randn(p.shape, generator=gen) * scale)
-
-
-def _routers(model, family):
-    return [p for n, p in model.named_parameters() if n.endswith("mlp.gate.weight")]
 
 
 def _pair(fresh, family):
     ours = fresh(family)
     wrap(ours, weight_dtype="fp32")
-    for p in ours.parameters():
-        p.requires_grad_(False)
-    result = adapt(ours, CFG)
+    routers = enable_lora_training(ours, ROUTER_CFG)  # freezes everything else
+    result = routers.merge(adapt(ours, ROUTER_CFG))
     _perturb_b(result)
     theirs, pairs = peft_twin(fresh(family), result)
     for p in theirs.parameters():
         if not any(p is q for q in pairs.values()):
             p.requires_grad_(False)
-    for a, b in zip(_routers(ours, family), _routers(theirs, family), strict=True):
-        a.requires_grad_(True)
-        b.requires_grad_(True)
     return ours, theirs, result, pairs
 
 
@@ -55,27 +50,23 @@ def test_loss_logits_and_gradients_equal_peft(fresh, family: str) -> None:
     torch.testing.assert_close(out_a.loss, out_b.loss, rtol=1e-6, atol=1e-6)
     out_a.loss.backward()
     out_b.loss.backward()
+    routers = [n for n in result.parameter_names if ".mlp.gate.lora_" in n]
+    assert len(routers) == 2 * sum(isinstance(m, LoRAParameter) for m in ours.modules()) > 0
     for fqn, p in result.named_optimizer_parameters:
         assert p.grad is not None, fqn
         assert p.grad.abs().sum() > 0, fqn
         want = pairs[fqn].grad
         got = to_peft_layout(p.grad, result.peft_exports[fqn].layout)
+        # Router LoRA is trained only through d topk_weights returned by the kernel.
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6, msg=fqn)
-    # The router is trained through d topk_weights returned by the kernel.
-    for a, b in zip(_routers(ours, family), _routers(theirs, family), strict=True):
-        assert a.grad is not None
-        assert a.grad.abs().sum() > 0
-        torch.testing.assert_close(a.grad, b.grad, rtol=1e-4, atol=1e-6)
 
 
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_twenty_adamw_steps_follow_peft(fresh, family: str) -> None:
     ours, theirs, result, pairs = _pair(fresh, family)
-    opt_a = torch.optim.AdamW(result.parameters() + _routers(ours, family), lr=1e-2)
-    opt_b = torch.optim.AdamW(
-        [pairs[n] for n in result.parameter_names] + _routers(theirs, family), lr=1e-2
-    )
+    opt_a = torch.optim.AdamW(result.parameters(), lr=1e-2)
+    opt_b = torch.optim.AdamW([pairs[n] for n in result.parameter_names], lr=1e-2)
     ids = token_batch(seq=12)
     curve_a, curve_b = [], []
     for _ in range(20):
@@ -190,3 +181,26 @@ def test_recompute_policy_gives_the_same_gradients(fresh) -> None:
         grads[policy] = [p.grad.clone() for p in result.parameters()]
     for a, b in zip(grads["save"], grads["recompute"], strict=True):
         torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+
+
+@pytest.mark.timeout(60)
+def test_adapt_model_takes_a_peft_style_config_with_routers(fresh) -> None:
+    model = fresh("deepseek_v3")
+    assert router_targets(model) == ("mlp.gate.weight",)
+    # What a PEFT user writes: the expert banks and the router in one target_parameters list.
+    cfg = LoraConfig(enable=True, rank=2, init_seed=3, target_modules=["q_a_proj"],
+                     target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj",
+                                        *router_targets(model)])
+    result = adapt_model(model, cfg, weight_dtype="fp32")
+    assert result.lora_config == cfg
+    gates = [n for n, m in model.named_modules() if isinstance(m, LoRAParameter)]
+    # DeepSeek's first layer is dense: only the MoE layers have a router.
+    assert gates == ["model.layers.1.mlp.gate", "model.layers.2.mlp.gate"]
+    assert result.peft_target_parameters == (
+        "mlp.gate.weight", "mlp.experts.down_proj", "mlp.experts.gate_up_proj")
+    trainable = sorted(n for n, p in model.named_parameters() if p.requires_grad)
+    assert sorted(result.parameter_names) == trainable
+    assert "model.layers.1.mlp.gate.lora_A.weight" in trainable
+    ids = token_batch()
+    model(ids, labels=ids).loss.backward()
+    assert all(p.grad is not None for p in result.parameters())

@@ -11,7 +11,7 @@ def test_all_is_curated() -> None:
             "UnsupportedModelError", "WrapError", "WrapReport", "__version__", "adapt",
             "adapt_model", "experts_sites", "find_architecture", "is_placeholder",
             "iter_moe_blocks", "make_placeholder", "named_placeholders", "peft_key_prefix",
-            "wrap",
+            "router_targets", "wrap",
         ]
     )
     for name in moe_experts.__all__:

@@ -69,10 +69,7 @@ def _single_process_reference(model_dir: Path) -> dict[str, torch.Tensor]:
     dense = enable_lora_training(model, w.CFG)
     experts = moe_experts.adapt(model, w.CFG)
     result = dense.merge(experts)
-    with torch.no_grad():
-        for n, p in experts.named_optimizer_parameters:
-            if n.endswith("_b"):
-                p.copy_(torch.full(p.shape, 0.05))
+    w.init_b(list(result.named_optimizer_parameters))
     opt = torch.optim.AdamW(result.parameters(), lr=1e-2)
     batches = [w.batch_for(r) for r in range(WORLD)]
     for _ in range(w.STEPS):
@@ -102,6 +99,8 @@ def test_two_ranks_fsdp2_identical_parameters(saved_models, tmp_path: Path) -> N
     assert info[0]["names"] == info[1]["names"]
     expert_names = [n for n in info[0]["names"] if ".experts.lora." in n]
     assert len(expert_names) == 8
+    router_names = [n for n in info[0]["names"] if ".mlp.gate.lora_" in n]
+    assert len(router_names) == 4
     # ... yet after 5 synchronised steps every rank holds identical parameters.
     for n in info[0]["names"]:
         torch.testing.assert_close(params[0][n], params[1][n], rtol=0, atol=0, msg=_named(n))

@@ -7,7 +7,7 @@ dense LoRA through ``lora_core.enable_lora_training``.
 """
 
 from moe_experts._version import __version__
-from moe_experts.adaptation import adapt, adapt_model, peft_key_prefix
+from moe_experts.adaptation import adapt, adapt_model, peft_key_prefix, router_targets
 from moe_experts.architectures import (
     ARCHITECTURES,
     MoEArchitecture,
@@ -51,5 +51,6 @@ __all__ = [
     "make_placeholder",
     "named_placeholders",
     "peft_key_prefix",
+    "router_targets",
     "wrap",
 ]

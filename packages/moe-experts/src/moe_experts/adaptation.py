@@ -17,13 +17,13 @@ from lora_core.contracts import (
     PeftExport,
     PeftTensorLayout,
 )
-from moe_experts.architectures import MoEBlockSite
+from moe_experts.architectures import MoEBlockSite, find_architecture, iter_moe_blocks
 from moe_experts.errors import AdaptError
 from moe_experts.kernel_experts import KernelExperts
 from moe_experts.placeholders import named_placeholders
 from moe_experts.wrapping import WeightDType, experts_sites, wrap
 
-__all__ = ["adapt", "adapt_model", "peft_key_prefix"]
+__all__ = ["adapt", "adapt_model", "peft_key_prefix", "router_targets"]
 
 LoraLayout = Literal["fused", "split"]
 _PEFT_ROOT = "base_model.model."
@@ -205,6 +205,42 @@ def adapt(
     )
 
 
+def router_targets(model: nn.Module) -> tuple[str, ...]:
+    """The ``LoraConfig.target_parameters`` entries that put LoRA on every router of ``model``.
+
+    Args:
+        model: a supported transformers MoE model (wrapped or not, PEFT-wrapped or not).
+
+    Returns:
+        Dotted parameter suffixes such as ``("mlp.gate.weight",)``: the block's attribute name
+        in its layer, the router attribute and its ``weight``.
+
+    Raises:
+        UnsupportedModelError: the model is not a supported MoE family.
+    """
+    arch = find_architecture(model)
+    names = {
+        f"{site.name.rpartition('.')[2]}.{arch.router_attr}.weight"
+        for site in iter_moe_blocks(model, arch)
+    }
+    return tuple(sorted(names))
+
+
+def _dense_part(model: nn.Module, config: LoraConfig) -> LoraConfig:
+    """``config`` without the ``target_parameters`` that name expert banks.
+
+    A PEFT-style config lists ``mlp.experts.gate_up_proj`` beside ``mlp.gate.weight``; the
+    experts get their LoRA from :func:`adapt`, so only the rest goes to lora-core.
+    """
+    experts = [n for n, _ in named_placeholders(model)]
+    kept = tuple(
+        t for t in config.target_parameters if not any(matches_module(n, [t]) for n in experts)
+    )
+    if kept == config.target_parameters:
+        return config
+    return config.model_copy(update={"target_parameters": kept})
+
+
 def adapt_model(
     model: nn.Module,
     config: LoraConfig,
@@ -222,11 +258,16 @@ def adapt_model(
         experts = moe_experts.adapt(model, config)
         result = dense.merge(experts)
 
+    Routers get LoRA when the dense config's ``target_parameters`` names them (see
+    :func:`router_targets`, e.g. ``mlp.gate.weight``); entries naming the expert banks
+    (``mlp.experts.gate_up_proj``, as in a PEFT config) are left to :func:`adapt`.
+
     Args:
         model: a supported transformers MoE model (wrapped or not).
         config: expert LoRA config (rank, alpha, init_seed).
-        dense_config: dense LoRA config (``target_modules`` such as q/k/v/o_proj or a router
-            ``nn.Linear``); ``None`` uses ``config``; a disabled config adds no dense LoRA.
+        dense_config: dense LoRA config (``target_modules`` such as q/k/v/o_proj,
+            ``target_parameters`` such as ``mlp.gate.weight``); ``None`` uses ``config``; a
+            disabled config adds no dense LoRA.
         weight_dtype: kernel storage dtype when the model still needs wrapping.
         layout: expert LoRA layout (see :func:`adapt`).
 
@@ -235,7 +276,10 @@ def adapt_model(
     """
     if not experts_sites(model):
         wrap(model, weight_dtype=weight_dtype)
-    dense = enable_lora_training(model, dense_config if dense_config is not None else config)
+    dense_cfg = dense_config if dense_config is not None else config
+    if dense_cfg.enable:
+        dense_cfg = _dense_part(model, dense_cfg)
+    dense = enable_lora_training(model, dense_cfg)
     experts = adapt(model, config, layout=layout)
     if dense.lora_config is not None and dense.lora_config != config:
         # merge() refuses two different configs; the expert config is the one recorded.

@@ -27,6 +27,8 @@ DEFAULT_LORA: dict[str, Any] = {
     "alpha": 16,
     # lm_head too: the built-in model is random, and a frozen random head caps its logits.
     "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "lm_head"],
+    # Every supported family keeps its router at mlp.gate (a bare weight: LoRAParameter).
+    "target_parameters": ["mlp.gate.weight"],
     "init_seed": 0,
 }
 
