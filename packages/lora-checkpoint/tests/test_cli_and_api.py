@@ -18,6 +18,7 @@ EXPECTED_ALL = {
     "MANIFEST",
     "CheckpointError",
     "CheckpointExistsError",
+    "DigestAlgorithm",
     "DigestMismatchError",
     "DtypeMismatchError",
     "FileEntry",

@@ -159,11 +159,13 @@ def test_unknown_format_version(ckpt):
         lc.load(ckpt)
 
 
-def test_malformed_manifest(ckpt):
+@pytest.mark.parametrize("version", [1, lc.FORMAT_VERSION])
+def test_malformed_manifest(ckpt, version):
     (ckpt / "manifest.json").write_text("{not json")
     with pytest.raises(lc.ManifestError, match=r"not valid JSON"):
         lc.load(ckpt)
-    raw = {"format_version": 1, "name": "x"}
+    # an old format goes through its migration first, and is reported just the same
+    raw = {"format_version": version, "name": "x"}
     _write_manifest(ckpt, raw)
     with pytest.raises(lc.ManifestError, match=r"not a valid manifest"):
         lc.load(ckpt)

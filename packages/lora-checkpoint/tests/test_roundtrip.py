@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -11,6 +13,8 @@ from safetensors.torch import load_file
 
 import lora_checkpoint as lc
 from lora_core.contracts import AdaptationResult, PeftTensorLayout
+
+GOLDEN = Path(__file__).parent / "golden"
 
 
 def _clone_values(result: AdaptationResult) -> dict[str, torch.Tensor]:
@@ -216,15 +220,26 @@ def test_restore_into_module(tmp_path):
         assert torch.equal(p, saved[n])
 
 
-def test_format_migration_registry(tmp_path, result):
-    m = lc.save(tmp_path, result, step=1)
-    path = tmp_path / m.name / "manifest.json"
+def test_format_migration_registry(tmp_path):
+    # Format 1 -> 2 is built in: listed, and neither replaceable nor removable.
+    assert lc.registered_migrations() == {1: 2}
+    with pytest.raises(ValueError, match=r"migrated by lora-checkpoint itself"):
+        lc.register_migration(1, 2, lambda doc: doc)
+    with pytest.raises(ValueError, match=r"built into lora-checkpoint"):
+        lc.unregister_migration(1)
+    with pytest.raises(ValueError, match=r"current format"):
+        lc.register_migration(lc.FORMAT_VERSION, 3, lambda doc: doc)
+    assert lc.registered_migrations() == {1: 2}
+
+    # A user's format 0 (a format 1 manifest plus a field) chains into the built-in migration.
+    shutil.copytree(GOLDEN / "root_v1", tmp_path / "root")
+    path = tmp_path / "root" / "step-00000001" / "manifest.json"
     raw = json.loads(path.read_text())
     raw["format_version"] = 0
     raw["legacy_field"] = "x"
     path.write_text(json.dumps(raw))
     with pytest.raises(lc.UnknownFormatVersionError, match=r"format_version 0"):
-        lc.load(tmp_path)
+        lc.load(tmp_path / "root")
 
     def v0_to_v1(doc):
         doc.pop("legacy_field")
@@ -232,13 +247,15 @@ def test_format_migration_registry(tmp_path, result):
 
     lc.register_migration(0, 1, v0_to_v1)
     try:
-        assert lc.registered_migrations() == {0: 1}
+        assert lc.registered_migrations() == {0: 1, 1: 2}
         with pytest.raises(ValueError, match=r"already registered"):
             lc.register_migration(0, 1, v0_to_v1)
-        assert lc.load(tmp_path).manifest.format_version == 1
+        m = lc.verify(tmp_path / "root")  # every file checked with SHA-256
+        assert m.format_version == lc.FORMAT_VERSION
+        assert m.digest_algorithm is lc.DigestAlgorithm.SHA256
     finally:
         lc.unregister_migration(0)
-    assert lc.registered_migrations() == {}
+    assert lc.registered_migrations() == {1: 2}
 
 
 def test_training_state_roundtrip_exact(tmp_path, result):

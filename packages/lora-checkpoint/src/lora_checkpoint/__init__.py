@@ -22,6 +22,7 @@ from lora_checkpoint.errors import (
 )
 from lora_checkpoint.manifest import (
     FORMAT_VERSION,
+    DigestAlgorithm,
     FileEntry,
     Manifest,
     ParameterEntry,
@@ -56,6 +57,7 @@ __all__ = [
     "MANIFEST",
     "CheckpointError",
     "CheckpointExistsError",
+    "DigestAlgorithm",
     "DigestMismatchError",
     "DtypeMismatchError",
     "FileEntry",

@@ -4,12 +4,12 @@ We write the safetensors format ourselves (8-byte little-endian header length, J
 contiguous data) so each tensor's bytes are hashed from the same memory that is written,
 without an extra copy; the files are byte-compatible with ``safetensors.torch.load_file``.
 Reading never unpickles anything: it parses JSON and wraps raw bytes with ``torch.frombuffer``.
+Files are written with BLAKE3 digests; reading checks whichever algorithm the manifest names.
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import json
 import math
 import os
@@ -22,6 +22,7 @@ from typing import Any
 
 import torch
 
+from lora_checkpoint._digest import WRITE_ALGORITHM, DigestAlgorithm, Hasher, new_hasher
 from lora_checkpoint.errors import (
     CheckpointError,
     DigestMismatchError,
@@ -49,13 +50,13 @@ DTYPE_TO_CODE: dict[torch.dtype, str] = {
 CODE_TO_DTYPE: dict[str, torch.dtype] = {v: k for k, v in DTYPE_TO_CODE.items()}
 NAME_TO_DTYPE: dict[str, torch.dtype] = {str(d).removeprefix("torch."): d for d in DTYPE_TO_CODE}
 
-# Chunks hashed/written at a time: big enough to amortise thread hand-offs, small enough
-# that the hash of chunk i overlaps the write (or read) of chunk i+1.
-CHUNK_BYTES = 16 * 1024 * 1024
+# Chunks hashed/written at a time: big enough to amortise thread hand-offs and to give
+# blake3's pool work for every core, small enough that the hash of chunk i overlaps the
+# write (or read) of chunk i+1 and that the chunk is still in the last-level cache when
+# its second hash (file, then tensor) reads it.
+CHUNK_BYTES = 8 * 1024 * 1024
 # Bytes written between background fdatasync calls (see write_safetensors).
 FLUSH_BYTES = 64 * 1024 * 1024
-# Threads hashing tensors while the file is written (the file hash has its own thread).
-HASH_WORKERS = max(1, min(8, (os.cpu_count() or 2) - 1))
 # safetensors refuses headers above 100 MB; so do we, before allocating anything.
 MAX_HEADER_BYTES = 100 * 1024 * 1024
 
@@ -67,20 +68,21 @@ def dtype_name(dtype: torch.dtype) -> str:
 
 @dataclass(frozen=True)
 class TensorRecord:
-    """Where one tensor lies in a written file and the sha256 of its raw bytes."""
+    """One tensor of a written file and the digest of its raw C-order bytes."""
 
     key: str
     dtype: str  # torch name, e.g. "bfloat16"
     shape: tuple[int, ...]
-    sha256: str
+    digest: str
 
 
 @dataclass(frozen=True)
 class FileRecord:
-    """Size and sha256 of a written file, plus the records of the tensors inside it."""
+    """Size and digest of a written file, plus the records of the tensors inside it."""
 
     size: int
-    sha256: str
+    digest: str  # of the whole file's bytes, in ``algorithm``
+    algorithm: DigestAlgorithm
     tensors: tuple[TensorRecord, ...]
 
 
@@ -112,8 +114,10 @@ def _chunks(view: memoryview) -> list[memoryview]:
     return [view[i : i + CHUNK_BYTES] for i in range(0, len(view), CHUNK_BYTES)] or [view]
 
 
-def _sha256_hex(view: memoryview) -> str:
-    return hashlib.sha256(view).hexdigest()
+def _hash_chunk(file_hash: Hasher, tensor_hash: Hasher, chunk: memoryview) -> None:
+    # Both hashes read the chunk back to back, so the second finds it in the cache.
+    file_hash.update(chunk)
+    tensor_hash.update(chunk)
 
 
 def _write_all(fd: int, view: memoryview) -> None:
@@ -133,7 +137,7 @@ def write_safetensors(
         metadata: optional ``__metadata__`` strings.
 
     Returns:
-        The file's size and sha256 and every tensor's sha256.
+        The file's size and BLAKE3 digest and every tensor's BLAKE3 digest.
 
     Raises:
         CheckpointError: for a dtype safetensors cannot store.
@@ -164,30 +168,30 @@ def write_safetensors(
     hjson += b" " * ((8 - (8 + len(hjson)) % 8) % 8)
     prefix = struct.pack("<Q", len(hjson)) + hjson
 
-    file_hash = hashlib.sha256(prefix)
-    tensor_hashes: list[tuple[str, torch.Tensor, Future[str]]] = []
+    algorithm = WRITE_ALGORITHM
+    file_hash = new_hasher(algorithm, len(prefix) + offset)
+    file_hash.update(prefix)
+    tensor_hashes: list[tuple[str, torch.Tensor, Hasher]] = []
     fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
     try:
-        # The file hash is one ordered stream (one worker, chunks in order); tensor hashes are
-        # independent, so they spread over the other cores. hashlib releases the GIL, so both
-        # overlap the write syscalls of this thread. The views are zero-copy views of tensors
-        # that stay alive, so the hash queue needs no bound. Every FLUSH_BYTES a background
-        # fdatasync starts the disk writeback early, so the final fsync overlaps the hashing
-        # instead of following it.
-        with (
-            ThreadPoolExecutor(1) as file_pool,
-            ThreadPoolExecutor(HASH_WORKERS) as tensor_pool,
-            ThreadPoolExecutor(1) as flush_pool,
-        ):
+        # One worker hashes the chunks in file order, each into the file hash and then into
+        # its tensor's hash (the chunk is still cached for the second); blake3 spreads a
+        # large chunk over every core and releases the GIL, so the hashing overlaps the
+        # write syscalls of this thread. The views are zero-copy views of tensors that stay
+        # alive, so the hash queue needs no bound. Every FLUSH_BYTES a background fdatasync
+        # starts the disk writeback early, so the final fsync overlaps the hashing instead
+        # of following it.
+        with ThreadPoolExecutor(1) as hash_pool, ThreadPoolExecutor(1) as flush_pool:
             pending: list[Future[None]] = []
             flush: Future[None] | None = None
             unflushed = 0
             _write_all(fd, memoryview(prefix))
             for key, t in prepared:
                 view = _byte_view(t)
-                tensor_hashes.append((key, t, tensor_pool.submit(_sha256_hex, view)))
+                tensor_hash = new_hasher(algorithm, len(view))
+                tensor_hashes.append((key, t, tensor_hash))
                 for chunk in _chunks(view):
-                    pending.append(file_pool.submit(file_hash.update, chunk))
+                    pending.append(hash_pool.submit(_hash_chunk, file_hash, tensor_hash, chunk))
                     _write_all(fd, chunk)
                     unflushed += len(chunk)
                     if unflushed >= FLUSH_BYTES and (flush is None or flush.done()):
@@ -195,7 +199,6 @@ def write_safetensors(
                         unflushed = 0
             for f in pending:
                 f.result()
-            digests = [(key, t, fut.result()) for key, t, fut in tensor_hashes]
             if flush is not None:
                 flush.result()
         os.fsync(fd)
@@ -203,23 +206,13 @@ def write_safetensors(
         os.close(fd)
     return FileRecord(
         size=len(prefix) + offset,
-        sha256=file_hash.hexdigest(),
+        digest=file_hash.hexdigest(),
+        algorithm=algorithm,
         tensors=tuple(
-            TensorRecord(key, dtype_name(t.dtype), tuple(t.shape), digest)
-            for key, t, digest in digests
+            TensorRecord(key, dtype_name(t.dtype), tuple(t.shape), h.hexdigest())
+            for key, t, h in tensor_hashes
         ),
     )
-
-
-def sha256_file(path: Path) -> tuple[int, str]:
-    """Return ``(size, sha256 hex)`` of a file, read in chunks."""
-    h = hashlib.sha256()
-    size = 0
-    with open(path, "rb", buffering=0) as f:
-        while chunk := f.read(CHUNK_BYTES):
-            h.update(chunk)
-            size += len(chunk)
-    return size, h.hexdigest()
 
 
 def parse_header(
@@ -283,17 +276,21 @@ def parse_header(
 
 
 def read_file_bytes(
-    path: Path, *, expected_size: int | None = None, compute_sha256: bool = True
+    path: Path, *, expected_size: int | None = None, algorithm: DigestAlgorithm | None = None
 ) -> tuple[bytearray, str]:
-    """Read a whole file into one buffer, hashing it while reading.
+    """Read a whole file into one buffer, hashing that buffer while reading.
+
+    The digest is of the returned buffer itself, which nothing else can write, so the bytes
+    that were verified are the bytes the caller builds tensors on.
 
     Args:
         path: the file.
         expected_size: refuse a file of another size (``TruncatedFileError`` if shorter).
-        compute_sha256: hash the bytes (in a worker thread, overlapping the reads).
+        algorithm: hash the bytes with it (in a worker thread, overlapping the reads);
+            None: do not hash.
 
     Returns:
-        ``(buffer, sha256 hex)``; the digest is ``""`` when not computed.
+        ``(buffer, hex digest)``; the digest is ``""`` when ``algorithm`` is None.
 
     Raises:
         TruncatedFileError: the file is shorter than expected or shrank while being read.
@@ -313,20 +310,20 @@ def read_file_bytes(
             )
         buf = bytearray(size)
         view = memoryview(buf)
-        h = hashlib.sha256()
+        h = None if algorithm is None else new_hasher(algorithm, size)
         with ThreadPoolExecutor(1) as pool:
-            pending: list[Future[None]] = []
+            pending: list[Future[object]] = []
             pos = 0
             while pos < size:
                 n = f.readinto(view[pos : pos + CHUNK_BYTES])
                 if not n:
                     raise TruncatedFileError(f"{name}: file ended at byte {pos} of {size}")
-                if compute_sha256:
+                if h is not None:
                     pending.append(pool.submit(h.update, view[pos : pos + n]))
                 pos += n
             for p in pending:
                 p.result()
-    return buf, (h.hexdigest() if compute_sha256 else "")
+    return buf, ("" if h is None else h.hexdigest())
 
 
 def tensors_from_buffer(buf: bytearray, file: str) -> dict[str, torch.Tensor]:
@@ -347,10 +344,11 @@ def tensors_from_buffer(buf: bytearray, file: str) -> dict[str, torch.Tensor]:
     return tensors
 
 
-def tensor_sha256(tensor: torch.Tensor) -> str:
-    """Return the sha256 of a tensor's raw C-order bytes."""
-    h = hashlib.sha256()
+def tensor_digest(tensor: torch.Tensor, algorithm: DigestAlgorithm) -> str:
+    """Return the digest of a tensor's raw C-order bytes in ``algorithm``."""
     owned = as_cpu_contiguous(tensor)  # keeps the memory alive while the view is read
-    for chunk in _chunks(_byte_view(owned)):
+    view = _byte_view(owned)
+    h = new_hasher(algorithm, len(view))
+    for chunk in _chunks(view):
         h.update(chunk)
     return h.hexdigest()

@@ -50,8 +50,10 @@ def _table(rows: list[list[str]], header: list[str]) -> str:
 
 def render(manifest: Manifest) -> str:
     """Return the human-readable ``inspect`` report of a manifest."""
+    algorithm = manifest.digest_algorithm.value  # the digest columns' header
     out = [
         f"checkpoint {manifest.name}  format_version {manifest.format_version}  "
+        f"digest_algorithm {manifest.digest_algorithm.value}  "
         f"created {manifest.created_at.isoformat()}  world_size {manifest.world_size}  "
         f"peft_compatible {manifest.peft_compatible}",
         "",
@@ -74,21 +76,21 @@ def render(manifest: Manifest) -> str:
                 t.dtype,
                 _human(nbytes) if dtype else "?",
                 "-" if t.rank is None else str(t.rank),
-                t.sha256[:12],
+                t.digest[:12],
             ]
         )
     out += [
         "",
-        _table(rows, ["tensor", "kind", "file", "shape", "dtype", "size", "rank", "sha256"]),
+        _table(rows, ["tensor", "kind", "file", "shape", "dtype", "size", "rank", algorithm]),
     ]
     out += [
         "",
         _table(
             [
-                [f.file, _human(f.size), "-" if f.rank is None else str(f.rank), f.sha256[:12]]
+                [f.file, _human(f.size), "-" if f.rank is None else str(f.rank), f.digest[:12]]
                 for f in manifest.files
             ],
-            ["file", "size", "rank", "sha256"],
+            ["file", "size", "rank", algorithm],
         ),
     ]
     total = sum(f.size for f in manifest.files)

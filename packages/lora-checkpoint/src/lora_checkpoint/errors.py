@@ -39,7 +39,7 @@ class TruncatedFileError(CheckpointError):
 
 
 class DigestMismatchError(CheckpointError):
-    """A file's or tensor's sha256 (or size) differs from the manifest's record."""
+    """A file's or tensor's digest (or size) differs from the manifest's record."""
 
 
 class MissingTensorError(CheckpointError):

@@ -15,7 +15,7 @@ from lora_checkpoint import _dist, _fs
 from lora_checkpoint._safetensors_io import (
     dtype_name,
     read_file_bytes,
-    tensor_sha256,
+    tensor_digest,
     tensors_from_buffer,
 )
 from lora_checkpoint.errors import (
@@ -39,7 +39,7 @@ __all__ = ["LoadedCheckpoint", "load", "resolve_checkpoint", "restore", "verify"
 # Extensions whose usual readers (torch.load, pickle) can execute code.
 UNSAFE_SUFFIXES = frozenset({".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt", ".joblib"})
 _SAFE_SUFFIXES = (".safetensors", ".json")
-# Files read (and hashed) at the same time.
+# Files read (and hashed) at the same time: one file's reads overlap another's hashing.
 READ_WORKERS = max(1, min(4, os.cpu_count() or 1))
 
 
@@ -128,23 +128,27 @@ def _read_safetensors_file(
     path = ckpt / entry.file
     if not path.is_file():
         raise MissingFileError(f"{path}: listed in the manifest but missing")
-    buf, digest = read_file_bytes(path, expected_size=entry.size, compute_sha256=verify)
+    algorithm = manifest.digest_algorithm
+    # The tensors returned below are views of ``buf``, the very bytes that were hashed.
+    buf, digest = read_file_bytes(
+        path, expected_size=entry.size, algorithm=algorithm if verify else None
+    )
     expected = [t for t in manifest.tensors if t.file == entry.file]
-    if verify and digest != entry.sha256:
+    if verify and digest != entry.digest:
         bad: list[str] = []
         try:
             found = tensors_from_buffer(buf, entry.file)
             bad = [
                 t.key
                 for t in expected
-                if t.key in found and tensor_sha256(found[t.key]) != t.sha256
+                if t.key in found and tensor_digest(found[t.key], algorithm) != t.digest
             ]
         except CheckpointError:
             bad = ["<safetensors header>"]
         where = f"tensor keys {bad}" if bad else "the safetensors header"
         raise DigestMismatchError(
-            f"{path}: sha256 {digest} differs from the manifest's {entry.sha256}; corrupted "
-            f"bytes are in {where}; restore the file from a good copy"
+            f"{path}: {algorithm.value} digest {digest} differs from the manifest's "
+            f"{entry.digest}; corrupted bytes are in {where}; restore the file from a good copy"
         )
     tensors = tensors_from_buffer(buf, entry.file)
     want = {t.key: t for t in expected}
@@ -169,15 +173,18 @@ def _read_safetensors_file(
     return tensors
 
 
-def _read_json_file(ckpt: Path, entry: FileEntry, verify: bool) -> bytes:
+def _read_json_file(ckpt: Path, entry: FileEntry, manifest: Manifest, verify: bool) -> bytes:
     path = ckpt / entry.file
     if not path.is_file():
         raise MissingFileError(f"{path}: listed in the manifest but missing")
-    buf, digest = read_file_bytes(path, expected_size=entry.size, compute_sha256=verify)
-    if verify and digest != entry.sha256:
+    algorithm = manifest.digest_algorithm
+    buf, digest = read_file_bytes(
+        path, expected_size=entry.size, algorithm=algorithm if verify else None
+    )
+    if verify and digest != entry.digest:
         raise DigestMismatchError(
-            f"{path}: sha256 {digest} differs from the manifest's {entry.sha256}; "
-            "the file is corrupted"
+            f"{path}: {algorithm.value} digest {digest} differs from the manifest's "
+            f"{entry.digest}; the file is corrupted"
         )
     return bytes(buf)
 
@@ -196,8 +203,8 @@ def load(
 
     Args:
         directory: a checkpoint root (its ``latest`` is followed) or one checkpoint directory.
-        verify: check every file's sha256 against the manifest (sizes and headers are always
-            checked).
+        verify: check every file's digest against the manifest, in the algorithm the
+            manifest names (sizes and headers are always checked).
         rank: whose rank-local tensors and training state to read (default: this process's
             rank, 0 without a process group).
 
@@ -224,7 +231,7 @@ def load(
     st_file, js_file = training_state_files(rank)
     mine = [e for e in manifest.files if e.rank is None or e.rank == rank]
     st_entries = [e for e in mine if e.file.endswith(".safetensors")]
-    # Each file's sha256 is one sequential stream: read and hash the files concurrently.
+    # Read and hash the files concurrently: one file's reads overlap another's hashing.
     with ThreadPoolExecutor(max(1, min(len(st_entries), READ_WORKERS))) as pool:
         futures = [
             pool.submit(_read_safetensors_file, ckpt, e, manifest, verify) for e in st_entries
@@ -235,9 +242,9 @@ def load(
         if entry.file.endswith(".safetensors"):
             continue
         if entry.file == js_file:
-            ts_json = _read_json_file(ckpt, entry, verify)
+            ts_json = _read_json_file(ckpt, entry, manifest, verify)
         elif verify:
-            _read_json_file(ckpt, entry, verify)
+            _read_json_file(ckpt, entry, manifest, verify)
     where: dict[str, TensorEntry] = {}
     for t in manifest.tensors:
         if t.kind is TensorKind.PARAMETER and t.file in by_file:

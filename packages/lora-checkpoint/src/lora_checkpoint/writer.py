@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from lora_checkpoint import _dist, _fs
+from lora_checkpoint._digest import WRITE_ALGORITHM, digest_of
 from lora_checkpoint._safetensors_io import (
     FileRecord,
     as_cpu_contiguous,
@@ -168,7 +169,7 @@ def _entries(
     kinds: Mapping[str, tuple[str, TensorKind, PeftTensorLayout | None]],
     rank: int | None,
 ) -> tuple[dict[str, Any], list[dict[str, Any]]]:
-    fentry = FileEntry(file=file, size=record.size, sha256=record.sha256, rank=rank)
+    fentry = FileEntry(file=file, size=record.size, digest=record.digest, rank=rank)
     tentries = []
     for t in record.tensors:
         name, kind, layout = kinds[t.key]
@@ -180,7 +181,7 @@ def _entries(
                 key=t.key,
                 shape=t.shape,
                 dtype=t.dtype,
-                sha256=t.sha256,
+                digest=t.digest,
                 rank=rank,
                 layout=layout,
             ).model_dump(mode="json")
@@ -201,7 +202,7 @@ def _write_rank_files(
     files: list[dict[str, Any]] = []
     tensors: list[dict[str, Any]] = []
     # (file, tensors, kinds, rank) of every safetensors file; written concurrently below so
-    # each file's sequential sha256 stream gets its own core.
+    # one file's write syscalls overlap another's hashing.
     jobs: list[tuple[str, dict[str, torch.Tensor], Any, int | None]] = []
 
     def add(
@@ -241,9 +242,9 @@ def _write_rank_files(
                     + "\n"
                 )
                 _fs.write_bytes_durable(tmp / ADAPTER_CONFIG, text.encode())
-                size, digest = len(text.encode()), _sha(text.encode())
+                size, digest = len(text.encode()), digest_of(WRITE_ALGORITHM, text.encode())
                 files.append(
-                    FileEntry(file=ADAPTER_CONFIG, size=size, sha256=digest).model_dump(mode="json")
+                    FileEntry(file=ADAPTER_CONFIG, size=size, digest=digest).model_dump(mode="json")
                 )
         if own:
             add(own, FUSED_EXPERT_LORA, own_kinds, None)
@@ -260,9 +261,9 @@ def _write_rank_files(
         data = (json.dumps(doc, indent=1, sort_keys=True) + "\n").encode()
         _fs.write_bytes_durable(tmp / js_file, data)
         files.append(
-            FileEntry(file=js_file, size=len(data), sha256=_sha(data), rank=rank).model_dump(
-                mode="json"
-            )
+            FileEntry(
+                file=js_file, size=len(data), digest=digest_of(WRITE_ALGORITHM, data), rank=rank
+            ).model_dump(mode="json")
         )
     with ThreadPoolExecutor(max(1, min(len(jobs), FILE_WORKERS))) as pool:
         futures = [
@@ -275,12 +276,6 @@ def _write_rank_files(
         files.append(f)
         tensors.extend(ts)
     return {"files": files, "tensors": tensors}
-
-
-def _sha(data: bytes) -> str:
-    import hashlib
-
-    return hashlib.sha256(data).hexdigest()
 
 
 def _collect(
@@ -465,6 +460,7 @@ def _build_manifest(
     has_config = result.lora_config is not None
     return Manifest(
         format_version=FORMAT_VERSION,
+        digest_algorithm=WRITE_ALGORITHM,
         name=name,
         created_at=datetime.now(UTC),
         components=_components(result),

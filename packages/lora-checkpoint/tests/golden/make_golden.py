@@ -1,6 +1,9 @@
-"""Regenerate the golden fixtures (only when FORMAT_VERSION changes on purpose).
+"""Regenerate the golden fixtures of the current format (when it changes on purpose).
 
-Usage: ``python tests/golden/make_golden.py`` from ``packages/lora-checkpoint``.
+Usage: ``python tests/golden/make_golden.py`` from ``packages/lora-checkpoint``. It writes
+``manifest_schema_v{N}.json``, ``manifest_v{N}_normalised.json`` and ``root_v{N}/`` for
+``N = FORMAT_VERSION``. Fixtures of older formats (``*_v1*``, ``root_v1/``, written by
+lora-checkpoint 0.1.0) are never regenerated: they prove old checkpoints stay readable.
 """
 
 from __future__ import annotations
@@ -83,12 +86,14 @@ def normalised_manifest(manifest: lc.Manifest) -> dict:
 
 
 def main() -> None:
-    (HERE / "manifest_schema_v1.json").write_text(
+    """Write the current format's schema, normalised manifest and committed checkpoint."""
+    v = lc.FORMAT_VERSION
+    (HERE / f"manifest_schema_v{v}.json").write_text(
         json.dumps(schema_summary(), indent=2, sort_keys=True) + "\n"
     )
-    shutil.rmtree(HERE / "root_v1", ignore_errors=True)
-    m = lc.save(HERE / "root_v1", golden_result(), step=1)
-    (HERE / "manifest_v1_normalised.json").write_text(
+    shutil.rmtree(HERE / f"root_v{v}", ignore_errors=True)
+    m = lc.save(HERE / f"root_v{v}", golden_result(), step=1)
+    (HERE / f"manifest_v{v}_normalised.json").write_text(
         json.dumps(normalised_manifest(m), indent=2, sort_keys=True) + "\n"
     )
 
