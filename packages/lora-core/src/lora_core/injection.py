@@ -278,56 +278,33 @@ def enable_lora_training(
     adapted: list[str] = []
     repeated: list[str] = []
     layers: list[tuple[str, LoRALinear]] = []
-    for name, module in chosen:
-        if isinstance(module, LoRALinear):
+    device = "meta" if prepare_for_fsdp else None
+    # param_name None: a Linear from target_modules; else a parameter from target_parameters.
+    todo: list[tuple[str, nn.Module, str | None]] = [(n, m, None) for n, m in chosen]
+    todo += [(n, owner, param) for n, owner, param, _ in chosen_params]
+    for name, module, param_name in todo:
+        if isinstance(module, _LoRAFactors):
             repeated.append(name)
             layers.append((name, module))
             continue
-        if module.weight.is_meta and not prepare_for_fsdp:
+        weight_name = param_name or "weight"
+        if module._parameters[weight_name].is_meta and not prepare_for_fsdp:
             raise ValueError(
-                f"{name}.weight is on the meta device, so adapter values cannot be built "
+                f"{name}.{weight_name} is on the meta device, so adapter values cannot be built "
                 "eagerly; pass prepare_for_fsdp=True and call "
                 "result.missing_parameter_initializer(model) after materialising the model"
             )
-        wrapped = LoRALinear(
-            module,
-            config.rank,
-            config.alpha,
-            config.dropout,
-            fqn=name,
-            init_seed=config.init_seed,
-            device="meta" if prepare_for_fsdp else None,
+        common: dict[str, Any] = {"fqn": name, "init_seed": config.init_seed, "device": device}
+        wrapped: _LoRAFactors = (
+            LoRALinear(module, config.rank, config.alpha, config.dropout, **common)  # type: ignore[arg-type]
+            if param_name is None
+            else LoRAParameter(module, param_name, config.rank, config.alpha, **common)
         )
         parent_name, _, leaf = name.rpartition(".")
         model.get_submodule(parent_name).register_module(leaf, wrapped)
         adapted.append(name)
         layers.append((name, wrapped))
-    matched_patterns: list[str] = []
-    for name, owner, param_name, patterns in chosen_params:
-        matched_patterns += patterns
-        if isinstance(owner, LoRAParameter):
-            repeated.append(name)
-            layers.append((name, owner))
-            continue
-        if owner._parameters[param_name].is_meta and not prepare_for_fsdp:
-            raise ValueError(
-                f"{name}.{param_name} is on the meta device, so adapter values cannot be built "
-                "eagerly; pass prepare_for_fsdp=True and call "
-                "result.missing_parameter_initializer(model) after materialising the model"
-            )
-        wrapper = LoRAParameter(
-            owner,
-            param_name,
-            config.rank,
-            config.alpha,
-            fqn=name,
-            init_seed=config.init_seed,
-            device="meta" if prepare_for_fsdp else None,
-        )
-        parent_name, _, leaf = name.rpartition(".")
-        model.get_submodule(parent_name).register_module(leaf, wrapper)
-        adapted.append(name)
-        layers.append((name, wrapper))
+    matched_patterns = [t for *_, patterns in chosen_params for t in patterns]
     if repeated:
         logger.info("%d layer(s) already carry LoRA and were left as they were: %s",
                     len(repeated), repeated[:8])
