@@ -15,6 +15,7 @@ from blake3 import blake3
 from torch import nn
 
 import lora_checkpoint as lc
+from lora_checkpoint import _digest
 from lora_checkpoint._digest import PARALLEL_HASH_BYTES
 from lora_checkpoint._safetensors_io import CHUNK_BYTES
 from lora_core.contracts import AdaptationResult, ComponentVersion
@@ -58,8 +59,12 @@ def _flip(path: Path, offset: int) -> None:
     path.write_bytes(bytes(data))
 
 
-@pytest.mark.parametrize("which", ["mixed", "big"])
-def test_v2_digests_are_plain_blake3(tmp_path, result, which):
+@pytest.mark.parametrize("which", ["mixed", "big", "big-pool"])
+def test_v2_digests_are_plain_blake3(tmp_path, result, which, monkeypatch):
+    if which == "big-pool":
+        # blake3's thread pool on save and load too (used there only with spare cores)
+        monkeypatch.setattr(_digest, "IO_BUSY_CORES", 0)
+        assert _digest.pool_pays(PARALLEL_HASH_BYTES, beside_io=True)
     res = result if which == "mixed" else _big_result()
     opt = torch.optim.SGD(res.parameters(), lr=0.1, momentum=0.9)
     for p in res.parameters():
