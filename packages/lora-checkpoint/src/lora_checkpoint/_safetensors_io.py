@@ -10,7 +10,6 @@ Files are written with BLAKE3 digests; reading checks whichever algorithm the ma
 from __future__ import annotations
 
 import ctypes
-import io
 import json
 import math
 import os
@@ -295,8 +294,8 @@ def parse_header(
     return 8 + hlen, entries
 
 
-def _checked_size(f: io.FileIO, path: Path, expected_size: int | None) -> int:
-    size = os.fstat(f.fileno()).st_size
+def _checked_size(fd: int, path: Path, expected_size: int | None) -> int:
+    size = os.fstat(fd).st_size
     if expected_size is not None and size != expected_size:
         if size < expected_size:
             raise TruncatedFileError(
@@ -309,21 +308,28 @@ def _checked_size(f: io.FileIO, path: Path, expected_size: int | None) -> int:
     return size
 
 
-def _read_exactly(f: io.FileIO, view: memoryview, name: str, pos: int, size: int) -> None:
-    done = 0
-    while done < len(view):
-        n = f.readinto(view[done:])
-        if not n:
-            raise TruncatedFileError(f"{name}: file ended at byte {pos + done} of {size}")
-        done += n
+_PREADV = getattr(os, "preadv", None)
+# Buffers handed to one preadv call, well below the usual IOV_MAX of 1024.
+_MAX_IOVECS = 256
 
 
-def _update_all(h: Hasher, views: list[memoryview], owners: list[object]) -> None:
-    # ``owners`` (the tensors and buffers behind ``views``) is only held: it keeps that
-    # memory alive until it is hashed, whatever happens to the caller meanwhile.
-    del owners
-    for v in views:
-        h.update(v)
+def _pread_into(fd: int, views: list[memoryview], offset: int, name: str, size: int) -> None:
+    # Fills ``views`` from ``offset`` on (preadv may return less than asked: loop).
+    while views:
+        if _PREADV is not None:
+            n = _PREADV(fd, views, offset)
+        else:  # no preadv on this platform: read and copy
+            data = os.pread(fd, len(views[0]), offset)
+            n = len(data)
+            views[0][:n] = data
+        if n == 0:
+            raise TruncatedFileError(f"{name}: file ended at byte {offset} of {size}")
+        offset += n
+        while views and n >= len(views[0]):
+            n -= len(views[0])
+            views = views[1:]
+        if views and n:
+            views = [views[0][n:], *views[1:]]
 
 
 def read_file_bytes(
@@ -344,31 +350,61 @@ def read_file_bytes(
         TruncatedFileError: the file is shorter than expected or shrank while being read.
         DigestMismatchError: the file is longer than expected.
     """
-    with open(path, "rb", buffering=0) as f:
-        size = _checked_size(f, path, expected_size)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        size = _checked_size(fd, path, expected_size)
         buf = bytearray(size)
-        _read_exactly(f, memoryview(buf), path.name, 0, size)
+        _pread_into(fd, [memoryview(buf)], 0, path.name, size)
+    finally:
+        os.close(fd)
     data = bytes(buf)
     return data, ("" if algorithm is None else digest_of(algorithm, data))
 
 
 @dataclass(frozen=True)
 class SafetensorsRead:
-    """What :func:`read_safetensors` found in one file.
+    """A safetensors file being read by :func:`read_safetensors`.
 
     Attributes:
-        tensors: key -> tensor owning its memory; empty when ``header_error`` is set.
-        header_error: why the header is unusable, when it is and the file was hashed anyway
+        tensors: key -> tensor owning its memory; filled only once :meth:`finish` returned;
+            empty when ``header_error`` is set.
+        header_error: why the header is unusable, when it is and the file is hashed anyway
             (so the caller can first tell a corrupted file from a malformed one).
     """
 
     tensors: dict[str, torch.Tensor]
     header_error: CheckpointError | None
-    _digest: Future[str] | None
+    _done: Future[str]
 
-    def digest(self) -> str:
-        """Return the hex digest of every byte of the file ("" when not hashed); may wait."""
-        return "" if self._digest is None else self._digest.result()
+    def finish(self) -> str:
+        """Wait until every byte is read (and hashed); return the hex digest ("" if unhashed).
+
+        Raises:
+            TruncatedFileError: the file shrank while being read.
+        """
+        return self._done.result()
+
+
+def _wait_then_hash(
+    h: Hasher | None, read: Future[None], views: list[memoryview], owners: list[object]
+) -> None:
+    # ``owners`` (the tensors and buffers behind ``views``) is only held: this task is
+    # queued before the read starts and ends after it, so their memory outlives both.
+    del owners
+    read.result()  # the bytes are in place (raises if the read failed)
+    if h is not None:
+        for v in views:
+            h.update(v)
+
+
+def _close_when_done(fd: int, h: Hasher | None, steps: list[Future[None]]) -> str:
+    # Runs last on the file's FIFO worker: every step before it has finished.
+    try:
+        for step in steps:
+            step.result()
+    finally:
+        os.close(fd)
+    return "" if h is None else h.hexdigest()
 
 
 def read_safetensors(
@@ -376,130 +412,141 @@ def read_safetensors(
     *,
     expected_size: int | None = None,
     algorithm: DigestAlgorithm | None = None,
-    hash_worker: ThreadPoolExecutor | None = None,
+    readers: ThreadPoolExecutor | None = None,
+    file_worker: ThreadPoolExecutor | None = None,
 ) -> SafetensorsRead:
     """Read a safetensors file into tensors that own their memory, hashing those very bytes.
 
-    Each tensor's bytes are read straight into its own storage (no file-sized buffer, no
-    second copy), allocated by the calling thread, and hashed from there in file order by
-    a worker thread while the next bytes are read. Nothing else holds that memory, so the
-    bytes that were hashed are the bytes returned. Bytes between or after tensors are read
-    into scratch and hashed too: the digest is always of the whole file.
+    The calling thread reads the header and allocates every tensor (in its own malloc arena,
+    which keeps freed memory for the next load); ``readers`` then read the bytes straight
+    into the tensors' storage, in parallel (so the page faults of fresh memory spread over
+    the cores), and ``file_worker`` hashes them in file order as they arrive. Nothing else
+    holds that memory, so the bytes that were hashed are the bytes returned. Bytes between
+    or after tensors are read into scratch and hashed too: the digest is of the whole file.
 
     Args:
         path: the file.
         expected_size: refuse a file of another size (``TruncatedFileError`` if shorter).
         algorithm: hash the file with it; None: do not hash.
-        hash_worker: a single-thread executor to hash on; the digest may then still be
-            computed after this returns (``digest()`` waits), so the caller can read the
-            next file meanwhile. Default: a private one, finished before returning.
+        readers: the threads that read (default: two private ones).
+        file_worker: a single-thread executor for this file alone, which hashes in order and
+            closes the file (default: a private one). With both given this returns while
+            the bytes are still arriving, so the caller can start the next file.
 
     Returns:
-        The tensors and the file's digest. With ``algorithm`` set, a header that cannot be
-        used is returned as ``header_error`` (after hashing the whole file) instead of
-        raised, so the caller can tell corrupted bytes from a malformed file.
+        The tensors, valid once ``finish()`` returned the digest. With ``algorithm`` set, a
+        header that cannot be used is returned as ``header_error`` (the whole file is still
+        hashed) instead of raised, so the caller can tell corrupted bytes from a malformed
+        file.
 
     Raises:
-        TruncatedFileError: the file is shorter than expected or shrank while being read;
-            without ``algorithm``, also a header that claims more bytes than the file has.
+        TruncatedFileError: the file is shorter than expected; without ``algorithm``, also
+            a header that claims more bytes than the file has.
         DigestMismatchError: the file is longer than expected.
         CheckpointError: a malformed header, when ``algorithm`` is None.
     """
-    if hash_worker is None:
-        with ThreadPoolExecutor(1) as own:
+    if readers is None or file_worker is None:
+        with ThreadPoolExecutor(2) as own_readers, ThreadPoolExecutor(1) as own_worker:
             read = read_safetensors(
-                path, expected_size=expected_size, algorithm=algorithm, hash_worker=own
+                path,
+                expected_size=expected_size,
+                algorithm=algorithm,
+                readers=readers or own_readers,
+                file_worker=file_worker or own_worker,
             )
+            read.finish()
         return read
     name = path.name
-    with open(path, "rb", buffering=0) as f:
-        size = _checked_size(f, path, expected_size)
+    fd = os.open(path, os.O_RDONLY)
+    steps: list[Future[None]] = []
+    closing = False
+    try:
+        size = _checked_size(fd, path, expected_size)
         h = None if algorithm is None else new_hasher(algorithm, pool_pays(size, beside_io=True))
-        pending: list[Future[None]] = []
+        # The file's bytes as regions in file order, batched into reads of up to CHUNK_BYTES
+        # (and _MAX_IOVECS buffers); each read is followed, in order, by its hashing.
         views: list[memoryview] = []
         owners: list[object] = []
-        batched = 0
+        batch_at = batched = 0
 
-        def hash_later(view: memoryview, owner: object) -> None:
-            # Small regions go to the worker in batches: one hand-off per CHUNK_BYTES at most.
+        def flush() -> None:
             nonlocal views, owners, batched
-            if h is None:
-                return
-            views.append(view)
-            owners.append(owner)
-            batched += len(view)
-            if batched >= CHUNK_BYTES:
-                pending.append(hash_worker.submit(_update_all, h, views, owners))
+            if views:
+                read = readers.submit(_pread_into, fd, list(views), batch_at, name, size)
+                steps.append(file_worker.submit(_wait_then_hash, h, read, views, owners))
                 views, owners, batched = [], [], 0
 
-        def read_into(view: memoryview, owner: object, pos: int) -> None:
+        def add(view: memoryview, owner: object, pos: int) -> None:
+            nonlocal batch_at, batched
             for i in range(0, len(view), CHUNK_BYTES):
                 part = view[i : i + CHUNK_BYTES]
-                _read_exactly(f, part, name, pos + i, size)
-                hash_later(part, owner)
+                if not views:
+                    batch_at = pos + i
+                views.append(part)
+                owners.append(owner)
+                batched += len(part)
+                if batched >= CHUNK_BYTES or len(views) >= _MAX_IOVECS:
+                    flush()
 
-        def read_to(end: int, pos: int) -> None:
+        def add_scratch(end: int, pos: int) -> None:
             # Bytes no tensor owns: gaps, trailing bytes, or the rest behind a bad header.
             while pos < end:
                 scratch = bytearray(min(CHUNK_BYTES, end - pos))
-                read_into(memoryview(scratch), scratch, pos)
+                add(memoryview(scratch), scratch, pos)
                 pos += len(scratch)
 
-        def finish(
+        def done(
             tensors: dict[str, torch.Tensor], error: CheckpointError | None
         ) -> SafetensorsRead:
-            if h is None:
-                return SafetensorsRead(tensors, error, None)
-            if views:
-                pending.append(hash_worker.submit(_update_all, h, views, owners))
-
-            def hexdigest() -> str:
-                for p in pending:  # already run (one FIFO worker); re-raises their errors
-                    p.result()
-                return h.hexdigest()
-
-            return SafetensorsRead(tensors, error, hash_worker.submit(hexdigest))
-
-        def unusable(exc: CheckpointError, pos: int) -> SafetensorsRead:
-            if h is None:
-                raise exc
-            read_to(size, pos)
-            return finish({}, exc)
+            nonlocal closing
+            flush()
+            closing = True  # from here on the file worker closes the descriptor
+            last = file_worker.submit(_close_when_done, fd, h, list(steps))
+            return SafetensorsRead(tensors, error, last)
 
         head = bytearray(min(size, 8))
-        read_into(memoryview(head), head, 0)
+        _pread_into(fd, [memoryview(head)], 0, name, size)
+        header = b""
         try:
             hlen = _header_length(head, name, size)
-        except CheckpointError as exc:
-            return unusable(exc, len(head))
-        header = bytearray(hlen)
-        read_into(memoryview(header), header, 8)
-        try:
+            header = os.pread(fd, hlen, 8)
             data_start, entries = parse_header(head + header, name, size)
             plan = sorted(entries.items(), key=lambda kv: (kv[1].begin, kv[1].end))
             end_so_far = 0
             for key, e in plan:
-                if e.begin == e.end:
-                    continue  # no bytes, so it cannot overlap anything
-                if e.begin < end_so_far:
+                if e.begin < end_so_far and e.begin < e.end:  # an empty tensor overlaps nothing
                     raise CheckpointError(
                         f"{name}: key {key!r} (data_offsets {[e.begin, e.end]}) overlaps the "
                         "bytes of another tensor; a safetensors file holds each tensor once"
                     )
-                end_so_far = e.end
+                end_so_far = max(end_so_far, e.end)
         except CheckpointError as exc:
-            return unusable(exc, 8 + hlen)
-        pos = 8 + hlen
+            if h is None:
+                raise
+            h.update(head + header)  # no read is queued yet: this comes first in the hash
+            add_scratch(size, len(head) + len(header))
+            return done({}, exc)
+        if h is not None:
+            h.update(head + header)
         tensors: dict[str, torch.Tensor] = {}
+        pos = data_start
         for key, e in plan:
             t = torch.empty(e.shape, dtype=e.dtype)
             if e.begin < e.end:
-                read_to(data_start + e.begin, pos)
-                read_into(_byte_view(t), t, data_start + e.begin)
+                add_scratch(data_start + e.begin, pos)
+                add(_byte_view(t), t, data_start + e.begin)
                 pos = data_start + e.end
             tensors[key] = t
-        read_to(size, pos)
-        return finish(tensors, None)
+        add_scratch(size, pos)
+        return done(tensors, None)
+    except BaseException:
+        if not closing:
+            # No queued read may still use the descriptor when it is closed (its number
+            # could meanwhile be reused for another file).
+            for step in steps:
+                step.exception()
+            os.close(fd)
+        raise
 
 
 def tensor_digest(tensor: torch.Tensor, algorithm: DigestAlgorithm) -> str:

@@ -38,6 +38,9 @@ from lora_core.contracts import AdaptationResult
 
 __all__ = ["LoadedCheckpoint", "load", "resolve_checkpoint", "restore", "verify"]
 
+# Threads reading checkpoint files: 2 measured ~30% faster than 1 for loads that page-fault
+# fresh memory (on 2 cores, 3 were no faster); beyond 8, a disk rarely gains more.
+MAX_READ_THREADS = 8
 # Extensions whose usual readers (torch.load, pickle) can execute code.
 UNSAFE_SUFFIXES = frozenset({".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt", ".joblib"})
 _SAFE_SUFFIXES = (".safetensors", ".json")
@@ -58,6 +61,14 @@ class LoadedCheckpoint:
     tensors: Mapping[str, torch.Tensor]
     training_state: TrainingState | None = None
     path: Path | None = None
+
+
+def _read_threads() -> int:
+    try:
+        cores = len(os.sched_getaffinity(0))
+    except AttributeError:  # not on Linux
+        cores = os.cpu_count() or 1
+    return max(2, min(MAX_READ_THREADS, cores))
 
 
 def resolve_checkpoint(directory: str | os.PathLike[str]) -> Path:
@@ -123,7 +134,12 @@ def _check_unsafe(ckpt: Path, manifest: Manifest) -> None:
 
 
 def _read_safetensors_file(
-    ckpt: Path, entry: FileEntry, manifest: Manifest, verify: bool, hash_worker: ThreadPoolExecutor
+    ckpt: Path,
+    entry: FileEntry,
+    manifest: Manifest,
+    verify: bool,
+    readers: ThreadPoolExecutor,
+    file_worker: ThreadPoolExecutor,
 ) -> SafetensorsRead | CheckpointError:
     # A failure is returned, not raised, so that the first one in manifest order is reported.
     path = ckpt / entry.file
@@ -134,7 +150,8 @@ def _read_safetensors_file(
             path,
             expected_size=entry.size,
             algorithm=manifest.digest_algorithm if verify else None,
-            hash_worker=hash_worker,
+            readers=readers,
+            file_worker=file_worker,
         )
     except CheckpointError as exc:
         return exc
@@ -146,7 +163,7 @@ def _check_safetensors_file(
     path = ckpt / entry.file
     algorithm = manifest.digest_algorithm
     expected = [t for t in manifest.tensors if t.file == entry.file]
-    digest = read.digest()
+    digest = read.finish()
     if verify and digest != entry.digest:
         # Only now are tensor digests computed: to name the corrupted keys.
         bad = [
@@ -242,15 +259,16 @@ def load(
     st_file, js_file = training_state_files(rank)
     mine = [e for e in manifest.files if e.rank is None or e.rank == rank]
     st_entries = [e for e in mine if e.file.endswith(".safetensors")]
-    # This thread reads the files one after another, each hashed by its own worker while
-    # the next is read. Reading here, not in a pool, allocates the tensors in this thread's
-    # malloc arena, which keeps freed memory for the next load; worker threads' arenas gave
-    # it back to the system, and every load paid the page faults again (measured 3-4x
-    # slower reads).
-    with ExitStack() as workers:
+    # This thread parses each file's header and allocates its tensors (in its own malloc
+    # arena, which keeps freed memory for the next load; worker threads' arenas gave it
+    # back, and every load paid the page faults again: 3-4x slower). The readers fill the
+    # tensors in parallel, so the page faults of fresh memory spread over the cores, and
+    # each file's worker hashes its bytes in order while the next file is already read.
+    with ExitStack() as pools:
+        readers = pools.enter_context(ThreadPoolExecutor(_read_threads()))
         reads = [
             _read_safetensors_file(
-                ckpt, e, manifest, verify, workers.enter_context(ThreadPoolExecutor(1))
+                ckpt, e, manifest, verify, readers, pools.enter_context(ThreadPoolExecutor(1))
             )
             for e in st_entries
         ]
