@@ -9,25 +9,34 @@ Baselines:
     raw save+fsync: the same plus one ``fsync`` (the durability our save also pays);
     raw load: ``safetensors.torch.load_file`` then a clone of every tensor into owned memory
         (what ``lora_checkpoint.load`` returns; ``load_file`` alone only maps the file).
-Ours: ``save`` (sha256 of every file and every tensor, fsync, atomic publish) and
-``load(verify=True)`` (sha256 of every file checked).
+Ours: ``save`` (a BLAKE3 digest of every file and of every tensor, fsync of every file and
+directory, atomic publish) and ``load(verify=True)`` (every file's BLAKE3 digest checked,
+on the very bytes the returned tensors hold).
+
+The report records the load average before and after (the machine may be shared) and
+whether blake3's thread pool was used beside the I/O (only with more than 2 cores).
 """
 
 from __future__ import annotations
 
 import argparse
+import ctypes
+import ctypes.util
 import json
 import os
 import platform
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 
+import blake3
 import torch
 from safetensors.torch import load_file, save_file
 
 import lora_checkpoint as lc
+from lora_checkpoint._digest import pool_pays
 from lora_core.contracts import AdaptationResult, ComponentVersion, PeftExport
 
 
@@ -57,16 +66,31 @@ def make_result(total_bytes: int) -> AdaptationResult:
     )
 
 
-def best_interleaved(fns: dict, repeats: int) -> dict[str, float]:
+def _malloc_trim() -> Callable[[int], object] | None:
+    """glibc's ``malloc_trim(0)``, or None where the C library has none."""
+    try:
+        return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6").malloc_trim
+    except (OSError, AttributeError):
+        return None
+
+
+def best_interleaved(fns: dict, repeats: int, trim: bool) -> dict[str, float]:
     """Best wall time per function over ``repeats`` rounds, alternating the functions.
 
     ``os.sync()`` before every call (untimed) starts each from an empty dirty-page cache, so
     one side never pays the writeback the other side left behind; the machine is shared.
+    With ``trim``, ``malloc_trim(0)`` before every call (untimed) hands the memory the last
+    call freed back to the system, so no call finds it waiting in the heap: otherwise which
+    side reuses freed memory and which page-faults fresh memory (about 1.5 us per 4 KiB page
+    here, 0.4 s per GB) depends on the order of the calls, not on the code.
     """
+    trimmer = _malloc_trim() if trim else None
     times: dict[str, list[float]] = {name: [] for name in fns}
     for k in range(repeats):
         for name, fn in fns.items():
             os.sync()
+            if trimmer is not None:
+                trimmer(0)
             t0 = time.perf_counter()
             fn(k)
             times[name].append(time.perf_counter() - t0)
@@ -79,6 +103,11 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="about 100 MB instead of 1 GB")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--workdir", type=Path, default=None, help="scratch dir (default: tmp)")
+    parser.add_argument(
+        "--no-trim",
+        action="store_true",
+        help="skip malloc_trim(0) before each call (the method of lora-checkpoint 0.1.0)",
+    )
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
     total = (100 if args.quick else 1024) * 1024 * 1024
@@ -117,6 +146,7 @@ def main() -> None:
         timings = best_interleaved(
             {"raw_save": raw_save, "raw_save_fsync": raw_save_fsync, "ours_save_verify": ours_save},
             args.repeats,
+            trim=not args.no_trim,
         )
         timings.update(
             best_interleaved(
@@ -126,6 +156,7 @@ def main() -> None:
                     "ours_load_verify": ours_load,
                 },
                 args.repeats,
+                trim=not args.no_trim,
             )
         )
         check = lc.load(work / "ours" / "step-00000000")
@@ -141,12 +172,18 @@ def main() -> None:
         "save_vs_raw_fsync": timings["raw_save_fsync"] / timings["ours_save_verify"],
         "load_vs_raw": timings["raw_load"] / timings["ours_load_verify"],
     }
+    load_after = os.getloadavg()
+    pool = pool_pays(nbytes, beside_io=True)
     report = {
         "benchmark": "lora-checkpoint save/load vs raw safetensors",
+        "digest_algorithm": "blake3",
+        "blake3": blake3.__version__,
+        "blake3_pool_beside_io": pool,
         "quick": args.quick,
         "bytes": nbytes,
         "tensors": len(tensors),
         "repeats": args.repeats,
+        "malloc_trim_before_each_call": not args.no_trim,
         "seconds": timings,
         "GB_per_s": gbps,
         "throughput_ratio_ours_over_raw": ratios,
@@ -154,14 +191,20 @@ def main() -> None:
         "torch": torch.__version__,
         "lora_checkpoint": lc.__version__,
         "cpu_count": os.cpu_count(),
+        "loadavg_before": load_before,
+        "loadavg_after": load_after,
         "machine": platform.machine(),
     }
     (args.out / "bench_checkpoint.json").write_text(json.dumps(report, indent=2) + "\n")
     lines = [
         f"# lora-checkpoint benchmark ({nbytes / 2**20:.0f} MiB, {len(tensors)} tensors, "
-        f"best of {args.repeats}, interleaved, os.sync() before each)",
+        f"best of {args.repeats}, interleaved, os.sync()"
+        f"{'' if args.no_trim else ' and malloc_trim(0)'} before each)",
         "",
-        f"load average before/after: {load_before[0]:.1f} / {os.getloadavg()[0]:.1f} on "
+        f"digests: BLAKE3 (blake3 {blake3.__version__}; thread pool beside the I/O: "
+        f"{'yes' if pool else 'no'})",
+        "",
+        f"load average before/after: {load_before[0]:.1f} / {load_after[0]:.1f} on "
         f"{os.cpu_count()} cores; workdir {args.workdir or tempfile.gettempdir()}",
         "",
         "| operation | seconds | GB/s |",
