@@ -79,6 +79,7 @@ def test_verify_and_inspect_exit_codes(tmp_path, result, capsys):
     assert "OK step-00000003" in capsys.readouterr().out
     assert cli.main(["inspect", str(tmp_path)]) == cli.EXIT_OK
     out = capsys.readouterr().out
+    assert "digest_algorithm blake3" in out
     assert "lora-checkpoint" in out
     assert lc.__version__ in out
     assert "moe.experts.gate_up_proj.lora_A" in out
