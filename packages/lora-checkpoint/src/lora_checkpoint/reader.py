@@ -13,6 +13,7 @@ import torch
 from torch import nn
 
 from lora_checkpoint import _dist, _fs
+from lora_checkpoint._digest import available_cores
 from lora_checkpoint._safetensors_io import (
     SafetensorsRead,
     dtype_name,
@@ -64,11 +65,7 @@ class LoadedCheckpoint:
 
 
 def _read_threads() -> int:
-    try:
-        cores = len(os.sched_getaffinity(0))
-    except AttributeError:  # not on Linux
-        cores = os.cpu_count() or 1
-    return max(2, min(MAX_READ_THREADS, cores))
+    return max(2, min(MAX_READ_THREADS, available_cores()))
 
 
 def resolve_checkpoint(directory: str | os.PathLike[str]) -> Path:
