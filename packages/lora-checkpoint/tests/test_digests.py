@@ -77,6 +77,10 @@ def test_v2_digests_are_plain_blake3(tmp_path, result, which, monkeypatch):
     assert m.digest_algorithm is lc.DigestAlgorithm.BLAKE3
     assert json.loads((ckpt / "manifest.json").read_text())["digest_algorithm"] == "blake3"
     # every file, JSON ones included: blake3 of the file's bytes, what `b3sum FILE` prints
+    # (the reference hasher is plain BLAKE3-256: the specification's hash of empty input)
+    assert blake3(b"").hexdigest() == (
+        "af1349b9f5f9a1a6a0404dea36dcc9499bcb25c9adc112b7cc9a93cae41f3262"
+    )
     for f in m.files:
         data = (ckpt / f.file).read_bytes()
         assert f.size == len(data), f.file
