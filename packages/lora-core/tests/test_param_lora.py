@@ -256,3 +256,12 @@ def test_layer_arguments_are_checked() -> None:
         LoRAParameter(Block(), "experts", 2, 2, fqn="blk")
     with pytest.raises(ValueError, match=r"LoRAParameter rank must be a positive int"):
         LoRAParameter(Router(), "weight", 0, 2)
+
+
+def test_a_router_shared_by_two_blocks_is_refused() -> None:
+    model = Model()
+    model.layers[1].gate = model.layers[0].gate
+    cfg = LoraConfig(enable=True, rank=2, target_parameters=["gate.weight"])
+    with pytest.raises(LoraTargetError, match=r"'layers\.1\.gate' is the same object as "
+                                              r"'layers\.0\.gate' \(a shared or tied module\)"):
+        enable_lora_training(model, cfg)

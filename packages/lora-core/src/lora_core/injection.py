@@ -81,6 +81,17 @@ def _inside(name: str, adapters: set[str]) -> bool:
     return any(".".join(parts[:i]) in adapters for i in range(1, len(parts)))
 
 
+def _claim(seen: dict[int, str], module: nn.Module, name: str) -> None:
+    """Record that ``name`` adapts ``module``; refuse a module reachable under two names."""
+    if id(module) in seen:
+        raise LoraTargetError(
+            f"module {name!r} is the same object as {seen[id(module)]!r} (a shared or tied "
+            "module); adapting one name would leave the other unadapted. Exclude one of them "
+            "with lora.exclude_modules or untie them"
+        )
+    seen[id(module)] = name
+
+
 def _select(
     model: nn.Module, config: LoraConfig
 ) -> tuple[list[tuple[str, nn.Linear | LoRALinear]], list[str]]:
@@ -103,13 +114,7 @@ def _select(
         if matches_module(name, config.exclude_modules):
             excluded.append(name)
             continue
-        if id(module) in seen:
-            raise LoraTargetError(
-                f"module {name!r} is the same object as {seen[id(module)]!r} (a shared or "
-                "tied Linear); adapting one name would leave the other unadapted. Exclude one "
-                "of them with lora.exclude_modules or untie them"
-            )
-        seen[id(module)] = name
+        _claim(seen, module, name)
         chosen.append((name, module))
     # Default attention targets may legitimately match nothing when only parameters (routers)
     # are targeted; targets the user wrote must match.
@@ -193,13 +198,7 @@ def _select_parameters(
                 f"lora.target_parameters matched {len(hits)} parameters of {name!r} "
                 f"({[h for h, _ in hits]}); one LoRA update per module is supported"
             )
-        if id(module) in seen:
-            raise LoraTargetError(
-                f"module {name!r} is the same object as {seen[id(module)]!r} (a shared "
-                "module); adapting one name would leave the other unadapted. Exclude one of "
-                "them with lora.exclude_modules"
-            )
-        seen[id(module)] = name
+        _claim(seen, module, name)
         chosen.append((name, module, *hits[0]))
     if not chosen:
         why = (
