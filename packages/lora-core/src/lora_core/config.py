@@ -70,8 +70,7 @@ def _check_names(value: Any, field_name: str) -> tuple[str, ...]:
             raise ValueError(
                 f"lora.{field_name} entry {item!r} is not a name or dotted suffix "
                 "(e.g. 'q_proj', 'self_attn.q_proj' or 'mlp.gate.weight'); patterns and empty "
-                "components are "
-                "not supported"
+                "components are not supported"
             )
         names.append(item)
     return tuple(dict.fromkeys(names))

@@ -112,7 +112,7 @@ def replicate_lora_parameters(
             "FSDP-sharded; apply fully_shard so that every adapted layer is covered "
             "(e.g. fully_shard(model) on the root) before replicate_lora_parameters"
         )
-    mesh = sharded[0][1].base_layer.weight.device_mesh
+    mesh = sharded[0][1].base_weight.device_mesh
     for n, m in sharded:
         if m.base_weight.device_mesh != mesh:
             raise FsdpLayoutError(

@@ -93,10 +93,12 @@ def _claim(seen: dict[int, str], module: nn.Module, name: str) -> None:
 
 
 def _select(
-    model: nn.Module, config: LoraConfig
+    model: nn.Module, config: LoraConfig, adapters: set[str]
 ) -> tuple[list[tuple[str, nn.Linear | LoRALinear]], list[str]]:
-    """Matched ``(name, module)`` in module order, and every Linear name (for errors)."""
-    adapters = _adapter_names(model)
+    """Matched ``(name, module)`` in module order, and every Linear name (for errors).
+
+    ``adapters`` names the model's existing adapter modules, whose insides are never targets.
+    """
     seen: dict[int, str] = {}
     chosen: list[tuple[str, nn.Linear | LoRALinear]] = []
     linear_names: list[str] = []
@@ -142,7 +144,7 @@ def _adapter_names(model: nn.Module) -> set[str]:
 
 
 def _select_parameters(
-    model: nn.Module, config: LoraConfig, linear_targets: set[str]
+    model: nn.Module, config: LoraConfig, adapters: set[str], linear_targets: set[str]
 ) -> list[tuple[str, nn.Module, str, list[str]]]:
     """Matched ``(module name, owner, parameter name, matching patterns)`` in module order.
 
@@ -151,7 +153,6 @@ def _select_parameters(
     """
     if not config.target_parameters:
         return []
-    adapters = _adapter_names(model)
     chosen: list[tuple[str, nn.Module, str, list[str]]] = []
     seen: dict[int, str] = {}
     candidates: list[str] = []
@@ -272,11 +273,12 @@ def enable_lora_training(
         )
     if config.rank is None or config.alpha is None:  # unreachable for a validated config
         raise ValueError("lora.rank must be set when lora.enable is true")
-    chosen, _ = _select(model, config) if config.target_modules else ([], [])
-    chosen_params = _select_parameters(model, config, {n for n, _ in chosen})
+    adapters = _adapter_names(model)
+    chosen, _ = _select(model, config, adapters) if config.target_modules else ([], [])
+    chosen_params = _select_parameters(model, config, adapters, {n for n, _ in chosen})
     adapted: list[str] = []
     repeated: list[str] = []
-    layers: list[tuple[str, LoRALinear]] = []
+    layers: list[tuple[str, _LoRAFactors]] = []
     device = "meta" if prepare_for_fsdp else None
     # param_name None: a Linear from target_modules; else a parameter from target_parameters.
     todo: list[tuple[str, nn.Module, str | None]] = [(n, m, None) for n, m in chosen]
