@@ -241,10 +241,13 @@ def _write_rank_files(
                     )
                     + "\n"
                 )
-                _fs.write_bytes_durable(tmp / ADAPTER_CONFIG, text.encode())
-                size, digest = len(text.encode()), digest_of(WRITE_ALGORITHM, text.encode())
+                data = text.encode()
+                _fs.write_bytes_durable(tmp / ADAPTER_CONFIG, data)
+                digest = digest_of(WRITE_ALGORITHM, data)
                 files.append(
-                    FileEntry(file=ADAPTER_CONFIG, size=size, digest=digest).model_dump(mode="json")
+                    FileEntry(file=ADAPTER_CONFIG, size=len(data), digest=digest).model_dump(
+                        mode="json"
+                    )
                 )
         if own:
             add(own, FUSED_EXPERT_LORA, own_kinds, None)
