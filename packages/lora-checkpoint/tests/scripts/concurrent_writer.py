@@ -1,8 +1,8 @@
 """A writer for the concurrency tests: saves into a shared root and reports each save.
 
 Usage: ``concurrent_writer.py ROOT PREFIX COUNT KEEP_LAST [ELEMENTS]``. Waits for a line on
-stdin, then saves ``COUNT`` checkpoints named ``<PREFIX>-<i>`` (parameter values encode prefix and i),
-printing ``S <name>`` after each ``save`` returned; ``KEEP_LAST`` 0 means no pruning;
+stdin, then saves ``COUNT`` checkpoints named ``<PREFIX>-<i>`` (parameter values encode the
+prefix and i), printing ``S <name>`` after each ``save`` returned; ``KEEP_LAST`` 0 means no pruning;
 ``ELEMENTS`` sizes the second parameter (default 256), so loads take longer.
 """
 
