@@ -104,9 +104,7 @@ def test_pruning_never_fails_a_concurrent_load(tmp_path):
     stop = tmp_path / "stop"
     reader = _start(str(SCRIPTS / "looping_reader.py"), str(root), str(stop))
     # 4 MiB checkpoints: a load takes long enough that pruning lands inside many of them.
-    writer = _start(
-        str(SCRIPTS / "concurrent_writer.py"), str(root), "k", "40", "1", str(1 << 20)
-    )
+    writer = _start(str(SCRIPTS / "concurrent_writer.py"), str(root), "k", "40", "1", str(1 << 20))
     try:
         writer.stdin.write("go\n")
         writer.stdin.flush()
