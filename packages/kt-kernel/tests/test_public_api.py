@@ -12,7 +12,17 @@ import torch
 import kt_kernel as kk
 
 EXPECTED_ALL = {
+    "FORMATS",
+    "Activation",
     "BackendInfo",
+    "ClampedSwiGLU",
+    "Dense",
+    "GeluTanhGated",
+    "Int8PerChannel",
+    "SwiGLU",
+    "SwiGLULimit",
+    "WeightFormat",
+    "register_format",
     "ExpertSpec",
     "ExpertWeights",
     "FUSED_NAMES",

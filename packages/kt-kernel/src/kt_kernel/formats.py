@@ -29,6 +29,8 @@ __all__ = [
     "StackedFormat",
     "WeightFormat",
     "check_parts",
+    "dequantize_per_channel",
+    "quantize_per_channel",
     "register_format",
     "resolve_format",
 ]
@@ -59,8 +61,13 @@ class WeightFormat(Protocol):
         """Parts of ``w [..., N, K]`` (floating point); the parts keep the leading dims."""
         ...
 
-    def dequantize(self, parts: Parts) -> torch.Tensor:
-        """``W [..., N, K]`` in :attr:`compute_dtype`: exactly the values the tiles hold."""
+    def dequantize(self, parts: Parts, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """``W [..., N, K]`` formed in fp32 and rounded once to ``dtype``.
+
+        ``dtype`` defaults to :attr:`compute_dtype`, and then the result is bitwise the tiles
+        the native loader writes (the oracle's weights); ``torch.float32`` gives the exact
+        quantised values (for error reports).
+        """
         ...
 
     def part_specs(self, n: int, k: int) -> tuple[tuple[str, tuple[int, ...], torch.dtype], ...]:
@@ -75,8 +82,8 @@ class WeightFormat(Protocol):
         """Bytes held by ``parts``."""
         ...
 
-    def max_step(self, parts: Parts) -> float:
-        """The largest quantisation step in ``parts`` (0 for an unquantised format)."""
+    def row_steps(self, parts: Parts) -> torch.Tensor:
+        """``[..., N]`` fp32: the largest quantisation step in each output row (0 if dense)."""
         ...
 
     def native_args(self, parts: Parts) -> Parts:
@@ -174,17 +181,17 @@ class Dense(StackedFormat):
         """``(w cast to the dtype,)``."""
         return (w.detach().to(self.compute_dtype).contiguous(),)
 
-    def dequantize(self, parts: Parts) -> torch.Tensor:
-        """The stored tensor itself (detached)."""
-        return parts[0].detach()
+    def dequantize(self, parts: Parts, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The stored tensor itself (detached), cast to ``dtype`` if given."""
+        return parts[0].detach().to(dtype or self.compute_dtype)
 
     def part_specs(self, n: int, k: int) -> tuple[tuple[str, tuple[int, ...], torch.dtype], ...]:
         """One part ``weight [N, K]``."""
         return (("weight", (n, k), self.compute_dtype),)
 
-    def max_step(self, parts: Parts) -> float:
-        """0: nothing is quantised."""
-        return 0.0
+    def row_steps(self, parts: Parts) -> torch.Tensor:
+        """Zeros: nothing is quantised."""
+        return torch.zeros(parts[0].shape[:-1], dtype=torch.float32)
 
 
 _QMAX = 127
@@ -257,17 +264,17 @@ class Int8PerChannel(StackedFormat):
         """``(q int8 [..., N, K], scale fp32 [..., N])`` by :func:`quantize_per_channel`."""
         return quantize_per_channel(w)
 
-    def dequantize(self, parts: Parts) -> torch.Tensor:
-        """``q * scale`` in fp32, rounded once to the compute dtype."""
-        return dequantize_per_channel(parts[0], parts[1], self.compute_dtype)
+    def dequantize(self, parts: Parts, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """``q * scale`` in fp32, rounded once to ``dtype`` (default: the compute dtype)."""
+        return dequantize_per_channel(parts[0], parts[1], dtype or self.compute_dtype)
 
     def part_specs(self, n: int, k: int) -> tuple[tuple[str, tuple[int, ...], torch.dtype], ...]:
         """``q int8 [N, K]`` and ``scale fp32 [N]``."""
         return (("q", (n, k), torch.int8), ("scale", (n,), torch.float32))
 
-    def max_step(self, parts: Parts) -> float:
-        """The largest per-channel scale."""
-        return float(parts[1].max()) if parts[1].numel() else 0.0
+    def row_steps(self, parts: Parts) -> torch.Tensor:
+        """The per-channel scales (one step per output row)."""
+        return parts[1].to(torch.float32)
 
 
 # shorthand -> factory(compute dtype). The factory raises KernelDTypeError for a compute
@@ -288,7 +295,8 @@ def register_format(shorthand: str, factory: Callable[[torch.dtype], WeightForma
 
 
 def resolve_format(
-    weight_dtype: str | WeightFormat | None, compute_dtype: torch.dtype | None,
+    weight_dtype: str | WeightFormat | None,
+    compute_dtype: torch.dtype | None,
     source_dtype: torch.dtype,
 ) -> WeightFormat:
     """The format for ``from_fused``'s ``weight_dtype`` and ``dtype`` arguments.
