@@ -2,7 +2,7 @@
 
 The public surface is tensors plus small typed specs: :class:`ExpertSpec` (with its
 activation), :class:`ExpertWeights` (in a :class:`WeightFormat`), :class:`LoraBuffers`,
-:func:`moe_experts_forward`, the PEFT converters and :func:`backend_info`.
+:func:`moe_experts_forward` and :func:`backend_info`.
 ``kt_kernel.reference`` holds the plain-PyTorch oracle.
 """
 
@@ -23,18 +23,8 @@ from kt_kernel.formats import (
     WeightFormat,
     register_format,
 )
-from kt_kernel.lora import FUSED_NAMES, SPLIT_NAMES, LoraBuffers
+from kt_kernel.lora import FUSED_NAMES, SPLIT_NAMES, LoraBuffers, LoraLayout, lora_shapes
 from kt_kernel.ops import activation_memory_bytes, moe_experts_forward
-from kt_kernel.peft_mapping import (
-    copy_lora_from_peft,
-    lora_from_peft,
-    lora_to_peft,
-    peft_keys,
-    stack_lora_a,
-    stack_lora_b,
-    unstack_lora_a,
-    unstack_lora_b,
-)
 from kt_kernel.quant import (
     ProjectionQuantError,
     QuantizationReport,
@@ -61,6 +51,7 @@ __all__ = [
     "KernelDTypeError",
     "KernelInputError",
     "LoraBuffers",
+    "LoraLayout",
     "NativeBackendError",
     "ProjectionQuantError",
     "QuantizationReport",
@@ -70,18 +61,11 @@ __all__ = [
     "__version__",
     "activation_memory_bytes",
     "backend_info",
-    "copy_lora_from_peft",
     "dequantize_per_channel",
     "int8_isa",
-    "lora_from_peft",
-    "lora_to_peft",
+    "lora_shapes",
     "moe_experts_forward",
     "moe_experts_forward_reference",
-    "peft_keys",
     "quantize_per_channel",
     "register_format",
-    "stack_lora_a",
-    "stack_lora_b",
-    "unstack_lora_a",
-    "unstack_lora_b",
 ]
