@@ -19,7 +19,9 @@ FP32_TOL = 1e-5
 BF16_TOL = 3e-2
 FORMATS = ["dense", *sorted(kk.FORMATS)]
 ACTIVATIONS = ["swiglu", "clamped_swiglu", "swiglu_limit", "gelu_tanh_gated"]
-E, H, I, T, K, R = 6, 64, 32, 24, 2, 4  # noqa: E741 (I: the intermediate size)
+# H and I are multiples of 128 so block- and group-quantised formats (FP8 128x128 blocks,
+# INT4 groups) tile them exactly.
+E, H, I, T, K, R = 6, 128, 128, 24, 2, 4  # noqa: E741 (I: the intermediate size)
 
 
 def _pre_activations(weights: kk.ExpertWeights, lora: kk.LoraBuffers, x, ids) -> torch.Tensor:
