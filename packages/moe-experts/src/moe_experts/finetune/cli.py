@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from moe_experts.finetune.errors import FinetuneError
+from moe_experts.finetune.formats import DATA_FORMATS
 from moe_experts.finetune.loop import FinetuneArgs, run_finetune
 
 __all__ = ["build_parser", "finetune_main", "main"]
@@ -25,8 +26,13 @@ def build_parser(prog: str = "moe-experts finetune") -> argparse.ArgumentParser:
     p.add_argument("--model", default=d.model,
                    help="'tiny-qwen3-moe' (built in) or a local Hugging Face model directory")
     p.add_argument("--data", type=Path, default=None,
-                   help=".txt (one document per line) or .jsonl ({\"text\": ...}); "
-                        "default: a small corpus shipped with the package")
+                   help=".txt (one document per line), .jsonl or .json records: text, chat "
+                        "messages, alpaca or sharegpt (detected per file); default: a small "
+                        "corpus shipped with the package")
+    p.add_argument("--data-format", choices=sorted(DATA_FORMATS), default=None,
+                   help="force the record format instead of detecting it")
+    p.add_argument("--train-on-prompt", action="store_true",
+                   help="chat/instruction data: loss on every token, not only the replies")
     p.add_argument("--config", type=Path, default=None,
                    help="YAML file with a models.<role>.lora block (default: rank 8 on "
                         "attention and experts)")
@@ -54,7 +60,8 @@ def finetune_main(argv: Sequence[str] | None = None, prog: str = "moe-experts fi
     """Run the fine-tune from command-line arguments; returns the exit code."""
     ns = build_parser(prog).parse_args(argv)
     args = FinetuneArgs(
-        model=ns.model, data=ns.data, config=ns.config, role=ns.role, steps=ns.steps,
+        model=ns.model, data=ns.data, data_format=ns.data_format,
+        train_on_prompt=ns.train_on_prompt, config=ns.config, role=ns.role, steps=ns.steps,
         lr=ns.lr, batch_size=ns.batch_size, seq_len=ns.seq_len, save_every=ns.save_every,
         keep_last=ns.keep_last, output=ns.output, resume=ns.resume, seed=ns.seed,
         weight_dtype=ns.weight_dtype, max_grad_norm=ns.max_grad_norm,
@@ -68,8 +75,9 @@ def finetune_main(argv: Sequence[str] | None = None, prog: str = "moe-experts fi
     except FinetuneError as exc:
         if ns.debug:
             traceback.print_exc()
-        message = " ".join(str(exc).split())  # one line, whatever the cause's formatting
-        print(f"error: {message}", file=sys.stderr)
+        # One line per problem (a DataError lists each bad record), whatever the formatting.
+        for problem in getattr(exc, "lines", None) or [str(exc)]:
+            print(f"error: {' '.join(problem.split())}", file=sys.stderr)
         return 1
     if summary.world_size > 1:
         import torch.distributed as dist
