@@ -101,7 +101,8 @@ def _write(path: Path, records: list) -> Path:
 def test_registry_is_one_table_of_formats() -> None:
     assert set(DATA_FORMATS) == set(RECORDS)
     for name, fmt in DATA_FORMATS.items():
-        assert isinstance(fmt, DataFormat) and fmt.name == name
+        assert isinstance(fmt, DataFormat)
+        assert fmt.name == name
 
 
 @pytest.mark.parametrize("suffix", [".jsonl", ".json"])
@@ -175,7 +176,8 @@ def test_many_bad_records_are_capped(tmp_path: Path) -> None:
     path = _write(tmp_path / "t.jsonl", [{"text": 1}] * 30)
     with pytest.raises(DataError) as info:
         load_samples(path)
-    assert len(info.value.lines) == 21 and info.value.lines[-1] == "... and 10 more bad records"
+    assert len(info.value.lines) == 21
+    assert info.value.lines[-1] == "... and 10 more bad records"
 
 
 def test_builtin_tokenizer_is_the_byte_tokenizer(tok) -> None:
@@ -195,7 +197,8 @@ def test_loss_only_on_replies_and_their_end_of_turn(tmp_path: Path, tok, name: s
     replies = [m["content"] + "</s>" for m in sample.messages if m["role"] == "assistant"]
     assert _trained_text(tok, list(ex.ids), list(ex.train)) == replies
     (everything,) = load_examples(path, tok, train_on_prompt=True)
-    assert everything.ids == ex.ids and all(everything.train)
+    assert everything.ids == ex.ids
+    assert all(everything.train)
 
 
 def test_thinking_template_gets_no_loss_on_its_empty_think_block(tok) -> None:
@@ -226,7 +229,8 @@ def test_shipped_chat_dataset_renders(tok) -> None:
     examples = load_examples(chat_demo_path(), tok)
     assert len(examples) >= 30
     for ex in examples:
-        assert any(ex.train) and not all(ex.train)
+        assert any(ex.train)
+        assert not all(ex.train)
 
 
 def _tiny_model():
@@ -283,7 +287,8 @@ def test_packed_rows_keep_examples_apart_and_masked_tokens_carry_no_gradient() -
     loss = causal_lm_loss(logits, batch.labels)
     loss.backward()
     masked = batch.labels[0] == IGNORE_INDEX
-    assert masked.any() and (~masked).any()
+    assert masked.any()
+    assert (~masked).any()
     assert torch.count_nonzero(logits.grad[0, masked]) == 0
     packed_grad = model.lm_head.weight.grad.clone()
     model.zero_grad()
@@ -305,7 +310,8 @@ def test_loss_is_zero_with_a_graph_when_nothing_is_a_target() -> None:
     logits = torch.randn(1, 3, 5, requires_grad=True)
     loss = causal_lm_loss(logits, torch.full((1, 3), IGNORE_INDEX))
     loss.backward()
-    assert float(loss.detach()) == 0.0 and torch.count_nonzero(logits.grad) == 0
+    assert float(loss.detach()) == 0.0
+    assert torch.count_nonzero(logits.grad) == 0
 
 
 def test_batches_are_a_pure_function_of_seed_and_step(tok) -> None:
@@ -314,7 +320,8 @@ def test_batches_are_a_pure_function_of_seed_and_step(tok) -> None:
     b = PackedBatches.from_examples(examples, seq_len=32, batch_size=4, seed=3)
     for step in (0, 5, 50):
         x, y = a.model_batch(step), b.model_batch(step)
-        assert torch.equal(x.input_ids, y.input_ids) and torch.equal(x.labels, y.labels)
+        assert torch.equal(x.input_ids, y.input_ids)
+        assert torch.equal(x.labels, y.labels)
 
 
 def test_all_prompt_data_is_refused() -> None:
