@@ -328,3 +328,31 @@ def test_all_prompt_data_is_refused() -> None:
     examples = [Example((1, 2, 3, 4), (False,) * 4)] * 4
     with pytest.raises(FinetuneError, match="no tokens to train on"):
         PackedBatches.from_examples(examples, seq_len=4, batch_size=1, seed=0)
+
+
+def test_finetune_all_is_curated() -> None:
+    import moe_experts.finetune as ft
+
+    assert sorted(ft.__all__) == sorted([
+        "BUILTIN_MODELS", "DATA_FORMATS", "EXPORT_FORMATS", "ByteTokenizer", "DataError",
+        "DataFormat", "Example", "FinetuneArgs", "FinetuneError", "FinetuneSummary",
+        "PackedBatches", "Sample", "export", "generate", "load_examples", "load_model",
+        "load_samples", "load_texts", "run_finetune",
+    ])
+    for name in ft.__all__:
+        assert getattr(ft, name) is not None
+
+
+def test_rank_losses_normalised_globally_average_to_the_global_mean() -> None:
+    """Two data-parallel halves with unequal masking: their mean gradient is the global one."""
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(4, 6, 11, generator=g, requires_grad=True)
+    labels = torch.randint(0, 11, (4, 6), generator=g)
+    labels[0, :5] = IGNORE_INDEX  # rank 0 holds far fewer targets than rank 1
+    causal_lm_loss(logits, labels).backward()
+    expected = logits.grad.clone()
+    logits.grad = None
+    total = int((labels != IGNORE_INDEX).sum())
+    halves = [causal_lm_loss(logits[i:i + 2], labels[i:i + 2], total / 2) for i in (0, 2)]
+    (sum(halves) / 2).backward()
+    torch.testing.assert_close(logits.grad, expected)

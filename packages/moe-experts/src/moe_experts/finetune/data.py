@@ -277,16 +277,27 @@ class Batch:
         return int((self.labels != IGNORE_INDEX).sum())
 
 
-def causal_lm_loss(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
-    """Mean cross-entropy over the targets (``labels != -100``); 0 (with a graph) when none.
+def causal_lm_loss(
+    logits: torch.Tensor, labels: torch.Tensor, num_targets: float | None = None
+) -> torch.Tensor:
+    """Cross-entropy summed over the targets (``labels != -100``) and divided by their number.
 
     Args:
-        logits: ``[B, L, V]``; labels: ``[B, L]``, already aligned (label ``t`` is token ``t+1``).
+        logits: ``[B, L, V]``.
+        labels: ``[B, L]``, already aligned (label ``t`` is token ``t+1``).
+        num_targets: the divisor; default the targets in ``labels``. Data-parallel ranks pass
+            ``global targets / world size`` so that the average of their gradients is the
+            gradient of the global mean, whatever each rank's share of masked tokens.
+
+    Returns:
+        A scalar; 0 (still with a graph) when there is no target.
     """
     flat = logits.float().reshape(-1, logits.shape[-1])
     total = torch.nn.functional.cross_entropy(flat, labels.reshape(-1), reduction="sum",
                                               ignore_index=IGNORE_INDEX)
-    return total / max(int((labels != IGNORE_INDEX).sum()), 1)
+    if num_targets is None:
+        num_targets = int((labels != IGNORE_INDEX).sum())
+    return total / max(num_targets, 1)
 
 
 @dataclass(frozen=True)

@@ -15,11 +15,16 @@ from typing import Any
 
 from moe_experts.finetune.errors import FinetuneError
 
-__all__ = ["EXPORT_FORMATS", "build_parser", "export", "export_main", "vllm_tensors"]
+__all__ = ["EXPORT_FORMATS", "VLLM_MODULES", "build_parser", "export", "export_main",
+           "vllm_tensors"]
 
 EXPORT_FORMATS = ("peft", "vllm", "merged")
 # transformers' fused expert parameters and the per-expert projections vLLM names them by.
 _FUSED = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+# The module names vLLM's LoRA loader accepts for the supported MoE families by default:
+# attention and (shared or routed) expert projections. Routers and lm_head are refused there.
+VLLM_MODULES = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                          "down_proj"})
 
 
 def build_parser(prog: str = "moe-experts export") -> argparse.ArgumentParser:
@@ -56,7 +61,8 @@ def vllm_tensors(peft_model: Any) -> tuple[dict[str, Any], list[str], list[str]]
 
     Returns:
         ``(tensors, target_modules, skipped)``: keys under ``base_model.model.``, the module
-        names for ``target_modules``, and adapted modules vLLM cannot place (routers).
+        names for ``target_modules``, and adapted modules vLLM cannot load (routers,
+        ``lm_head``), left out.
     """
     import torch
     from peft.tuners.lora.layer import LoraLayer, ParamWrapper
@@ -91,6 +97,9 @@ def vllm_tensors(peft_model: Any) -> tuple[dict[str, Any], list[str], list[str]]
                     targets.add(proj)
         else:
             owner = name.removeprefix("base_model.model.")
+            if owner.rsplit(".", 1)[-1] not in VLLM_MODULES:
+                skipped.append(owner)
+                continue
             out[f"base_model.model.{owner}.lora_A.weight"] = a.contiguous().clone()
             out[f"base_model.model.{owner}.lora_B.weight"] = b.contiguous().clone()
             targets.add(owner.rsplit(".", 1)[-1])
@@ -136,8 +145,8 @@ def export(
     save_file(tensors, str(output / "adapter_model.safetensors"), metadata={"format": "pt"})
     (output / "adapter_config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     if skipped:
-        notes.append("vLLM has no LoRA for these adapted parameters, left out of the export: "
-                     + ", ".join(skipped) + " (export --format merged keeps them)")
+        notes.append("vLLM's LoRA loader takes no LoRA on these adapted modules, left out of "
+                     "the export: " + ", ".join(skipped) + " (--format merged keeps them)")
     return notes
 
 

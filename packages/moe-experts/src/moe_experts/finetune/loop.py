@@ -225,9 +225,11 @@ def run_finetune(args: FinetuneArgs) -> FinetuneSummary:
     start = time.perf_counter()
     model.train()
     for step in range(first_step, args.steps):
-        batch = batches.model_batch(step).select(rank * per_rank, (rank + 1) * per_rank)
+        global_batch = batches.model_batch(step)
+        batch = global_batch.select(rank * per_rank, (rank + 1) * per_rank)
         logits = model(**batch.model_inputs()).logits
-        loss = causal_lm_loss(logits, batch.labels)
+        # Normalised by the global target count: ranks hold different numbers of masked tokens.
+        loss = causal_lm_loss(logits, batch.labels, global_batch.num_targets / world)
         loss.backward()
         sync_replicated_lora_gradients(experts.named_optimizer_parameters)
         grad_norm = _clip(params, args.max_grad_norm)
