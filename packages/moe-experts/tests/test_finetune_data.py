@@ -217,6 +217,20 @@ def test_thinking_template_gets_no_loss_on_its_empty_think_block(tok) -> None:
                                               "<think>\ntwo and two\n</think>\n\n4<|im_end|>"]
 
 
+def test_template_that_rewrites_a_reply_names_file_line_and_field(tmp_path: Path) -> None:
+    tok = build_byte_tokenizer()
+    tok.chat_template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] | upper }}\n"
+                         "{% endfor %}")
+    record = json.dumps({"messages": [{"role": "user", "content": "hi"},
+                                      {"role": "assistant", "content": "hello"}]})
+    path = tmp_path / "c.jsonl"
+    path.write_text(f"{record}\n\n{record}\n")
+    with pytest.raises(DataError) as info:
+        load_examples(path, tok)
+    assert [line.split(": ", 2)[:2] for line in info.value.lines] == [
+        [f"{path}:1", "field messages[1].content"], [f"{path}:3", "field messages[1].content"]]
+
+
 def test_tokenizer_without_chat_template_is_a_clear_error(tmp_path: Path, tok) -> None:
     plain = build_byte_tokenizer()
     plain.chat_template = None

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from importlib import resources
 from pathlib import Path
 from typing import Any
@@ -185,7 +185,7 @@ def load_samples(path: Path, data_format: str | None = None) -> list[Sample]:
                         f"{', '.join(sorted(record)) or 'none'}); expected one of: "
                         + "; ".join(f"{f.name}: {f.signature}" for f in DATA_FORMATS.values())
                     )
-            samples.append(fmt.parse(record))
+            samples.append(replace(fmt.parse(record), line=lineno))
         except RecordError as exc:
             bad += 1
             if len(problems) < MAX_REPORTED:
@@ -232,7 +232,7 @@ def tokenize_samples(
 
     examples = []
     problems = []
-    for i, sample in enumerate(samples):
+    for sample in samples:
         if sample.text is not None:
             ids = encode_text(tokenizer, sample.text)
             examples.append(Example(tuple(ids), (True,) * len(ids)))
@@ -241,7 +241,7 @@ def tokenize_samples(
             ids, train = render_conversation(tokenizer, sample.messages or (),
                                              train_on_prompt=train_on_prompt)
         except RecordError as exc:
-            problems.append(f"{path}: record {i + 1}: field {exc.field}: {exc.message}")
+            problems.append(f"{path}:{sample.line}: field {exc.field}: {exc.message}")
             continue
         examples.append(Example(tuple(ids), tuple(train)))
     if problems:

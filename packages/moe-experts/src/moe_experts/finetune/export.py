@@ -67,7 +67,7 @@ def vllm_tensors(peft_model: Any) -> tuple[dict[str, Any], list[str], list[str]]
     import torch
     from peft.tuners.lora.layer import LoraLayer, ParamWrapper
 
-    from kt_kernel.peft_mapping import unstack_lora_a, unstack_lora_b
+    from moe_experts.peft_mapping import unstack_lora_a, unstack_lora_b
 
     cfg = peft_model.peft_config["default"]
     default_scale = (cfg.lora_alpha / cfg.r**0.5) if cfg.use_rslora else cfg.lora_alpha / cfg.r

@@ -9,7 +9,7 @@ model's own chat template renders. Adding a format is one class and one entry in
 from __future__ import annotations
 
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar, Protocol, runtime_checkable
 
 __all__ = [
@@ -42,6 +42,7 @@ class Sample:
 
     text: str | None = None
     messages: tuple[dict[str, str], ...] | None = None
+    line: int = field(default=0, compare=False)  # where the record starts in its file
 
 
 @runtime_checkable
