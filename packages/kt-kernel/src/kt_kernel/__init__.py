@@ -23,6 +23,8 @@ from kt_kernel.formats import (
     WeightFormat,
     register_format,
 )
+from kt_kernel.formats_fp8 import Fp8Block
+from kt_kernel.formats_int4 import Int4Grouped
 from kt_kernel.lora import FUSED_NAMES, SPLIT_NAMES, LoraBuffers
 from kt_kernel.ops import activation_memory_bytes, moe_experts_forward
 from kt_kernel.peft_mapping import (
@@ -56,7 +58,9 @@ __all__ = [
     "Dense",
     "ExpertSpec",
     "ExpertWeights",
+    "Fp8Block",
     "GeluTanhGated",
+    "Int4Grouped",
     "Int8PerChannel",
     "KernelDTypeError",
     "KernelInputError",
