@@ -19,6 +19,8 @@ EXPECTED_ALL = {
     "Dense",
     "GeluTanhGated",
     "Int8PerChannel",
+    "Int4Grouped",
+    "Fp8Block",
     "SwiGLU",
     "SwiGLULimit",
     "WeightFormat",

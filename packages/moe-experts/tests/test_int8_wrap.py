@@ -113,5 +113,6 @@ def test_int8_finetune_reaches_bf16_loss(fresh) -> None:
 
 
 def test_bad_weight_dtype_names_the_choices(fresh) -> None:
-    with pytest.raises(WrapError, match=r"weight_dtype must be one of \['bf16', 'fp32', 'int8'\]"):
-        wrap(fresh("qwen3_moe"), weight_dtype="int4")  # type: ignore[arg-type]
+    choices = r"\['bf16', 'fp32', 'fp8', 'int4', 'int8'\]"
+    with pytest.raises(WrapError, match=rf"weight_dtype must be one of {choices}, got 'int2'"):
+        wrap(fresh("qwen3_moe"), weight_dtype="int2")  # type: ignore[arg-type]

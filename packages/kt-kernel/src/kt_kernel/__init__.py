@@ -23,6 +23,8 @@ from kt_kernel.formats import (
     WeightFormat,
     register_format,
 )
+from kt_kernel.formats_fp8 import Fp8Block
+from kt_kernel.formats_int4 import Int4Grouped
 from kt_kernel.lora import FUSED_NAMES, SPLIT_NAMES, LoraBuffers, LoraLayout, lora_shapes
 from kt_kernel.ops import activation_memory_bytes, moe_experts_forward
 from kt_kernel.quant import (
@@ -46,7 +48,9 @@ __all__ = [
     "Dense",
     "ExpertSpec",
     "ExpertWeights",
+    "Fp8Block",
     "GeluTanhGated",
+    "Int4Grouped",
     "Int8PerChannel",
     "KernelDTypeError",
     "KernelInputError",

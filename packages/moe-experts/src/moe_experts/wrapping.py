@@ -22,14 +22,17 @@ from moe_experts.placeholders import named_placeholders
 
 __all__ = ["WeightDType", "WrapReport", "experts_sites", "wrap"]
 
-WeightDType = Literal["bf16", "fp32", "int8"]
-# Compute dtype per storage name; "int8" is kt-kernel's weight-only INT8 base (per-channel fp32
-# scales, quantised once here) computing, with its LoRA, in bf16.
+WeightDType = Literal["bf16", "fp32", "int8", "int4", "fp8"]
+# Compute dtype per storage name; "int8", "int4" and "fp8" are kt-kernel's quantised bases
+# (the kt_kernel.FORMATS shorthands, quantised once here) computing, with their LoRA, in bf16.
 _DTYPES: dict[str, torch.dtype] = {
     "bf16": torch.bfloat16,
     "fp32": torch.float32,
     "int8": torch.bfloat16,
+    "int4": torch.bfloat16,
+    "fp8": torch.bfloat16,
 }
+_QUANTISED = frozenset({"int8", "int4", "fp8"})
 
 
 @dataclass(frozen=True)
@@ -199,10 +202,12 @@ def wrap(
 
     Args:
         model: a supported transformers MoE model (or a PEFT model around one).
-        weight_dtype: kernel storage dtype, ``"bf16"``, ``"fp32"`` or ``"int8"`` (weight-only
-            INT8 with per-output-channel scales, computing in bf16; about half the memory of
-            bf16, quantisation error in ``WrapReport.quantization``); activations are cast
-            to it inside the experts and the output is cast back.
+        weight_dtype: kernel storage dtype, ``"bf16"``, ``"fp32"``, or a quantised base
+            computing in bf16 (quantisation error in ``WrapReport.quantization``): ``"int8"``
+            (per-output-channel scales, 0.50x bf16 memory), ``"int4"`` (group-wise, 64
+            columns per bf16 scale, 0.27x) or ``"fp8"`` (E4M3 with 128x128 block scales,
+            0.50x); activations are cast to the compute dtype inside the experts and the
+            output is cast back.
         policy: kt-kernel activation policy, ``"save"`` or ``"recompute"``.
 
     Returns:
@@ -243,7 +248,7 @@ def wrap(
             gate_up,
             down,
             dtype=_DTYPES[weight_dtype],
-            weight_dtype="int8" if weight_dtype == "int8" else None,
+            weight_dtype=weight_dtype if weight_dtype in _QUANTISED else None,
         )
         if weights.is_quantized:
             reports.append((site.experts_name, weights.quantization_report()))

@@ -1,0 +1,177 @@
+"""FP8 E4M3 weights with 128x128 block scales (DeepSeek-V3/R1, Kimi-K2): :class:`Fp8Block`.
+
+Storage of one projection ``W [..., N, K]`` (parts, in the native loader's order):
+
+- ``weight`` ``torch.float8_e4m3fn [..., N, K]``;
+- ``scale_inv`` float32 ``[..., ceil(N/128), ceil(K/128)]``.
+
+``W[n, k] = float(weight[n, k]) * scale_inv[n // 128, k // 128]`` formed in fp32 (one
+rounding of the exact product), the checkpoints' ``weight_scale_inv`` convention, the same as
+transformers' finegrained-FP8 dequantisation; bf16 tiles are that value rounded once more, to
+nearest even. Memory: ``(1 + 4/128^2) / 2`` of bf16, 0.5001x.
+
+Checkpoint tensors are adopted as they are (:meth:`Fp8Block.from_checkpoint`, no bf16 copy);
+dense weights can also be quantised (``scale_inv = max|block| / 448``).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from kt_kernel.errors import KernelDTypeError, KernelInputError
+from kt_kernel.formats import TILED_COMPUTE_DTYPES, Parts, StackedFormat, register_format
+
+__all__ = ["FP8_BLOCK", "Fp8Block"]
+
+FP8_BLOCK = 128  # rows and columns per scale block
+_FP8_MAX = 448.0  # largest finite float8_e4m3fn
+
+
+def _blocks(n: int) -> int:
+    return -(-n // FP8_BLOCK)
+
+
+class Fp8Block(StackedFormat):
+    """E4M3 weights, one fp32 ``scale_inv`` per 128x128 block; tiles dequantised in C++."""
+
+    name = "fp8"
+    weight_dtype = "fp8"
+    # As INT8: a task dequantises its expert's weight tiles once, so tall tasks amortise it.
+    tile_rows = 512
+
+    def __init__(self, compute_dtype: torch.dtype = torch.bfloat16) -> None:
+        """Compute in ``compute_dtype`` (``torch.bfloat16`` or ``torch.float32``).
+
+        Raises:
+            KernelDTypeError: an unusable compute dtype.
+        """
+        if compute_dtype not in TILED_COMPUTE_DTYPES:
+            raise KernelDTypeError(
+                "with weight_dtype='fp8', dtype (the compute dtype) must be torch.float32 or "
+                f"torch.bfloat16, got {compute_dtype}"
+            )
+        self.compute_dtype = compute_dtype
+
+    def quantize(self, w: torch.Tensor) -> Parts:
+        """``(weight e4m3 [..., N, K], scale_inv fp32 [..., ceil(N/128), ceil(K/128)])``.
+
+        ``scale_inv = max|block| / 448``; ``weight = e4m3(clamp(w / scale_inv, +-448))``
+        (round to nearest even). An all-zero block gets scale_inv 0.
+
+        Raises:
+            KernelDTypeError: ``w`` is not floating point.
+            KernelInputError: ``w`` has fewer than 2 dims or holds NaN/inf.
+        """
+        if not isinstance(w, torch.Tensor) or not w.dtype.is_floating_point:
+            got = w.dtype if isinstance(w, torch.Tensor) else type(w).__name__
+            raise KernelDTypeError(f"w must be a floating-point tensor to quantise, got {got}")
+        if w.dim() < 2:
+            raise KernelInputError(
+                f"w must be [..., N, K] with at least 2 dims, got {list(w.shape)}"
+            )
+        lead, (n, k) = w.shape[:-2], w.shape[-2:]
+        nb, kb = _blocks(n), _blocks(k)
+        w32 = torch.zeros((*lead, nb * FP8_BLOCK, kb * FP8_BLOCK), dtype=torch.float32)
+        w32[..., :n, :k] = w.detach().to(torch.float32)
+        blocks = w32.reshape(*lead, nb, FP8_BLOCK, kb, FP8_BLOCK)
+        amax = blocks.abs().amax(dim=(-3, -1))
+        if not bool(torch.isfinite(amax).all()):
+            raise KernelInputError("w holds NaN or inf; FP8 quantisation needs finite weights")
+        scale_inv = amax / _FP8_MAX
+        safe = torch.where(scale_inv > 0, scale_inv, torch.ones_like(scale_inv))
+        q = (blocks / safe[..., :, None, :, None]).clamp_(-_FP8_MAX, _FP8_MAX)
+        q = q.reshape(*lead, nb * FP8_BLOCK, kb * FP8_BLOCK)[..., :n, :k]
+        return q.to(torch.float8_e4m3fn).contiguous(), scale_inv.contiguous()
+
+    @staticmethod
+    def from_checkpoint(weight: torch.Tensor, weight_scale_inv: torch.Tensor) -> Parts:
+        """Adopt a checkpoint's ``(weight, weight_scale_inv)`` pair as parts, without a copy.
+
+        Args:
+            weight: ``torch.float8_e4m3fn [..., N, K]`` as shipped (e.g. one expert's
+                ``down_proj.weight`` or a stacked ``[E, N, K]``).
+            weight_scale_inv: ``[..., ceil(N/128), ceil(K/128)]``, float32 (kept as is) or
+                bfloat16 / float8_e8m0fnu (widened to float32 exactly; the scales are small).
+
+        Returns:
+            ``(weight, scale_inv)``: views of the inputs when they are contiguous float32.
+
+        Raises:
+            KernelDTypeError: a dtype other than the above.
+            KernelInputError: the scale grid does not match the weight's 128x128 blocks, or a
+                weight byte is NaN (E4M3 has no inf).
+        """
+        if not isinstance(weight, torch.Tensor) or weight.dtype != torch.float8_e4m3fn:
+            got = weight.dtype if isinstance(weight, torch.Tensor) else type(weight).__name__
+            raise KernelDTypeError(
+                f"weight must be torch.float8_e4m3fn (the checkpoint's FP8 tensor), got {got}"
+            )
+        wide = (torch.float32, torch.bfloat16, getattr(torch, "float8_e8m0fnu", torch.float32))
+        if not isinstance(weight_scale_inv, torch.Tensor) or weight_scale_inv.dtype not in wide:
+            got = getattr(weight_scale_inv, "dtype", type(weight_scale_inv).__name__)
+            raise KernelDTypeError(
+                f"weight_scale_inv must be float32, bfloat16 or float8_e8m0fnu, got {got}"
+            )
+        if weight.dim() < 2:
+            raise KernelInputError(f"weight must be [..., N, K], got {list(weight.shape)}")
+        lead, (n, k) = weight.shape[:-2], weight.shape[-2:]
+        want = (*lead, _blocks(n), _blocks(k))
+        if tuple(weight_scale_inv.shape) != want:
+            raise KernelInputError(
+                f"weight_scale_inv must have shape {list(want)} (128x128 blocks of weight "
+                f"{list(weight.shape)}), got {list(weight_scale_inv.shape)}; only the "
+                "[128, 128] weight_block_size is supported"
+            )
+        if bool(((weight.view(torch.uint8) & 0x7F) == 0x7F).any()):
+            raise KernelInputError(
+                "weight holds NaN (E4M3 byte 0x7F/0xFF); the checkpoint is corrupt"
+            )
+        return weight.contiguous(), weight_scale_inv.to(torch.float32).contiguous()
+
+    def fuse_gate_up(self, gate: Parts, up: Parts) -> Parts:
+        """Parts of ``gate_up [..., 2I, H]`` from separately shipped gate and up parts.
+
+        Stacks the E4M3 bytes and the scale grids along the output dim (a copy of the FP8
+        data, never a bf16 one); needs ``I`` to be a multiple of 128 so no block straddles
+        gate and up.
+
+        Raises:
+            KernelInputError: ``I`` is not a multiple of 128 or the shapes disagree.
+        """
+        (gw, gs), (uw, us) = gate, up
+        if gw.shape != uw.shape or gs.shape != us.shape:
+            raise KernelInputError(
+                f"gate and up must have equal shapes, got weight {list(gw.shape)} vs "
+                f"{list(uw.shape)}, scale_inv {list(gs.shape)} vs {list(us.shape)}"
+            )
+        if gw.shape[-2] % FP8_BLOCK:
+            raise KernelInputError(
+                f"fusing FP8 gate and up needs I (= {gw.shape[-2]}) to be a multiple of 128; "
+                "quantise the fused weights with from_fused(..., weight_dtype='fp8') instead"
+            )
+        return torch.cat([gw, uw], dim=-2), torch.cat([gs, us], dim=-2)
+
+    def dequantize(self, parts: Parts, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """``weight * scale_inv`` per block in fp32, rounded once to ``dtype`` (default compute)."""
+        weight, scale_inv = parts
+        n, k = weight.shape[-2:]
+        s = scale_inv.repeat_interleave(FP8_BLOCK, dim=-2)[..., :n, :]
+        s = s.repeat_interleave(FP8_BLOCK, dim=-1)[..., :k]
+        return (weight.to(torch.float32) * s).to(dtype or self.compute_dtype)
+
+    def part_specs(self, n: int, k: int) -> tuple[tuple[str, tuple[int, ...], torch.dtype], ...]:
+        """``weight e4m3 [N, K]`` and ``scale_inv fp32 [ceil(N/128), ceil(K/128)]``."""
+        return (
+            ("weight", (n, k), torch.float8_e4m3fn),
+            ("scale_inv", (_blocks(n), _blocks(k)), torch.float32),
+        )
+
+    def row_steps(self, parts: Parts) -> torch.Tensor:
+        """Per output row: 32 (the E4M3 step at its top binade) x the row's largest scale."""
+        weight, scale_inv = parts
+        n = weight.shape[-2]
+        top = scale_inv.amax(dim=-1).repeat_interleave(FP8_BLOCK, dim=-1)[..., :n]
+        return 32.0 * top
+
+
+register_format("fp8", Fp8Block)
