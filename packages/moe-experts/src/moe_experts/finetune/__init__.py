@@ -1,9 +1,43 @@
-"""The main job: an end-to-end LoRA fine-tune of a MoE model on CPU (see ``cli``)."""
+"""The main job: an end-to-end LoRA fine-tune of a MoE model on CPU (see ``cli``).
 
-from moe_experts.finetune.data import ByteTokenizer, PackedBatches, load_texts
-from moe_experts.finetune.errors import FinetuneError
-from moe_experts.finetune.loop import FinetuneArgs, FinetuneSummary, run_finetune
-from moe_experts.finetune.models import BUILTIN_MODELS, load_model
+One job per module: ``config`` (settings table, YAML), ``checks`` (pre-model checks),
+``data`` (formats, batching), ``models`` (loading), ``run`` (``run_finetune``), ``loop``
+(steps, checkpoints), ``evaluation``, ``schedule``, ``reporting``, ``distributed``,
+``interrupts`` and ``cli``. Names are imported on first use, so the CLI starts without torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from moe_experts.finetune.config import FinetuneArgs
+    from moe_experts.finetune.data import ByteTokenizer, PackedBatches, load_texts
+    from moe_experts.finetune.errors import (
+        FinetuneError,
+        PeerLostError,
+        TrainingDivergedError,
+        TrainingInterrupted,
+    )
+    from moe_experts.finetune.loop import FinetuneSummary
+    from moe_experts.finetune.models import BUILTIN_MODELS, load_model
+    from moe_experts.finetune.run import run_finetune
+
+_WHERE = {
+    "BUILTIN_MODELS": "models",
+    "ByteTokenizer": "data",
+    "FinetuneArgs": "config",
+    "FinetuneError": "errors",
+    "FinetuneSummary": "loop",
+    "PackedBatches": "data",
+    "PeerLostError": "errors",
+    "TrainingDivergedError": "errors",
+    "TrainingInterrupted": "errors",
+    "load_model": "models",
+    "load_texts": "data",
+    "run_finetune": "run",
+}
 
 __all__ = [
     "BUILTIN_MODELS",
@@ -12,7 +46,25 @@ __all__ = [
     "FinetuneError",
     "FinetuneSummary",
     "PackedBatches",
+    "PeerLostError",
+    "TrainingDivergedError",
+    "TrainingInterrupted",
     "load_model",
     "load_texts",
     "run_finetune",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """Import a public name's module on first access (keeps ``--help`` free of torch)."""
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'moe_experts.finetune' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"moe_experts.finetune.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    """The public names, for tab completion."""
+    return sorted(set(globals()) | set(__all__))
