@@ -30,10 +30,15 @@ from lora_checkpoint._digest import (
     new_hasher,
     pool_pays,
 )
+from lora_checkpoint._fs import io_error
+from lora_checkpoint._jsonio import loads_bounded
 from lora_checkpoint.errors import (
     CheckpointError,
     DigestMismatchError,
+    DtypeMismatchError,
+    ShapeMismatchError,
     TruncatedFileError,
+    UnexpectedTensorError,
 )
 
 # safetensors dtype codes; the manifest stores torch names, files store these codes.
@@ -67,6 +72,11 @@ CHUNK_BYTES = 4 * 1024 * 1024
 FLUSH_BYTES = 16 * 1024 * 1024
 # safetensors refuses headers above 100 MB; so do we, before allocating anything.
 MAX_HEADER_BYTES = 100 * 1024 * 1024
+# A safetensors header nests at most 3 levels ({key: {"shape": [...]}}).
+HEADER_DEPTH = 3
+# torch indexes sizes and strides with int64: a shape whose element count (empty dimensions
+# counted as 1, as the strides do) times the element size reaches this is refused.
+MAX_TENSOR_BYTES = 1 << 62
 
 
 def dtype_name(dtype: torch.dtype) -> str:
@@ -149,6 +159,7 @@ def write_safetensors(
 
     Raises:
         CheckpointError: for a dtype safetensors cannot store.
+        CheckpointIOError: the file system refused the write (disk full, read-only...).
     """
     prepared: list[tuple[str, torch.Tensor]] = []
     for key, t in tensors.items():
@@ -176,11 +187,20 @@ def write_safetensors(
     hjson += b" " * ((8 - (8 + len(hjson)) % 8) % 8)
     prefix = struct.pack("<Q", len(hjson)) + hjson
 
+    try:
+        return _write_prepared(path, prepared, prefix, offset)
+    except OSError as exc:
+        raise io_error(exc, path, "write the checkpoint file") from exc
+
+
+def _write_prepared(
+    path: Path, prepared: list[tuple[str, torch.Tensor]], prefix: bytes, offset: int
+) -> FileRecord:
     algorithm = WRITE_ALGORITHM
     file_hash = new_hasher(algorithm, pool_pays(len(prefix) + offset, beside_io=True))
     file_hash.update(prefix)
     tensor_hashes: list[tuple[str, torch.Tensor, Hasher]] = []
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
     try:
         # One worker hashes the chunks in file order, each into the file hash and then into
         # its tensor's hash (the chunk is still cached for the second); blake3 releases the
@@ -261,10 +281,9 @@ def parse_header(
     hlen = _header_length(buf, file, size)
     if 8 + hlen > len(buf):
         raise TruncatedFileError(f"{file}: only {len(buf)} bytes of the header were given")
-    try:
-        raw = json.loads(bytes(buf[8 : 8 + hlen]))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"{file}: safetensors header is not valid JSON: {exc}") from exc
+    raw = loads_bounded(
+        bytes(buf[8 : 8 + hlen]), file, "safetensors header", max_depth=HEADER_DEPTH
+    )
     if not isinstance(raw, dict):
         raise CheckpointError(f"{file}: safetensors header must be a JSON object")
     data_len = size - 8 - hlen
@@ -279,8 +298,15 @@ def parse_header(
             begin, end = (int(o) for o in spec["data_offsets"])
         except (KeyError, TypeError, ValueError) as exc:
             raise CheckpointError(f"{file}: bad header entry for key {key!r}: {spec!r}") from exc
+        if any(s < 0 for s in shape) or math.prod(max(s, 1) for s in shape) * dtype.itemsize >= (
+            MAX_TENSOR_BYTES
+        ):
+            raise CheckpointError(
+                f"{file}: key {key!r} has shape {list(shape)[:8]}, which no tensor can have "
+                "(negative or too large a dimension); the header is corrupted"
+            )
         nbytes = math.prod(shape) * dtype.itemsize
-        if any(s < 0 for s in shape) or begin < 0 or end - begin != nbytes:
+        if begin < 0 or end - begin != nbytes:
             raise CheckpointError(
                 f"{file}: key {key!r}: data_offsets {[begin, end]} do not hold shape "
                 f"{list(shape)} of {dtype_name(dtype)} ({nbytes} bytes)"
@@ -414,6 +440,7 @@ def read_safetensors(
     algorithm: DigestAlgorithm | None = None,
     readers: ThreadPoolExecutor | None = None,
     file_worker: ThreadPoolExecutor | None = None,
+    expected: Mapping[str, tuple[str, tuple[int, ...]]] | None = None,
 ) -> SafetensorsRead:
     """Read a safetensors file into tensors that own their memory, hashing those very bytes.
 
@@ -432,6 +459,8 @@ def read_safetensors(
         file_worker: a single-thread executor for this file alone, which hashes in order and
             closes the file (default: a private one). With both given this returns while
             the bytes are still arriving, so the caller can start the next file.
+        expected: key -> (dtype name, shape) the manifest records; a header that differs
+            (another key, dtype or shape) is refused before any tensor is allocated.
 
     Returns:
         The tensors, valid once ``finish()`` returned the digest. With ``algorithm`` set, a
@@ -453,6 +482,7 @@ def read_safetensors(
                 algorithm=algorithm,
                 readers=readers or own_readers,
                 file_worker=file_worker or own_worker,
+                expected=expected,
             )
             read.finish()
         return read
@@ -520,6 +550,8 @@ def read_safetensors(
                         "bytes of another tensor; a safetensors file holds each tensor once"
                     )
                 end_so_far = max(end_so_far, e.end)
+            if expected is not None:
+                _match_manifest(name, entries, expected)
         except CheckpointError as exc:
             if h is None:
                 raise
@@ -531,7 +563,13 @@ def read_safetensors(
         tensors: dict[str, torch.Tensor] = {}
         pos = data_start
         for key, e in plan:
-            t = torch.empty(e.shape, dtype=e.dtype)
+            try:
+                t = torch.empty(e.shape, dtype=e.dtype)
+            except RuntimeError as exc:  # out of memory: the sizes themselves were checked
+                raise CheckpointError(
+                    f"{name}: cannot allocate {e.end - e.begin} bytes for key {key!r}: {exc}; "
+                    "load on a machine with more memory"
+                ) from exc
             if e.begin < e.end:
                 add_scratch(data_start + e.begin, pos)
                 add(_byte_view(t), t, data_start + e.begin)
@@ -547,6 +585,27 @@ def read_safetensors(
                 step.exception()
             os.close(fd)
         raise
+
+
+def _match_manifest(
+    name: str,
+    entries: Mapping[str, HeaderEntry],
+    expected: Mapping[str, tuple[str, tuple[int, ...]]],
+) -> None:
+    # Before anything is allocated: a header may only ask for what the manifest recorded.
+    for key, e in entries.items():
+        if key not in expected:
+            raise UnexpectedTensorError(f"{name}: key {key!r} is not listed in the manifest")
+        dtype, shape = expected[key]
+        if e.shape != shape:
+            raise ShapeMismatchError(
+                f"{name}: key {key!r} has shape {list(e.shape)[:8]}, the manifest expects "
+                f"{list(shape)}"
+            )
+        if dtype_name(e.dtype) != dtype:
+            raise DtypeMismatchError(
+                f"{name}: key {key!r} has dtype {dtype_name(e.dtype)}, the manifest expects {dtype}"
+            )
 
 
 def tensor_digest(tensor: torch.Tensor, algorithm: DigestAlgorithm) -> str:
