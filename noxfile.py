@@ -175,7 +175,9 @@ def demo(session: nox.Session) -> None:
     _install_torch(session, DEFAULT_CONSTRAINTS)
     _install_packages(session, ["moe-experts[train]"], DEFAULT_CONSTRAINTS)
     out = ROOT / "demo-output"
-    args = session.posargs or ["--output", str(out)]
+    # --overwrite: a second `nox -s demo` starts the demo again instead of refusing the
+    # output directory the first one left behind.
+    args = session.posargs or ["--output", str(out), "--overwrite"]
     session.run("moe-experts", "finetune", *args, env=ENV)
 
 

@@ -17,6 +17,7 @@ from moe_experts.finetune.errors import FinetuneError
 __all__ = [
     "OUTPUT_ARTIFACTS",
     "check_combination",
+    "check_output_path",
     "check_reporter",
     "check_text_file",
     "existing_checkpoints",
@@ -108,7 +109,12 @@ def existing_checkpoints(output: Path) -> list[str]:
                   if p.is_dir() and not p.name.startswith("."))
 
 
-def _writable_dir(output: Path, flag: str) -> None:
+def check_output_path(output: Path, flag: str) -> None:
+    """Refuse an output that is a file or lies under one (no side effects).
+
+    Raises:
+        FinetuneError: naming the file in the way.
+    """
     for parent in [output, *output.parents]:
         if parent.exists():
             if not parent.is_dir():
@@ -116,6 +122,10 @@ def _writable_dir(output: Path, flag: str) -> None:
                 raise FinetuneError(
                     f"{flag} {output} {what}, not a directory; choose another {flag}")
             break
+
+
+def _writable_dir(output: Path, flag: str) -> None:
+    check_output_path(output, flag)
     try:
         output.mkdir(parents=True, exist_ok=True)
         with tempfile.NamedTemporaryFile(dir=output, prefix=".write-test-"):

@@ -139,13 +139,16 @@ def _prepare(ns: argparse.Namespace) -> FinetuneArgs:
                                  progress=not ns.no_progress)
     checks.check_combination(args, sources, overwrite=ns.overwrite)
     checks.check_reporter(args.report_to)
-    lora = lora_config(args, sources.get("lora", "the lora settings"))
+    lora_source = sources.get("lora", "the lora settings")
     if ns.print_config:
-        print(render_config(args, lora), end="")
+        print(render_config(args, lora_config(args, lora_source)), end="")
         return args
+    # File and path checks first: they need no torch, lora_config imports it (seconds).
     for path, flag in ((args.data, sources["data"]), (args.eval_data, sources["eval_data"])):
         if path is not None:
             checks.check_text_file(path, flag)
+    checks.check_output_path(args.output, sources["output"])
+    lora_config(args, lora_source)
     checks.prepare_output(args, sources, overwrite=ns.overwrite,
                           rank=int(os.environ.get("RANK", "0")))
     return args
@@ -188,7 +191,7 @@ def finetune_main(argv: Sequence[str] | None = None, prog: str = "moe-experts fi
     except TrainingInterrupted as exc:
         if lead:
             name = {2: "SIGINT", 15: "SIGTERM"}.get(exc.signum, f"signal {exc.signum}")
-            where = (f"saved checkpoint {exc.checkpoint}" if exc.checkpoint
+            where = (f"checkpoint {exc.checkpoint}" if exc.checkpoint
                      else "before the first step; nothing to save")
             print(f"stopped by {name} at step {exc.step}; {where}", file=sys.stderr)
             if exc.checkpoint:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import difflib
 import math
 from collections.abc import Callable, Mapping
-from dataclasses import dataclass, field, fields, replace
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -342,7 +342,3 @@ def render_config(args: FinetuneArgs, lora: Any) -> str:
                    for k, v in lora.model_dump(mode="json").items()}
     return yaml.safe_dump(doc, sort_keys=False)
 
-
-def field_names() -> tuple[str, ...]:
-    """The names of :class:`FinetuneArgs`' fields (for tests and the CLI)."""
-    return tuple(f.name for f in fields(FinetuneArgs))

@@ -104,15 +104,18 @@ def _pid_gone(pid: int) -> bool:
         return False
 
 
-def _first_line(exc: BaseException) -> str:
-    chain: list[BaseException] = []
+def _chain(exc: BaseException) -> list[BaseException]:
+    out: list[BaseException] = []
     e: BaseException | None = exc
-    while e is not None and len(chain) < 8:
-        chain.append(e)
+    while e is not None and len(out) < 8:
+        out.append(e)
         e = e.__cause__ or e.__context__
+    return out
+
+
+def _first_line(exc: BaseException) -> str:
     # The innermost error is the real one (a wrapper's "waited 0:02:00" comes after it).
-    text = " ".join(str(chain[-1]).split())
-    return text[:300]
+    return " ".join(str(_chain(exc)[-1]).split())[:300]
 
 
 def diagnose_peer_loss(exc: BaseException, ranks: Ranks, step: int,
@@ -155,11 +158,3 @@ def diagnose_peer_loss(exc: BaseException, ranks: Ranks, step: int,
         )
     return None
 
-
-def _chain(exc: BaseException) -> list[BaseException]:
-    out: list[BaseException] = []
-    e: BaseException | None = exc
-    while e is not None and len(out) < 8:
-        out.append(e)
-        e = e.__cause__ or e.__context__
-    return out
