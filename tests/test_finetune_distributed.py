@@ -101,7 +101,7 @@ def test_sigterm_under_torchrun_saves_one_step_on_all_ranks(tmp_path: Path, cli)
     import time
 
     out = tmp_path / "run"
-    flags = ["--steps", "300", "--batch-size", "4", "--seq-len", "16", "--no-progress",
+    flags = ["--steps", "120", "--batch-size", "4", "--seq-len", "16", "--no-progress",
              "--output", str(out)]
     launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
                 "--master-addr", "127.0.0.1"]
@@ -125,4 +125,4 @@ def test_sigterm_under_torchrun_saves_one_step_on_all_ranks(tmp_path: Path, cli)
                              env=cli.env, capture_output=True, text=True, timeout=300,
                              check=False)
     assert resumed.returncode == 0, resumed.stderr[-4000:]
-    assert [r["step"] for r in cli.log(out)] == list(range(1, 301))
+    assert [r["step"] for r in cli.log(out)] == list(range(1, 121))
