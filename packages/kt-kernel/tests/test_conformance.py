@@ -19,7 +19,9 @@ FP32_TOL = 1e-5
 BF16_TOL = 3e-2
 FORMATS = ["dense", *sorted(kk.FORMATS)]
 ACTIVATIONS = ["swiglu", "clamped_swiglu", "swiglu_limit", "gelu_tanh_gated"]
-E, H, I, T, K, R = 6, 64, 32, 24, 2, 4  # noqa: E741 (I: the intermediate size)
+# H and I are multiples of 128 so block- and group-quantised formats (FP8 128x128 blocks,
+# INT4 groups) tile them exactly.
+E, H, I, T, K, R = 6, 128, 128, 24, 2, 4  # noqa: E741 (I: the intermediate size)
 
 
 def _pre_activations(weights: kk.ExpertWeights, lora: kk.LoraBuffers, x, ids) -> torch.Tensor:
@@ -183,3 +185,42 @@ def test_biases_are_frozen_copies_and_counted() -> None:
         kk.ExpertWeights.from_fused(
             spec, torch.randn(2, 6, 4), torch.randn(2, 4, 3), down_bias=torch.zeros(2, 3)
         )
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_format_satisfies_the_protocol(fmt: str) -> None:
+    f = kk.Dense(torch.float32) if fmt == "dense" else kk.FORMATS[fmt](torch.float32)
+    assert isinstance(f, kk.WeightFormat)
+    assert fmt == "dense" or kk.FORMATS[fmt](torch.bfloat16).compute_dtype == torch.bfloat16
+    w = torch.randn(3, 256, 128)
+    parts = f.quantize(w)
+    specs = f.part_specs(256, 128)
+    assert [(tuple(p.shape), p.dtype) for p in parts] == [((3, *s), d) for _, s, d in specs]
+    deq = f.dequantize(parts)
+    assert deq.shape == w.shape
+    assert deq.dtype == torch.float32
+    # Per-expert slices dequantise to the bank's rows; nbytes counts every part.
+    assert torch.equal(f.dequantize(f.expert(parts, 1)), deq[1])
+    assert f.nbytes(parts) == sum(p.nbytes for p in parts)
+    steps = f.row_steps(parts)
+    assert steps.shape == (3, 256)
+    # Each element is within half a step of the original (0 for dense: exact).
+    assert bool(((deq - w).abs() <= steps.unsqueeze(-1) / 2 + 1e-6).all())
+    torch.ops.kt_kernel.formats()  # the native registry loads
+    assert f.name in torch.ops.kt_kernel.formats()
+
+
+def test_registry_rejects_a_second_factory_and_unknown_shorthands() -> None:
+    with pytest.raises(kk.KernelInputError, match="already registered"):
+        kk.register_format("int8", kk.Dense)
+    spec = kk.ExpertSpec(2, 4, 3)
+    with pytest.raises(kk.KernelDTypeError, match=r"weight_dtype must be one of"):
+        kk.ExpertWeights.from_fused(
+            spec, torch.zeros(2, 6, 4), torch.zeros(2, 4, 3), weight_dtype="int9"
+        )
+    w = kk.ExpertWeights.from_fused(
+        spec, torch.randn(2, 6, 4), torch.randn(2, 4, 3), weight_dtype=kk.Int8PerChannel()
+    )
+    assert w.format == kk.Int8PerChannel(torch.bfloat16)
+    assert w.weight_dtype == "int8"
+    assert w.dtype == torch.bfloat16

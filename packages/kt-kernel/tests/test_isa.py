@@ -23,7 +23,7 @@ torch.manual_seed(0)
 out = {"isa": kk.backend_info().isa, "int8_isa": kk.int8_isa(), "errors": {}, "tiles": {}}
 acts = {"swiglu": kk.SwiGLU(), "clamped_swiglu": kk.ClampedSwiGLU(1.702, 2.0),
         "swiglu_limit": kk.SwiGLULimit(2.0), "gelu_tanh_gated": kk.GeluTanhGated()}
-E, H, I, T = 5, 48, 40, 30
+E, H, I, T = 5, 128, 128, 30  # multiples of 128: block/group formats tile them exactly
 fmts = ["dense", *sorted(kk.FORMATS)]
 for fmt in fmts:
     for dtype in (torch.float32, torch.bfloat16):
@@ -60,13 +60,13 @@ for fmt in fmts:
             out["errors"][f"{fmt}/{str(dtype)[6:]}/{name}"] = worst
     for dtype in (torch.float32, torch.bfloat16):
         f = kk.FORMATS[fmt](dtype) if fmt != "dense" else kk.Dense(dtype)
-        parts = f.quantize(torch.randn(3, 37, 70))
+        parts = f.quantize(torch.randn(3, 40, 256))
         ref = f.dequantize(parts)
         args = list(f.native_args(parts))
         tile = torch.ops.kt_kernel.dequantize_tile
-        same = torch.equal(tile(f.name, args, 37, 70, 0, 0, 37, 70, dtype), ref)
-        same &= torch.equal(tile(f.name, args, 37, 70, 0, 16, 37, 45, dtype), ref[:, :, 16:61])
-        same &= torch.equal(tile(f.name, args, 37, 70, 16, 0, 21, 70, dtype), ref[:, 16:])
+        same = torch.equal(tile(f.name, args, 40, 256, 0, 0, 40, 256, dtype), ref)
+        same &= torch.equal(tile(f.name, args, 40, 256, 0, 32, 40, 96, dtype), ref[:, :, 32:128])
+        same &= torch.equal(tile(f.name, args, 40, 256, 16, 0, 24, 256, dtype), ref[:, 16:])
         out["tiles"][f"{fmt}/{str(dtype)[6:]}"] = bool(same)
 print(json.dumps(out))
 """

@@ -390,3 +390,44 @@ def test_injected_enospc_is_a_checkpoint_error(tmp_path, call):
     assert str(tmp_path / "root") in first
     assert second == "LATEST step-00000001"
     assert not [p for p in (tmp_path / "root").iterdir() if p.name.startswith(".tmp-")]
+
+
+def test_console_script_prints_one_error_line_never_a_traceback(ckpt):
+    (ckpt / "manifest.json").write_text("{" * DEEP)
+    exe = shutil.which("lora-checkpoint") or str(Path(sys.executable).with_name("lora-checkpoint"))
+    for cmd in ("verify", "inspect"):
+        proc = subprocess.run(
+            [exe, cmd, str(ckpt)], capture_output=True, text=True, timeout=60, check=False
+        )
+        assert proc.returncode == 1
+        lines = proc.stderr.strip().splitlines()
+        assert len(lines) == 1, proc.stderr
+        assert lines[0].startswith("lora-checkpoint: error: ManifestError: ")
+        assert "manifest.json" in lines[0]
+        assert "Traceback" not in proc.stderr
+
+
+def test_load_of_a_root_without_lock_file_retries_once(tmp_path, result, monkeypatch):
+    # A root from before 0.3 has no lock: a checkpoint pruned between resolving `latest` and
+    # reading it is resolved again, once. Simulated by deleting the checkpoint that the first
+    # resolve returned (exactly what a 0.2 writer's pruning does) and pointing `latest` on.
+    from lora_checkpoint import reader
+
+    lc.save(tmp_path, result, step=1)
+    lc.save(tmp_path, result, step=2)
+    (tmp_path / "latest").write_text("step-00000001\n")
+    (tmp_path / ".lock").unlink()
+    real = reader.resolve_checkpoint
+    calls = []
+
+    def pruned_after_resolve(directory):
+        target = real(directory)
+        if not calls:
+            shutil.rmtree(target)
+            (tmp_path / "latest").write_text("step-00000002\n")
+        calls.append(target.name)
+        return target
+
+    monkeypatch.setattr(reader, "resolve_checkpoint", pruned_after_resolve)
+    assert lc.load(tmp_path).manifest.name == "step-00000002"
+    assert calls == ["step-00000001", "step-00000002"]

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import ctypes
 import json
-import math
 import os
 import struct
 from collections.abc import Mapping
@@ -31,36 +30,19 @@ from lora_checkpoint._digest import (
     pool_pays,
 )
 from lora_checkpoint._fs import io_error
-from lora_checkpoint._jsonio import loads_bounded
+from lora_checkpoint._st_header import (
+    DTYPE_TO_CODE,
+    NAME_TO_DTYPE,
+    dtype_name,
+    header_length,
+    match_manifest,
+    parse_header,
+)
 from lora_checkpoint.errors import (
     CheckpointError,
     DigestMismatchError,
-    DtypeMismatchError,
-    ShapeMismatchError,
     TruncatedFileError,
-    UnexpectedTensorError,
 )
-
-# safetensors dtype codes; the manifest stores torch names, files store these codes.
-DTYPE_TO_CODE: dict[torch.dtype, str] = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-    torch.uint16: "U16",
-    torch.uint32: "U32",
-    torch.uint64: "U64",
-    torch.float8_e4m3fn: "F8_E4M3",
-    torch.float8_e5m2: "F8_E5M2",
-}
-CODE_TO_DTYPE: dict[str, torch.dtype] = {v: k for k, v in DTYPE_TO_CODE.items()}
-NAME_TO_DTYPE: dict[str, torch.dtype] = {str(d).removeprefix("torch."): d for d in DTYPE_TO_CODE}
 
 # Chunks hashed/written/read at a time: big enough to amortise thread hand-offs, small
 # enough that the hash of chunk i overlaps the write (or read) of chunk i+1 and that a
@@ -70,18 +52,6 @@ CHUNK_BYTES = 4 * 1024 * 1024
 # Bytes written between background fdatasync calls (see write_safetensors); 16 MiB
 # measured ~10% faster saves than 64 MiB (the disk starts earlier), 8 MiB no faster.
 FLUSH_BYTES = 16 * 1024 * 1024
-# safetensors refuses headers above 100 MB; so do we, before allocating anything.
-MAX_HEADER_BYTES = 100 * 1024 * 1024
-# A safetensors header nests at most 3 levels ({key: {"shape": [...]}}).
-HEADER_DEPTH = 3
-# torch indexes sizes and strides with int64: a shape whose element count (empty dimensions
-# counted as 1, as the strides do) times the element size reaches this is refused.
-MAX_TENSOR_BYTES = 1 << 62
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """Return the manifest's name for ``dtype`` (``torch.float32`` -> ``"float32"``)."""
-    return str(dtype).removeprefix("torch.")
 
 
 @dataclass(frozen=True)
@@ -102,16 +72,6 @@ class FileRecord:
     digest: str  # of the whole file's bytes, in ``algorithm``
     algorithm: DigestAlgorithm
     tensors: tuple[TensorRecord, ...]
-
-
-@dataclass(frozen=True)
-class HeaderEntry:
-    """One tensor described by a safetensors header."""
-
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    begin: int  # offset into the data section
-    end: int
 
 
 def as_cpu_contiguous(tensor: torch.Tensor) -> torch.Tensor:
@@ -241,83 +201,6 @@ def _write_prepared(
             for key, t, h in tensor_hashes
         ),
     )
-
-
-def _header_length(head: bytes | bytearray | memoryview, file: str, size: int) -> int:
-    # The 8-byte prefix: refuse a header that is too big or longer than the file before
-    # allocating anything for it.
-    if size < 8 or len(head) < 8:
-        raise TruncatedFileError(f"{file}: {size} bytes is too short for a safetensors header")
-    (hlen,) = struct.unpack("<Q", bytes(head[:8]))
-    if hlen > MAX_HEADER_BYTES:
-        raise CheckpointError(f"{file}: header length {hlen} exceeds {MAX_HEADER_BYTES} bytes")
-    if 8 + hlen > size:
-        raise TruncatedFileError(
-            f"{file}: header says {hlen} header bytes but the file has only {size} bytes"
-        )
-    return int(hlen)
-
-
-def parse_header(
-    buf: bytes | bytearray | memoryview, file: str, size: int | None = None
-) -> tuple[int, dict[str, HeaderEntry]]:
-    """Parse and validate a safetensors header.
-
-    Args:
-        buf: at least the first ``8 + header_len`` bytes of the file.
-        file: the file's name, for error messages.
-        size: the whole file's size (default ``len(buf)``), to check that the data section
-            is complete.
-
-    Returns:
-        ``(data_start, entries)``: where the data section begins and key -> entry.
-
-    Raises:
-        TruncatedFileError: if the file ends inside the header or the data.
-        CheckpointError: if the header is not valid safetensors.
-    """
-    if size is None:
-        size = len(buf)
-    hlen = _header_length(buf, file, size)
-    if 8 + hlen > len(buf):
-        raise TruncatedFileError(f"{file}: only {len(buf)} bytes of the header were given")
-    raw = loads_bounded(
-        bytes(buf[8 : 8 + hlen]), file, "safetensors header", max_depth=HEADER_DEPTH
-    )
-    if not isinstance(raw, dict):
-        raise CheckpointError(f"{file}: safetensors header must be a JSON object")
-    data_len = size - 8 - hlen
-    entries: dict[str, HeaderEntry] = {}
-    end_max = 0
-    for key, spec in raw.items():
-        if key == "__metadata__":
-            continue
-        try:
-            dtype = CODE_TO_DTYPE[spec["dtype"]]
-            shape = tuple(int(s) for s in spec["shape"])
-            begin, end = (int(o) for o in spec["data_offsets"])
-        except (KeyError, TypeError, ValueError) as exc:
-            raise CheckpointError(f"{file}: bad header entry for key {key!r}: {spec!r}") from exc
-        if any(s < 0 for s in shape) or math.prod(max(s, 1) for s in shape) * dtype.itemsize >= (
-            MAX_TENSOR_BYTES
-        ):
-            raise CheckpointError(
-                f"{file}: key {key!r} has shape {list(shape)[:8]}, which no tensor can have "
-                "(negative or too large a dimension); the header is corrupted"
-            )
-        nbytes = math.prod(shape) * dtype.itemsize
-        if begin < 0 or end - begin != nbytes:
-            raise CheckpointError(
-                f"{file}: key {key!r}: data_offsets {[begin, end]} do not hold shape "
-                f"{list(shape)} of {dtype_name(dtype)} ({nbytes} bytes)"
-            )
-        end_max = max(end_max, end)
-        entries[key] = HeaderEntry(dtype, shape, begin, end)
-    if end_max > data_len:
-        raise TruncatedFileError(
-            f"{file}: tensors need {end_max} data bytes but only {data_len} are present"
-        )
-    return 8 + hlen, entries
 
 
 def _checked_size(fd: int, path: Path, expected_size: int | None) -> int:
@@ -538,7 +421,7 @@ def read_safetensors(
         _pread_into(fd, [memoryview(head)], 0, name, size)
         header = b""
         try:
-            hlen = _header_length(head, name, size)
+            hlen = header_length(head, name, size)
             header = os.pread(fd, hlen, 8)
             data_start, entries = parse_header(head + header, name, size)
             plan = sorted(entries.items(), key=lambda kv: (kv[1].begin, kv[1].end))
@@ -551,7 +434,7 @@ def read_safetensors(
                     )
                 end_so_far = max(end_so_far, e.end)
             if expected is not None:
-                _match_manifest(name, entries, expected)
+                match_manifest(name, entries, expected)
         except CheckpointError as exc:
             if h is None:
                 raise
@@ -585,27 +468,6 @@ def read_safetensors(
                 step.exception()
             os.close(fd)
         raise
-
-
-def _match_manifest(
-    name: str,
-    entries: Mapping[str, HeaderEntry],
-    expected: Mapping[str, tuple[str, tuple[int, ...]]],
-) -> None:
-    # Before anything is allocated: a header may only ask for what the manifest recorded.
-    for key, e in entries.items():
-        if key not in expected:
-            raise UnexpectedTensorError(f"{name}: key {key!r} is not listed in the manifest")
-        dtype, shape = expected[key]
-        if e.shape != shape:
-            raise ShapeMismatchError(
-                f"{name}: key {key!r} has shape {list(e.shape)[:8]}, the manifest expects "
-                f"{list(shape)}"
-            )
-        if dtype_name(e.dtype) != dtype:
-            raise DtypeMismatchError(
-                f"{name}: key {key!r} has dtype {dtype_name(e.dtype)}, the manifest expects {dtype}"
-            )
 
 
 def tensor_digest(tensor: torch.Tensor, algorithm: DigestAlgorithm) -> str:

@@ -19,7 +19,7 @@ from collections.abc import Sequence
 import torch
 
 from lora_checkpoint._finite import NonFiniteTensor
-from lora_checkpoint._safetensors_io import NAME_TO_DTYPE
+from lora_checkpoint._st_header import NAME_TO_DTYPE
 from lora_checkpoint.manifest import Manifest
 from lora_checkpoint.reader import inspect, verify
 

@@ -31,6 +31,7 @@ from lora_checkpoint.errors import (
     MissingFileError,
     MissingTensorError,
     ShapeMismatchError,
+    TruncatedFileError,
     UnexpectedTensorError,
     UnsafeFileError,
 )
@@ -268,15 +269,19 @@ def _lock_root(directory: str | os.PathLike[str]) -> Path | None:
 
 
 @contextmanager
-def _reading(directory: str | os.PathLike[str], lock_timeout: float) -> Iterator[None]:
+def _reading(directory: str | os.PathLike[str], lock_timeout: float) -> Iterator[bool]:
     # Readers hold the root's lock shared, so no writer publishes or prunes meanwhile; any
-    # OSError on the way becomes a CheckpointIOError naming the file.
+    # OSError on the way becomes a CheckpointIOError naming the file. Yields whether a lock
+    # is held (roots written before 0.3 have no lock file).
     try:
         root = _lock_root(directory)
         with ExitStack() as stack:
+            locked = False
             if root is not None:
-                stack.enter_context(_fs.root_lock(root, exclusive=False, timeout=lock_timeout))
-            yield
+                locked = stack.enter_context(
+                    _fs.root_lock(root, exclusive=False, timeout=lock_timeout)
+                )
+            yield locked
     except OSError as exc:
         raise _fs.io_error(exc, exc.filename or directory, "read the checkpoint") from exc
 
@@ -309,6 +314,14 @@ def load(
             ``CheckpointIOError`` when the operating system refuses a read;
             ``CheckpointLockedError`` when a writer holds the root for ``lock_timeout``.
     """
+    with _reading(directory, lock_timeout) as locked:
+        try:
+            return _load(directory, verify=verify, rank=rank)
+        except (MissingFileError, TruncatedFileError):
+            # Without a lock (a root from before 0.3, pruned by an old writer), the checkpoint
+            # `latest` named may have been pruned mid-read: resolve `latest` again, once.
+            if locked or (Path(directory) / MANIFEST).exists():
+                raise
     with _reading(directory, lock_timeout):
         return _load(directory, verify=verify, rank=rank)
 

@@ -23,12 +23,12 @@ from pathlib import Path
 from moe_experts.finetune.config import OPTIONS, SECTIONS, FinetuneArgs
 from moe_experts.finetune.errors import FinetuneError, TrainingInterrupted
 
-__all__ = ["COMMANDS", "Command", "build_parser", "finetune_main", "main"]
+__all__ = ["COMMANDS", "Command", "build_parser", "finetune_main", "main", "report_error"]
 
 
 @dataclass(frozen=True)
 class Command:
-    """A ``moe-experts`` subcommand: ``module.function(argv, prog) -> exit code``."""
+    """A ``moe-experts`` subcommand: ``module.function(argv) -> exit code``."""
 
     module: str
     function: str
@@ -39,6 +39,11 @@ class Command:
 COMMANDS: dict[str, Command] = {
     "finetune": Command("moe_experts.finetune.cli", "finetune_main",
                         "LoRA fine-tune a MoE model (one process, or under torchrun)"),
+    "generate": Command("moe_experts.finetune.generate", "generate_main",
+                        "generate text with the base model and a trained adapter"),
+    "export": Command("moe_experts.finetune.export", "export_main",
+                      "export a checkpoint as a PEFT adapter, vLLM per-expert LoRA or a "
+                      "merged model"),
 }
 
 
@@ -65,7 +70,17 @@ def main(argv: Sequence[str] | None = None) -> int:
               file=sys.stderr)
         return 2
     function = getattr(importlib.import_module(command.module), command.function)
-    return int(function(argv[1:], prog=f"moe-experts {name}"))
+    return int(function(argv[1:]))
+
+
+def report_error(exc: FinetuneError, *, debug: bool = False) -> int:
+    """Print a user-facing error as ``error:`` lines on stderr; returns the exit code 1."""
+    if debug:
+        traceback.print_exc()
+    # One line per problem (a DataError lists each bad record), whatever the formatting.
+    for problem in getattr(exc, "lines", None) or [str(exc)]:
+        print(f"error: {' '.join(problem.split())}", file=sys.stderr)
+    return 1
 
 
 def build_parser(prog: str = "moe-experts finetune") -> argparse.ArgumentParser:
@@ -80,6 +95,11 @@ def build_parser(prog: str = "moe-experts finetune") -> argparse.ArgumentParser:
     for opt in OPTIONS:
         default = getattr(defaults, opt.dest)
         shown = "unset" if default is None else default
+        if opt.kind is bool:
+            groups[opt.section].add_argument(
+                opt.flag, *opt.aliases, dest=opt.dest, default=None, action="store_const",
+                const=True, help=f"{opt.help} (YAML {opt.section}.{opt.key}: true)")
+            continue
         groups[opt.section].add_argument(
             opt.flag, *opt.aliases, dest=opt.dest, default=None,
             metavar="{" + ",".join(opt.choices) + "}" if opt.choices else opt.dest.upper(),
@@ -203,11 +223,7 @@ def finetune_main(argv: Sequence[str] | None = None, prog: str = "moe-experts fi
               file=sys.stderr)
         return 130
     except FinetuneError as exc:
-        if ns.debug:
-            traceback.print_exc()
-        message = " ".join(str(exc).split())  # one line, whatever the cause's formatting
-        print(f"error: {message}", file=sys.stderr)
-        return 1
+        return report_error(exc, debug=ns.debug)
     if summary.world_size > 1:
         import torch.distributed as dist
 

@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from moe_experts.finetune.errors import FinetuneError
+from moe_experts.finetune.formats import DATA_FORMATS
 
 __all__ = [
     "DEFAULT_LORA",
@@ -55,6 +56,8 @@ class FinetuneArgs:
     model: str = "tiny-qwen3-moe"
     weight_dtype: str = "fp32"
     data: Path | None = None  # None: the corpus shipped in the package
+    data_format: str | None = None  # a key of formats.DATA_FORMATS; None: detected per file
+    train_on_prompt: bool = False  # chat/instruction data: loss on every token, not replies only
     eval_data: Path | None = None
     eval_split: float | None = None  # a fraction of --data held out for evaluation
     seq_len: int = 64
@@ -119,6 +122,11 @@ OPTIONS: tuple[Option, ...] = (
     Option("data", "--data", "data", "path", Path,
            "training data file; default: a small corpus shipped with the package",
            nullable=True),
+    Option("data_format", "--data-format", "data", "format", str,
+           "force the record format instead of detecting it per file",
+           choices=tuple(sorted(DATA_FORMATS)), nullable=True),
+    Option("train_on_prompt", "--train-on-prompt", "data", "train_on_prompt", bool,
+           "chat/instruction data: loss on every token, not only the replies"),
     Option("eval_data", "--eval-data", "data", "eval_data", Path,
            "evaluation data file (same formats as --data)", nullable=True),
     Option("eval_split", "--eval-split", "data", "eval_split", float,
@@ -179,10 +187,14 @@ def coerce(opt: Option, value: Any, where: str) -> Any:
             return None
         raise FinetuneError(f"{where}: a value is required")
     try:
-        if opt.kind is int:
+        if opt.kind is bool:
+            if not isinstance(value, bool):
+                raise ValueError
+            out: Any = value
+        elif opt.kind is int:
             if isinstance(value, (bool, float)):
                 raise ValueError
-            out: Any = int(value)
+            out = int(value)
         elif opt.kind is float:
             if isinstance(value, bool):
                 raise ValueError
@@ -196,7 +208,8 @@ def coerce(opt: Option, value: Any, where: str) -> Any:
                 raise ValueError
             out = value
     except (TypeError, ValueError):
-        expected = {int: "an integer", float: "a number", Path: "a path"}.get(opt.kind, "a string")
+        expected = {bool: "true or false", int: "an integer", float: "a number",
+                    Path: "a path"}.get(opt.kind, "a string")
         raise FinetuneError(f"{where} {value!r}: expected {expected}") from None
     if opt.choices and out not in opt.choices:
         close = difflib.get_close_matches(out, opt.choices, n=1, cutoff=0.5)

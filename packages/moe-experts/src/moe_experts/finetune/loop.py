@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch import nn
 
 from moe_experts.finetune.config import FinetuneArgs
+from moe_experts.finetune.data import Batch
 from moe_experts.finetune.distributed import Ranks, clip_grad_norm, diagnose_peer_loss
 from moe_experts.finetune.errors import (
     FinetuneError,
@@ -28,13 +29,7 @@ from moe_experts.finetune.errors import (
     TrainingDivergedError,
     TrainingInterrupted,
 )
-from moe_experts.finetune.evaluation import (
-    Batch,
-    count_targets,
-    evaluate,
-    take_rows,
-    token_loss_sum,
-)
+from moe_experts.finetune.evaluation import evaluate, token_loss_sum
 from moe_experts.finetune.interrupts import StopRequest
 from moe_experts.finetune.reporting import Reporter, TrainLog, plot_losses
 from moe_experts.finetune.schedule import lr_at
@@ -43,9 +38,9 @@ __all__ = ["BatchSource", "FinetuneSummary", "TrainingJob", "restore_checkpoint"
 
 
 class BatchSource(Protocol):
-    """Anything that gives the global batch of an optimizer step (see ``evaluation.Batch``)."""
+    """Anything that gives the global batch of an optimizer step (``data.PackedBatches``)."""
 
-    def batch(self, step: int) -> Batch:
+    def model_batch(self, step: int) -> Batch:
         """The global batch of optimizer step ``step`` (0-based)."""
         ...
 
@@ -188,8 +183,8 @@ def _step(job: TrainingJob, step: int, params: list[nn.Parameter]) -> tuple[floa
                warmup_steps=args.warmup_steps, total_steps=args.steps)
     for group in job.optimizer.param_groups:
         group["lr"] = lr
-    batch = job.batches.batch(step)
-    targets = count_targets(batch)
+    batch = job.batches.model_batch(step)
+    targets = batch.num_targets
     micro = args.batch_size // args.grad_accum
     per_rank = micro // ranks.world
     # FSDP averages gradients over ranks, so each rank's share is scaled up by world.
@@ -197,7 +192,7 @@ def _step(job: TrainingJob, step: int, params: list[nn.Parameter]) -> tuple[floa
     loss_sum = torch.zeros((), dtype=torch.float64)
     for m in range(args.grad_accum):
         lo = m * micro + ranks.rank * per_rank
-        part = token_loss_sum(job.model, take_rows(batch, lo, lo + per_rank))
+        part = token_loss_sum(job.model, batch.select(lo, lo + per_rank))
         (part * scale).backward()
         loss_sum += part.detach().double()
     sync_replicated_lora_gradients(job.result)
