@@ -14,6 +14,14 @@ STEPS = 8
 LOSS_ATOL = 1e-4
 
 
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 @pytest.mark.multiprocess
 @pytest.mark.timeout(400)
 def test_two_ranks_match_one_process(tmp_path: Path, cli) -> None:
@@ -38,3 +46,83 @@ def test_two_ranks_match_one_process(tmp_path: Path, cli) -> None:
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     again = [r["loss"] for r in cli.log(tmp_path / "resumed")]
     assert again == two[4:]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_dead_peer_is_named_by_the_survivor(tmp_path: Path, cli) -> None:
+    """SIGKILL rank 1 mid-run: rank 0's one error line says rank 1 exited, not a timeout."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    import psutil
+
+    port = _free_port()
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+           "--master-addr", "127.0.0.1", "--master-port", str(port),
+           "-m", "moe_experts.finetune", "--steps", "2000", "--batch-size", "4", "--seq-len",
+           "16", "--no-progress", "--output", str(out)]
+    proc = subprocess.Popen(cmd, env=cli.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                            text=True)
+    log = out / "train_log.jsonl"
+    deadline = time.monotonic() + 200  # a bound on waiting, not a pass criterion
+    while not (log.is_file() and len(log.read_text().splitlines()) >= 3):
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "the run logged no steps"
+        time.sleep(0.05)
+    victims = [c for c in psutil.Process(proc.pid).children()
+               if c.environ().get("RANK") == "1"]
+    assert len(victims) == 1
+    victims[0].send_signal(signal.SIGKILL)
+    _, stderr = proc.communicate(timeout=200)
+    assert proc.returncode != 0
+    errors = [line for line in stderr.splitlines() if "error:" in line and "rank 1" in line]
+    assert errors, stderr[-4000:]
+    first = errors[0]
+    assert "exited" in first, first
+    assert "connection closed" in first, first
+    assert first.index("rank 1") < first.index("[")  # the cause comes before the gloo text
+    assert "waited" not in first.split("[")[0], first
+    assert "Traceback" not in "\n".join(
+        line for line in stderr.splitlines() if line.startswith("[rank0]")), stderr[-4000:]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(400)
+def test_sigterm_under_torchrun_saves_one_step_on_all_ranks(tmp_path: Path, cli) -> None:
+    """torchrun forwards SIGTERM; the ranks agree on one step, save it and resume from it."""
+    import shlex
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    out = tmp_path / "run"
+    flags = ["--steps", "120", "--batch-size", "4", "--seq-len", "16", "--no-progress",
+             "--output", str(out)]
+    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
+                "--master-addr", "127.0.0.1"]
+    proc = subprocess.Popen([*launcher, "--master-port", str(_free_port()), "-m",
+                             "moe_experts.finetune", *flags], env=cli.env,
+                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    log = out / "train_log.jsonl"
+    deadline = time.monotonic() + 200  # a bound on waiting, not a pass criterion
+    while not (log.is_file() and len(log.read_text().splitlines()) >= 3):
+        assert proc.poll() is None, proc.communicate()
+        assert time.monotonic() < deadline, "the run logged no steps"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    _, stderr = proc.communicate(timeout=200)
+    assert "resume with:" in stderr, stderr[-4000:]
+    stopped = int(stderr.split("stopped by SIGTERM at step ")[1].split(";")[0])
+    assert (out / "checkpoints" / "latest").read_text().strip() == f"step-{stopped:08d}"
+    command = shlex.split(stderr.split("resume with:\n")[1].strip().splitlines()[0])
+    assert command[:5] == ["torchrun", "--nproc-per-node", "2", "-m", "moe_experts.finetune"]
+    resumed = subprocess.run([*launcher, "--master-port", str(_free_port()), *command[3:]],
+                             env=cli.env, capture_output=True, text=True, timeout=300,
+                             check=False)
+    assert resumed.returncode == 0, resumed.stderr[-4000:]
+    assert [r["step"] for r in cli.log(out)] == list(range(1, 121))

@@ -350,7 +350,8 @@ def test_finetune_all_is_curated() -> None:
     assert sorted(ft.__all__) == sorted([
         "BUILTIN_MODELS", "DATA_FORMATS", "EXPORT_FORMATS", "ByteTokenizer", "DataError",
         "DataFormat", "Example", "FinetuneArgs", "FinetuneError", "FinetuneSummary",
-        "PackedBatches", "Sample", "export", "generate", "load_examples", "load_model",
+        "PackedBatches", "PeerLostError", "Sample", "TrainingDivergedError",
+        "TrainingInterrupted", "export", "generate", "load_examples", "load_model",
         "load_samples", "load_texts", "run_finetune",
     ])
     for name in ft.__all__:

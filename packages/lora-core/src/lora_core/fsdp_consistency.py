@@ -150,6 +150,17 @@ def check_consistent(
     try:
         work.wait(timeout=timeout)
     except RuntimeError as exc:
+        cause = " ".join(str(exc).split())
+        if any(w in cause.lower() for w in ("connection closed", "connection reset", "by peer",
+                                            "broken pipe")):
+            # A peer died: say so first, rather than a timeout that did not happen.
+            raise LoraStateMismatchError(
+                f"{what}: rank {dist.get_rank(group)} lost its connection to another rank "
+                f"during the LoRA fingerprint exchange ({cause[:300]}); that rank exited or "
+                "crashed: look at its output for why",
+                rank=dist.get_rank(group),
+                parameter=None,
+            ) from exc
         raise LoraStateMismatchError(
             f"{what}: rank {dist.get_rank(group)} waited {timeout} for the other ranks' LoRA "
             "fingerprint; some rank did not call this function (crashed, or took a different "

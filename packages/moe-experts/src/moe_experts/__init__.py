@@ -4,31 +4,66 @@
 placeholders keep their names), ``adapt(model, config)`` adds expert LoRA in the kernel's
 buffers and returns a ``lora_core.contracts.AdaptationResult``; ``adapt_model`` does both plus
 dense LoRA through ``lora_core.enable_lora_training``.
+
+Names are imported from their modules on first use (PEP 562), so ``import moe_experts`` (and
+the ``moe-experts`` command's ``--help``) does not load torch or transformers.
 """
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 from moe_experts._version import __version__
-from moe_experts.adaptation import adapt, adapt_model, peft_key_prefix, router_targets
-from moe_experts.architectures import (
-    ARCHITECTURES,
-    MoEArchitecture,
-    MoEBlockSite,
-    find_architecture,
-    iter_moe_blocks,
-)
-from moe_experts.errors import (
-    AdaptError,
-    PlaceholderAccessError,
-    UnsupportedModelError,
-    WrapError,
-)
-from moe_experts.kernel_experts import KernelExperts
-from moe_experts.placeholders import (
-    ExpertPlaceholder,
-    is_placeholder,
-    make_placeholder,
-    named_placeholders,
-)
-from moe_experts.wrapping import WrapReport, experts_sites, wrap
+
+if TYPE_CHECKING:
+    from moe_experts.adaptation import adapt, adapt_model, peft_key_prefix, router_targets
+    from moe_experts.architectures import (
+        ARCHITECTURES,
+        MoEArchitecture,
+        MoEBlockSite,
+        find_architecture,
+        iter_moe_blocks,
+    )
+    from moe_experts.errors import (
+        AdaptError,
+        PlaceholderAccessError,
+        UnsupportedModelError,
+        WrapError,
+    )
+    from moe_experts.kernel_experts import KernelExperts
+    from moe_experts.placeholders import (
+        ExpertPlaceholder,
+        is_placeholder,
+        make_placeholder,
+        named_placeholders,
+    )
+    from moe_experts.wrapping import WrapReport, experts_sites, wrap
+
+# public name -> the module that defines it
+_WHERE = {
+    "ARCHITECTURES": "architectures",
+    "AdaptError": "errors",
+    "ExpertPlaceholder": "placeholders",
+    "KernelExperts": "kernel_experts",
+    "MoEArchitecture": "architectures",
+    "MoEBlockSite": "architectures",
+    "PlaceholderAccessError": "errors",
+    "UnsupportedModelError": "errors",
+    "WrapError": "errors",
+    "WrapReport": "wrapping",
+    "adapt": "adaptation",
+    "adapt_model": "adaptation",
+    "experts_sites": "wrapping",
+    "find_architecture": "architectures",
+    "is_placeholder": "placeholders",
+    "iter_moe_blocks": "architectures",
+    "make_placeholder": "placeholders",
+    "named_placeholders": "placeholders",
+    "peft_key_prefix": "adaptation",
+    "router_targets": "adaptation",
+    "wrap": "wrapping",
+}
 
 __all__ = [
     "ARCHITECTURES",
@@ -54,3 +89,18 @@ __all__ = [
     "router_targets",
     "wrap",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """Import a public name's module on first access."""
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'moe_experts' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"moe_experts.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    """The public names, for tab completion."""
+    return sorted(set(globals()) | set(__all__))

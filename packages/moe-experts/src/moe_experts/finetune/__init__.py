@@ -1,20 +1,66 @@
-"""The main job: an end-to-end LoRA fine-tune of a MoE model on CPU (see ``cli``)."""
+"""The main job: an end-to-end LoRA fine-tune of a MoE model on CPU (see ``cli``).
 
-from moe_experts.finetune.data import (
-    ByteTokenizer,
-    DataError,
-    Example,
-    PackedBatches,
-    load_examples,
-    load_samples,
-    load_texts,
-)
-from moe_experts.finetune.errors import FinetuneError
-from moe_experts.finetune.export import EXPORT_FORMATS, export
-from moe_experts.finetune.formats import DATA_FORMATS, DataFormat, Sample
-from moe_experts.finetune.generate import generate
-from moe_experts.finetune.loop import FinetuneArgs, FinetuneSummary, run_finetune
-from moe_experts.finetune.models import BUILTIN_MODELS, load_model
+One job per module: ``config`` (settings table, YAML), ``checks`` (pre-model checks),
+``formats``/``data``/``chat``/``tokenizer`` (data formats, masking, batching), ``models``
+(loading), ``run`` (``run_finetune``), ``loop`` (steps, checkpoints), ``evaluation``,
+``schedule``, ``reporting``, ``distributed``, ``interrupts``, ``generate``, ``export``,
+``adapters`` and ``cli``. Names are imported on first use, so the CLI starts without torch.
+"""
+
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from moe_experts.finetune.config import FinetuneArgs
+    from moe_experts.finetune.data import (
+        ByteTokenizer,
+        DataError,
+        Example,
+        PackedBatches,
+        load_examples,
+        load_samples,
+        load_texts,
+    )
+    from moe_experts.finetune.errors import (
+        FinetuneError,
+        PeerLostError,
+        TrainingDivergedError,
+        TrainingInterrupted,
+    )
+    from moe_experts.finetune.export import EXPORT_FORMATS, export
+    from moe_experts.finetune.formats import DATA_FORMATS, DataFormat, Sample
+    from moe_experts.finetune.generate import generate
+    from moe_experts.finetune.loop import FinetuneSummary
+    from moe_experts.finetune.models import BUILTIN_MODELS, load_model
+    from moe_experts.finetune.run import run_finetune
+
+# public name -> the module that defines it
+_WHERE = {
+    "BUILTIN_MODELS": "models",
+    "ByteTokenizer": "data",
+    "DATA_FORMATS": "formats",
+    "DataError": "data",
+    "DataFormat": "formats",
+    "EXPORT_FORMATS": "export",
+    "Example": "data",
+    "FinetuneArgs": "config",
+    "FinetuneError": "errors",
+    "FinetuneSummary": "loop",
+    "PackedBatches": "data",
+    "PeerLostError": "errors",
+    "Sample": "formats",
+    "TrainingDivergedError": "errors",
+    "TrainingInterrupted": "errors",
+    "export": "export",
+    "generate": "generate",
+    "load_examples": "data",
+    "load_model": "models",
+    "load_samples": "data",
+    "load_texts": "data",
+    "run_finetune": "run",
+}
 
 __all__ = [
     "BUILTIN_MODELS",
@@ -28,7 +74,10 @@ __all__ = [
     "FinetuneError",
     "FinetuneSummary",
     "PackedBatches",
+    "PeerLostError",
     "Sample",
+    "TrainingDivergedError",
+    "TrainingInterrupted",
     "export",
     "generate",
     "load_examples",
@@ -37,3 +86,18 @@ __all__ = [
     "load_texts",
     "run_finetune",
 ]
+
+
+def __getattr__(name: str) -> Any:
+    """Import a public name's module on first access (keeps ``--help`` free of torch)."""
+    module = _WHERE.get(name)
+    if module is None:
+        raise AttributeError(f"module 'moe_experts.finetune' has no attribute {name!r}")
+    value = getattr(importlib.import_module(f"moe_experts.finetune.{module}"), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    """The public names, for tab completion."""
+    return sorted(set(globals()) | set(__all__))

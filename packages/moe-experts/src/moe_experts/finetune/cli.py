@@ -1,59 +1,76 @@
-"""``moe-experts finetune`` and ``python -m moe_experts.finetune``: flags, messages, exit codes.
+"""The ``moe-experts`` command line: a table of subcommands, each imported only when it runs.
 
-Exit codes: 0 success, 1 a user-facing error (one line on stderr; ``--debug`` adds the
-traceback), 2 bad command-line usage (argparse).
+Nothing heavy is imported here, so ``moe-experts --help`` and argument errors answer before
+torch and transformers load. Exit codes: 0 success; 1 a user-facing error (one ``error:``
+line on stderr, ``--debug`` adds the traceback); 2 bad usage (argparse); 130/143 stopped by
+SIGINT/SIGTERM after saving a checkpoint (the resume command is printed).
 """
 
 from __future__ import annotations
 
 import argparse
+import difflib
+import importlib
+import os
+import shlex
+import shutil
 import sys
 import traceback
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
-from moe_experts.finetune.errors import FinetuneError
-from moe_experts.finetune.formats import DATA_FORMATS
-from moe_experts.finetune.loop import FinetuneArgs, run_finetune
+from moe_experts.finetune.config import OPTIONS, SECTIONS, FinetuneArgs
+from moe_experts.finetune.errors import FinetuneError, TrainingInterrupted
 
-__all__ = ["COMMANDS", "build_parser", "finetune_main", "main", "report_error"]
+__all__ = ["COMMANDS", "Command", "build_parser", "finetune_main", "main", "report_error"]
 
 
-def build_parser(prog: str = "moe-experts finetune") -> argparse.ArgumentParser:
-    """The flags of the fine-tune command."""
-    d = FinetuneArgs()
-    p = argparse.ArgumentParser(prog=prog, description="LoRA fine-tune of a MoE model on CPU.")
-    p.add_argument("--model", default=d.model,
-                   help="'tiny-qwen3-moe' (built in) or a local Hugging Face model directory")
-    p.add_argument("--data", type=Path, default=None,
-                   help=".txt (one document per line), .jsonl or .json records: text, chat "
-                        "messages, alpaca or sharegpt (detected per file); default: a small "
-                        "corpus shipped with the package")
-    p.add_argument("--data-format", choices=sorted(DATA_FORMATS), default=None,
-                   help="force the record format instead of detecting it")
-    p.add_argument("--train-on-prompt", action="store_true",
-                   help="chat/instruction data: loss on every token, not only the replies")
-    p.add_argument("--config", type=Path, default=None,
-                   help="YAML file with a models.<role>.lora block (default: rank 8 on "
-                        "attention and experts)")
-    p.add_argument("--role", default=d.role, help="the <role> in models.<role>.lora")
-    p.add_argument("--steps", type=int, default=d.steps)
-    p.add_argument("--lr", type=float, default=d.lr)
-    p.add_argument("--batch-size", type=int, default=d.batch_size,
-                   help="global batch size (split across torchrun ranks)")
-    p.add_argument("--seq-len", type=int, default=d.seq_len)
-    p.add_argument("--save-every", type=int, default=d.save_every,
-                   help="save a checkpoint every N steps (0: only at the end)")
-    p.add_argument("--keep-last", type=int, default=d.keep_last)
-    p.add_argument("--output", type=Path, default=d.output)
-    p.add_argument("--resume", type=Path, default=None,
-                   help="a checkpoint directory (or checkpoints root) to continue from")
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--weight-dtype", choices=("fp32", "bf16", "int8"), default=d.weight_dtype)
-    p.add_argument("--max-grad-norm", type=float, default=d.max_grad_norm)
-    p.add_argument("--no-progress", action="store_true", help="no progress bar")
-    p.add_argument("--debug", action="store_true", help="show tracebacks on errors")
-    return p
+@dataclass(frozen=True)
+class Command:
+    """A ``moe-experts`` subcommand: ``module.function(argv) -> exit code``."""
+
+    module: str
+    function: str
+    summary: str
+
+
+# One row per subcommand; the module is imported only when its command runs.
+COMMANDS: dict[str, Command] = {
+    "finetune": Command("moe_experts.finetune.cli", "finetune_main",
+                        "LoRA fine-tune a MoE model (one process, or under torchrun)"),
+    "generate": Command("moe_experts.finetune.generate", "generate_main",
+                        "generate text with the base model and a trained adapter"),
+    "export": Command("moe_experts.finetune.export", "export_main",
+                      "export a checkpoint as a PEFT adapter, vLLM per-expert LoRA or a "
+                      "merged model"),
+}
+
+
+def _usage() -> str:
+    width = max(len(n) for n in COMMANDS)
+    rows = "\n".join(f"  {n.ljust(width)}  {c.summary}" for n, c in COMMANDS.items())
+    return ("usage: moe-experts COMMAND [--help] [flags]\n\n"
+            f"commands:\n{rows}\n\n"
+            "'moe-experts COMMAND --help' shows a command's flags.")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """The ``moe-experts`` console script: dispatch to a subcommand of :data:`COMMANDS`."""
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if not argv or argv[0] in ("-h", "--help"):
+        print(_usage(), file=sys.stdout if argv else sys.stderr)
+        return 0 if argv else 2
+    name = argv[0]
+    command = COMMANDS.get(name)
+    if command is None:
+        close = difflib.get_close_matches(name, list(COMMANDS), n=1)
+        hint = f"; did you mean {close[0]!r}?" if close else ""
+        print(f"error: unknown command {name!r}{hint} (commands: {', '.join(COMMANDS)})",
+              file=sys.stderr)
+        return 2
+    function = getattr(importlib.import_module(command.module), command.function)
+    return int(function(argv[1:]))
 
 
 def report_error(exc: FinetuneError, *, debug: bool = False) -> int:
@@ -66,65 +83,152 @@ def report_error(exc: FinetuneError, *, debug: bool = False) -> int:
     return 1
 
 
-def finetune_main(argv: Sequence[str] | None = None, prog: str = "moe-experts finetune") -> int:
-    """Run the fine-tune from command-line arguments; returns the exit code."""
-    ns = build_parser(prog).parse_args(argv)
-    args = FinetuneArgs(
-        model=ns.model, data=ns.data, data_format=ns.data_format,
-        train_on_prompt=ns.train_on_prompt, config=ns.config, role=ns.role, steps=ns.steps,
-        lr=ns.lr, batch_size=ns.batch_size, seq_len=ns.seq_len, save_every=ns.save_every,
-        keep_last=ns.keep_last, output=ns.output, resume=ns.resume, seed=ns.seed,
-        weight_dtype=ns.weight_dtype, max_grad_norm=ns.max_grad_norm,
-        progress=not ns.no_progress,
-    )
-    try:
-        from transformers.utils import logging as hf_logging
+def build_parser(prog: str = "moe-experts finetune") -> argparse.ArgumentParser:
+    """The flags of the fine-tune command, one group per ``--config`` section."""
+    defaults = FinetuneArgs()
+    p = argparse.ArgumentParser(
+        prog=prog, allow_abbrev=False,
+        description="LoRA fine-tune of a MoE model on CPU. Settings come from the defaults, "
+                    "then --config FILE (YAML, sections: model, data, training, lora, output), "
+                    "then these flags.")
+    groups = {s: p.add_argument_group(s) for s in SECTIONS if s != "lora"}
+    for opt in OPTIONS:
+        default = getattr(defaults, opt.dest)
+        shown = "unset" if default is None else default
+        if opt.kind is bool:
+            groups[opt.section].add_argument(
+                opt.flag, *opt.aliases, dest=opt.dest, default=None, action="store_const",
+                const=True, help=f"{opt.help} (YAML {opt.section}.{opt.key}: true)")
+            continue
+        groups[opt.section].add_argument(
+            opt.flag, *opt.aliases, dest=opt.dest, default=None,
+            metavar="{" + ",".join(opt.choices) + "}" if opt.choices else opt.dest.upper(),
+            help=f"{opt.help} (default: {shown}; YAML {opt.section}.{opt.key})")
+    run = p.add_argument_group("run")
+    run.add_argument("--config", type=Path, default=None,
+                     help="YAML file holding any of the settings above, and a lora: block "
+                          "(fields of lora_core.LoraConfig); flags override it")
+    run.add_argument("--role", default="moe",
+                     help="the <role> of an older-style models.<role>.lora block in --config")
+    run.add_argument("--resume", type=Path, default=None,
+                     help="a checkpoint directory, or a checkpoints root (follows its latest)")
+    run.add_argument("--overwrite", action="store_true",
+                     help="--output holds an earlier run: delete its checkpoints and logs and "
+                          "start again")
+    run.add_argument("--print-config", action="store_true",
+                     help="print the resolved settings as --config YAML and exit")
+    run.add_argument("--no-progress", action="store_true", help="no progress bar")
+    run.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    return p
 
-        hf_logging.disable_progress_bar()
-        summary = run_finetune(args)
-    except FinetuneError as exc:
-        return report_error(exc, debug=ns.debug)
-    if summary.world_size > 1:
-        import torch.distributed as dist
 
-        if dist.get_rank() != 0:
-            dist.destroy_process_group()
-            return 0
-        dist.destroy_process_group()
+def _launcher(prog: str) -> list[str]:
+    if os.environ.get("TORCHELASTIC_RUN_ID") and int(os.environ.get("WORLD_SIZE", "1")) > 1:
+        return ["torchrun", "--nproc-per-node", os.environ.get("LOCAL_WORLD_SIZE", "1"),
+                "-m", "moe_experts.finetune"]
+    if prog.startswith("python"):
+        return [sys.executable, "-m", "moe_experts.finetune"]
+    script = sys.argv[0]
+    found = shutil.which("moe-experts")
+    if found and Path(script).name == "moe-experts" and Path(found).samefile(script):
+        script = "moe-experts"
+    return [script, "finetune"]
+
+
+def resume_command(argv: Sequence[str], prog: str, output: Path) -> str:
+    """The command line that continues this run from ``OUTPUT/checkpoints`` (its latest)."""
+    kept: list[str] = []
+    skip = False
+    for arg in argv:
+        if skip:
+            skip = False
+        elif arg == "--resume":
+            skip = True
+        elif not arg.startswith("--resume=") and arg != "--overwrite":
+            kept.append(arg)
+    return shlex.join([*_launcher(prog), *kept, "--resume", str(output / "checkpoints")])
+
+
+def _prepare(ns: argparse.Namespace) -> FinetuneArgs:
+    """Resolve and check everything that can be checked before a model loads."""
+    from moe_experts.finetune import checks
+    from moe_experts.finetune.config import lora_config, render_config, resolve_args
+
+    flags = {o.dest: getattr(ns, o.dest) for o in OPTIONS}
+    args, sources = resolve_args(flags, config=ns.config, role=ns.role, resume=ns.resume,
+                                 progress=not ns.no_progress)
+    checks.check_combination(args, sources, overwrite=ns.overwrite)
+    checks.check_reporter(args.report_to)
+    lora_source = sources.get("lora", "the lora settings")
+    if ns.print_config:
+        print(render_config(args, lora_config(args, lora_source)), end="")
+        return args
+    # File and path checks first: they need no torch, lora_config imports it (seconds).
+    for path, flag in ((args.data, sources["data"]), (args.eval_data, sources["eval_data"])):
+        if path is not None:
+            checks.check_text_file(path, flag)
+    checks.check_output_path(args.output, sources["output"])
+    lora_config(args, lora_source)
+    checks.prepare_output(args, sources, overwrite=ns.overwrite,
+                          rank=int(os.environ.get("RANK", "0")))
+    return args
+
+
+def _report(summary: object) -> None:
+    from moe_experts.finetune.loop import FinetuneSummary
+
+    assert isinstance(summary, FinetuneSummary)
     first, last = summary.losses[0], summary.losses[-1]
     print(f"loss {first:.4f} -> {last:.4f} over {len(summary.losses)} steps "
           f"({summary.tokens_per_second:,.0f} tokens/s, {summary.world_size} process(es))")
+    if summary.eval_loss is not None:
+        print(f"eval loss {summary.eval_loss:.4f}")
     print(f"checkpoint: {summary.checkpoint}")
     print("load the adapter with PEFT:")
     print("  from transformers import AutoModelForCausalLM; from peft import PeftModel")
     print(f"  model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained("
           f"{str(summary.model_source)!r}), {str(summary.checkpoint)!r})")
-    return 0
 
 
-# command -> (module, function, summary); modules are imported only when their command runs.
-COMMANDS: dict[str, tuple[str, str, str]] = {
-    "finetune": ("moe_experts.finetune.cli", "finetune_main", "LoRA fine-tune of a MoE model"),
-    "generate": ("moe_experts.finetune.generate", "generate_main",
-                 "generate text with the base model and a trained adapter"),
-    "export": ("moe_experts.finetune.export", "export_main",
-               "export a checkpoint as a PEFT adapter, vLLM per-expert LoRA or a merged model"),
-}
-
-
-def main(argv: Sequence[str] | None = None) -> int:
-    """The ``moe-experts`` console script: ``moe-experts COMMAND [flags]``."""
-    import importlib
-
+def finetune_main(argv: Sequence[str] | None = None, prog: str = "moe-experts finetune") -> int:
+    """Run the fine-tune from command-line arguments; returns the exit code."""
     argv = list(sys.argv[1:] if argv is None else argv)
-    usage = "usage: moe-experts {" + ",".join(COMMANDS) + "} [--help] [flags]"
-    if not argv or argv[0] in ("-h", "--help"):
-        lines = [usage, "", "commands:"]
-        lines += [f"  {name:<10}{summary}" for name, (_, _, summary) in COMMANDS.items()]
-        print("\n".join(lines), file=sys.stdout if argv else sys.stderr)
-        return 0 if argv else 2
-    if argv[0] not in COMMANDS:
-        print(f"{usage}\nerror: unknown command {argv[0]!r}", file=sys.stderr)
-        return 2
-    module, function, _ = COMMANDS[argv[0]]
-    return getattr(importlib.import_module(module), function)(argv[1:])
+    ns = build_parser(prog).parse_args(argv)
+    from moe_experts.finetune.interrupts import StopRequest
+
+    lead = int(os.environ.get("RANK", "0")) == 0
+    try:
+        with StopRequest() as stop:
+            args = _prepare(ns)
+            if ns.print_config:
+                return 0
+            from transformers.utils import logging as hf_logging
+
+            from moe_experts.finetune.run import run_finetune
+
+            hf_logging.disable_progress_bar()
+            summary = run_finetune(args, stop=stop)
+    except TrainingInterrupted as exc:
+        if lead:
+            name = {2: "SIGINT", 15: "SIGTERM"}.get(exc.signum, f"signal {exc.signum}")
+            where = (f"checkpoint {exc.checkpoint}" if exc.checkpoint
+                     else "before the first step; nothing to save")
+            print(f"stopped by {name} at step {exc.step}; {where}", file=sys.stderr)
+            if exc.checkpoint:
+                print(f"resume with:\n  {resume_command(argv, prog, args.output)}",
+                      file=sys.stderr)
+        return 128 + exc.signum
+    except KeyboardInterrupt:
+        print("error: interrupted again; stopped at once (the last saved checkpoint stands)",
+              file=sys.stderr)
+        return 130
+    except FinetuneError as exc:
+        return report_error(exc, debug=ns.debug)
+    if summary.world_size > 1:
+        import torch.distributed as dist
+
+        dist.destroy_process_group()
+        if not lead:
+            return 0
+    _report(summary)
+    return 0

@@ -1,66 +1,48 @@
-"""The training loop: one process or ``torchrun`` ranks with gloo and FSDP2 on the dense layers."""
+"""The training loop: accumulation, schedule, evaluation, checkpoints, divergence, interrupts.
+
+Each optimizer step takes the global batch ``batches.batch(step)`` (a pure function of seed
+and step), splits it into ``--grad-accum`` micro-batches and, under torchrun, each micro-batch
+into one slice per rank. Losses are summed over target tokens and divided once by the step's
+token count, so neither accumulation nor the number of ranks changes the result.
+Checkpoints are taken only at step boundaries, so the accumulation position of every
+checkpoint is 0 and a resumed run starts the next step from its first micro-batch.
+"""
 
 from __future__ import annotations
 
-import json
 import math
-import os
 import time
-from dataclasses import asdict, dataclass, field
-from datetime import timedelta
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 import torch.distributed as dist
 from torch import nn
 
-from moe_experts.finetune.data import (
-    PackedBatches,
-    causal_lm_loss,
-    default_corpus_path,
-    load_samples,
-    tokenize_samples,
+from moe_experts.finetune.config import FinetuneArgs
+from moe_experts.finetune.data import Batch
+from moe_experts.finetune.distributed import Ranks, clip_grad_norm, diagnose_peer_loss
+from moe_experts.finetune.errors import (
+    FinetuneError,
+    PeerLostError,
+    TrainingDivergedError,
+    TrainingInterrupted,
 )
-from moe_experts.finetune.errors import FinetuneError
-from moe_experts.finetune.models import load_model
+from moe_experts.finetune.evaluation import evaluate, token_loss_sum
+from moe_experts.finetune.interrupts import StopRequest
+from moe_experts.finetune.reporting import Reporter, TrainLog, plot_losses
+from moe_experts.finetune.schedule import lr_at
 
-__all__ = ["FinetuneArgs", "FinetuneSummary", "run_finetune"]
-
-DEFAULT_LORA: dict[str, Any] = {
-    "enable": True,
-    "rank": 8,
-    "alpha": 16,
-    # lm_head too: the built-in model is random, and a frozen random head caps its logits.
-    "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "lm_head"],
-    # Every supported family keeps its router at mlp.gate (a bare weight: LoRAParameter).
-    "target_parameters": ["mlp.gate.weight"],
-    "init_seed": 0,
-}
+__all__ = ["BatchSource", "FinetuneSummary", "TrainingJob", "restore_checkpoint", "train"]
 
 
-@dataclass
-class FinetuneArgs:
-    """Everything one fine-tune run needs; the CLI fills it from flags."""
+class BatchSource(Protocol):
+    """Anything that gives the global batch of an optimizer step (``data.PackedBatches``)."""
 
-    model: str = "tiny-qwen3-moe"
-    data: Path | None = None  # None: the corpus shipped in the package
-    data_format: str | None = None  # a key of formats.DATA_FORMATS; None: detected per file
-    train_on_prompt: bool = False  # chat/instruction data: loss on every token, not replies only
-    config: Path | None = None  # a YAML file with a models.<role>.lora block
-    role: str = "moe"
-    steps: int = 60
-    lr: float = 3e-3
-    batch_size: int = 8  # global, across all ranks
-    seq_len: int = 64
-    save_every: int = 0  # 0: only at the end
-    keep_last: int | None = 2
-    output: Path = Path("finetune-output")
-    resume: Path | None = None
-    seed: int = 0
-    weight_dtype: str = "fp32"
-    max_grad_norm: float = 1.0
-    progress: bool = True
+    def model_batch(self, step: int) -> Batch:
+        """The global batch of optimizer step ``step`` (0-based)."""
+        ...
 
 
 @dataclass
@@ -73,202 +55,240 @@ class FinetuneSummary:
     tokens_per_second: float
     world_size: int
     model_source: Path
+    eval_loss: float | None = None
     extra: dict[str, Any] = field(default_factory=dict)
 
 
-def _lora_config(args: FinetuneArgs) -> Any:
-    from lora_core import LoraConfig, LoraConfigError
+@dataclass
+class TrainingJob:
+    """Everything the loop needs, built by ``run_finetune``."""
 
-    if args.config is None:
-        return LoraConfig.model_validate(DEFAULT_LORA)
-    if not args.config.is_file():
-        raise FinetuneError(f"--config {args.config}: no such file")
-    try:
-        cfg = LoraConfig.from_yaml(args.config, args.role)
-    except (LoraConfigError, ValueError) as exc:
-        raise FinetuneError(f"--config {args.config}: {exc}") from exc
-    if cfg is None or not cfg.enable:
-        raise FinetuneError(
-            f"--config {args.config}: models.{args.role}.lora is missing or not enabled; "
-            "there would be nothing to train"
-        )
-    return cfg
-
-
-def _init_distributed() -> tuple[int, int]:
-    world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1 and not dist.is_initialized():
-        dist.init_process_group("gloo", timeout=timedelta(seconds=120))
-    if dist.is_initialized():
-        return dist.get_rank(), dist.get_world_size()
-    return 0, 1
+    args: FinetuneArgs
+    model: nn.Module
+    result: Any  # lora_core.contracts.AdaptationResult
+    optimizer: torch.optim.Optimizer
+    batches: BatchSource
+    eval_batches: list[Batch]
+    ranks: Ranks
+    model_source: Path
+    first_step: int = 0
+    last_eval: float | None = None
+    stop: StopRequest | None = None
+    last_checkpoint: Path | None = None
 
 
-def _shard_dense(model: nn.Module, ignored: set[nn.Parameter]) -> None:
-    """FSDP2 over each decoder layer and the root; expert tensors stay out of FSDP."""
-    from torch.distributed.device_mesh import init_device_mesh
-    from torch.distributed.fsdp import fully_shard
+def restore_checkpoint(path: Path, result: Any, optimizer: torch.optim.Optimizer,
+                       total_steps: int) -> tuple[int, float | None]:
+    """Load adapters, AdamW state, RNG and position from a checkpoint (or a root's latest).
 
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
-    layers = getattr(getattr(model, "model", model), "layers", [])
-    for layer in layers:
-        mine = {p for p in layer.parameters() if p in ignored}
-        fully_shard(layer, mesh=mesh, ignored_params=mine)
-    fully_shard(model, mesh=mesh, ignored_params=ignored)
-
-
-def _clip(params: list[nn.Parameter], max_norm: float) -> float:
-    """Clip by the global norm over sharded (DTensor) and replicated gradients alike."""
-    from torch.distributed.tensor import DTensor
-
-    sharded = torch.zeros((), dtype=torch.float64)
-    replicated = torch.zeros((), dtype=torch.float64)
-    for p in params:
-        if p.grad is None:
-            continue
-        if isinstance(p.grad, DTensor):
-            sharded += p.grad.to_local().double().pow(2).sum()
-        else:
-            replicated += p.grad.double().pow(2).sum()
-    if dist.is_initialized():
-        dist.all_reduce(sharded)
-    norm = float((sharded + replicated).sqrt())
-    if max_norm > 0 and norm > max_norm:
-        scale = max_norm / (norm + 1e-6)
-        for p in params:
-            if p.grad is not None:
-                p.grad.mul_(scale)
-    return norm
-
-
-def run_finetune(args: FinetuneArgs) -> FinetuneSummary:
-    """Fine-tune LoRA adapters on a MoE model and save verified checkpoints.
+    Returns:
+        ``(step, last eval loss or None)`` recorded in the checkpoint.
 
     Raises:
-        FinetuneError: for every user-facing problem (config, files, model, checkpoint).
+        FinetuneError: unreadable/corrupt checkpoint, no training state, or already past
+            ``total_steps``.
     """
     import lora_checkpoint
-    import moe_experts
-    from lora_core import enable_lora_training, rebind_parameters
+
+    try:
+        ckpt = lora_checkpoint.load(path, verify=True)
+        lora_checkpoint.restore(result, ckpt)
+    except (lora_checkpoint.CheckpointError, OSError) as exc:
+        raise FinetuneError(f"--resume {path}: {exc}") from exc
+    state = ckpt.training_state
+    if state is None:
+        raise FinetuneError(f"--resume {path}: the checkpoint has no training state")
+    try:
+        state.apply(optimizer, result)
+    except lora_checkpoint.CheckpointError as exc:
+        raise FinetuneError(f"--resume {path}: {exc}") from exc
+    if state.step >= total_steps:
+        raise FinetuneError(
+            f"--resume {path}: the checkpoint is at step {state.step}; pass --steps greater "
+            f"than {state.step} to train further"
+        )
+    last_eval = state.data_position.get("eval_loss")
+    return state.step, float(last_eval) if isinstance(last_eval, (int, float)) else None
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t
+
+
+def _first_nonfinite(result: Any, world: int) -> str | None:
+    bad = next((n for n, p in result.named_optimizer_parameters
+                if not bool(torch.isfinite(_local(p.detach())).all())), None)
+    if world > 1:
+        # Every rank must agree before the collective save (or none of them calls it).
+        flag = torch.tensor([0 if bad is None else 1])
+        dist.all_reduce(flag)
+        if bad is None and int(flag) > 0:
+            bad = "a parameter on another rank"
+    return bad
+
+
+def _save(job: TrainingJob, done: int) -> Path:
+    import lora_checkpoint
+
+    bad = _first_nonfinite(job.result, job.ranks.world)
+    if bad is not None:
+        raise TrainingDivergedError(
+            f"training diverged by step {done}: {bad} is not finite, so no checkpoint was "
+            f"saved; lower --lr (it is {job.args.lr:g})"
+        )
+    last_eval = job.last_eval if job.last_eval is not None and math.isfinite(job.last_eval) \
+        else None
+    state = lora_checkpoint.TrainingState.capture(
+        job.optimizer, job.result, step=done,
+        data_position={"step": done, "seed": job.args.seed, "micro_step": 0,
+                       "eval_loss": last_eval})
+    try:
+        manifest = lora_checkpoint.save(job.args.output / "checkpoints", job.result,
+                                        training_state=state, keep_last=job.args.keep_last,
+                                        base_model_name_or_path=str(job.model_source))
+    except lora_checkpoint.CheckpointError as exc:
+        raise FinetuneError(f"saving the checkpoint of step {done} failed: {exc}") from exc
+    job.last_checkpoint = job.args.output / "checkpoints" / manifest.name
+    return job.last_checkpoint
+
+
+def _agreed_stop(job: TrainingJob) -> int:
+    signum = job.stop.signum if job.stop is not None and job.stop.signum else 0
+    if job.ranks.world > 1:
+        # A signal may reach the ranks at different steps; all stop at the same one.
+        flag = torch.tensor([signum])
+        dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+        signum = int(flag)
+    return signum
+
+
+def _diverged(job: TrainingJob, step: int, loss: float, norm: float, lr: float) -> str:
+    why = " (the gradient vanished: the activations overflowed)" if norm == 0.0 else ""
+    resume = (f"; the last good checkpoint is {job.last_checkpoint}"
+              if job.last_checkpoint is not None else "")
+    return (
+        f"training diverged at step {step}: loss {loss:.6g}, gradient norm {norm:.6g}{why}. "
+        f"Nothing from this step was saved. Lower --lr (it is {job.args.lr:g}; try "
+        f"{job.args.lr / 10:g}){resume}"
+    )
+
+
+def _step(job: TrainingJob, step: int, params: list[nn.Parameter]) -> tuple[float, float, float]:
     from lora_core.fsdp import sync_replicated_lora_gradients
 
-    if args.steps < 1 or args.batch_size < 1 or args.seq_len < 2:
-        raise FinetuneError("--steps and --batch-size must be >= 1 and --seq-len >= 2")
-    rank, world = _init_distributed()
-    if args.batch_size % world:
-        raise FinetuneError(
-            f"--batch-size {args.batch_size} is the global batch; it must divide by the "
-            f"{world} ranks"
-        )
-    lora = _lora_config(args)
-    data_path = args.data or default_corpus_path()
-    samples = load_samples(data_path, args.data_format)  # bad records fail before the model loads
-    if rank == 0:
-        loaded = load_model(args.model)
-    if world > 1:
-        dist.barrier()  # rank 0 creates the built-in model's cache directory first
-    if rank != 0:
-        loaded = load_model(args.model)
-    model = loaded.model
-    torch.manual_seed(args.seed)
-    wrap_report = moe_experts.wrap(model, weight_dtype=args.weight_dtype)
-    # Dense first: enable_lora_training freezes every parameter that is not its own LoRA.
-    dense = enable_lora_training(model, lora)
-    experts = moe_experts.adapt(model, lora)
-    result = dense.merge(experts)
-    if world > 1:
-        kept_out = {p for _, p in experts.named_optimizer_parameters}
-        kept_out |= {model.get_parameter(n) for n in experts.placeholders}
-        _shard_dense(model, kept_out)
-        # fully_shard replaces the dense Parameter objects with DTensor ones.
-        result = rebind_parameters(result, model)
-    params = result.parameters()
-    optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
-    examples = tokenize_samples(data_path, samples, loaded.tokenizer,
-                                train_on_prompt=args.train_on_prompt)
-    batches = PackedBatches.from_examples(examples, seq_len=args.seq_len,
-                                          batch_size=args.batch_size, seed=args.seed)
+    args, ranks = job.args, job.ranks
+    lr = lr_at(step, peak=args.lr, schedule=args.lr_schedule,
+               warmup_steps=args.warmup_steps, total_steps=args.steps)
+    for group in job.optimizer.param_groups:
+        group["lr"] = lr
+    batch = job.batches.model_batch(step)
+    targets = batch.num_targets
+    micro = args.batch_size // args.grad_accum
+    per_rank = micro // ranks.world
+    # FSDP averages gradients over ranks, so each rank's share is scaled up by world.
+    scale = ranks.world / max(targets, 1)
+    loss_sum = torch.zeros((), dtype=torch.float64)
+    for m in range(args.grad_accum):
+        lo = m * micro + ranks.rank * per_rank
+        part = token_loss_sum(job.model, batch.select(lo, lo + per_rank))
+        (part * scale).backward()
+        loss_sum += part.detach().double()
+    sync_replicated_lora_gradients(job.result)
+    if ranks.world > 1:
+        dist.all_reduce(loss_sum)
+    loss = float(loss_sum / max(targets, 1))
+    norm = clip_grad_norm(params, args.max_grad_norm)
+    vanished = norm == 0.0 and targets > 0 and loss > 0
+    if not math.isfinite(loss) or not math.isfinite(norm) or vanished:
+        raise TrainingDivergedError(_diverged(job, step + 1, loss, norm, lr))
+    job.optimizer.step()
+    job.optimizer.zero_grad(set_to_none=True)
+    return loss, norm, lr
 
-    first_step = 0
-    if args.resume is not None:
-        try:
-            ckpt = lora_checkpoint.load(args.resume, verify=True)
-        except (lora_checkpoint.CheckpointError, OSError) as exc:
-            raise FinetuneError(f"--resume {args.resume}: {exc}") from exc
-        try:
-            lora_checkpoint.restore(result, ckpt)
-        except lora_checkpoint.CheckpointError as exc:
-            raise FinetuneError(f"--resume {args.resume}: {exc}") from exc
-        if ckpt.training_state is None:
-            raise FinetuneError(f"--resume {args.resume}: the checkpoint has no training state")
-        ckpt.training_state.apply(optimizer, result)
-        first_step = ckpt.training_state.step
-        if first_step >= args.steps:
-            raise FinetuneError(
-                f"--resume {args.resume}: the checkpoint is at step {first_step}; pass "
-                f"--steps greater than {first_step} to train further"
-            )
 
-    out = Path(args.output)
-    log_path = out / "train_log.jsonl"
-    if rank == 0:
-        out.mkdir(parents=True, exist_ok=True)
-    per_rank = args.batch_size // world
-    losses: list[float] = []
+def train(job: TrainingJob) -> FinetuneSummary:
+    """Run optimizer steps ``first_step .. args.steps``; save, evaluate and log on the way.
+
+    Raises:
+        TrainingDivergedError: a non-finite loss/gradient norm, or a vanished gradient.
+        TrainingInterrupted: SIGINT/SIGTERM; a checkpoint of the current step was saved.
+        PeerLostError: another torchrun rank died.
+        FinetuneError: a checkpoint could not be saved.
+    """
+    args, ranks = job.args, job.ranks
+    lead = ranks.rank == 0
+    log = TrainLog(args.output / "train_log.jsonl")
+    if lead:
+        log.start_at(job.first_step)
+    reporter = Reporter(args, job.first_step) if lead else None
     bar = None
-    if rank == 0 and args.progress:
+    if lead and args.progress:
         from tqdm import tqdm
 
-        bar = tqdm(total=args.steps, initial=first_step, desc="finetune", unit="step")
-    checkpoint: Path | None = None
-    tokens = 0
-    start = time.perf_counter()
-    model.train()
-    for step in range(first_step, args.steps):
-        global_batch = batches.model_batch(step)
-        batch = global_batch.select(rank * per_rank, (rank + 1) * per_rank)
-        logits = model(**batch.model_inputs()).logits
-        # Normalised by the global target count: ranks hold different numbers of masked tokens.
-        loss = causal_lm_loss(logits, batch.labels, global_batch.num_targets / world)
-        loss.backward()
-        sync_replicated_lora_gradients(experts.named_optimizer_parameters)
-        grad_norm = _clip(params, args.max_grad_norm)
-        optimizer.step()
-        optimizer.zero_grad(set_to_none=True)
-        reported = loss.detach().clone()
-        if world > 1:
-            dist.all_reduce(reported)
-            reported /= world
-        value = float(reported)
-        if not math.isfinite(value):
-            raise FinetuneError(f"the loss became {value} at step {step}; lower --lr")
-        losses.append(value)
-        tokens += args.batch_size * args.seq_len
-        elapsed = time.perf_counter() - start
-        tps = tokens / max(elapsed, 1e-9)
-        if rank == 0:
-            record = {"step": step + 1, "loss": value, "grad_norm": grad_norm,
-                      "tokens_per_s": tps, "lr": args.lr, "elapsed_s": elapsed}
-            with log_path.open("a") as fh:
-                fh.write(json.dumps(record) + "\n")
-            if bar is not None:
-                bar.set_postfix(loss=f"{value:.4f}", tok_s=f"{tps:,.0f}")
-                bar.update(1)
-        done = step + 1
-        if done == args.steps or (args.save_every and done % args.save_every == 0):
-            state = lora_checkpoint.TrainingState.capture(
-                optimizer, result, step=done, data_position={"step": done, "seed": args.seed})
-            manifest = lora_checkpoint.save(out / "checkpoints", result, training_state=state,
-                                            keep_last=args.keep_last,
-                                            base_model_name_or_path=str(loaded.source))
-            checkpoint = out / "checkpoints" / manifest.name
-    if bar is not None:
-        bar.close()
+        bar = tqdm(total=args.steps, initial=job.first_step, desc="finetune", unit="step")
+    params = job.result.parameters()
+    losses: list[float] = []
+    tokens, start = 0, time.perf_counter()
+    saved_at = job.first_step if args.resume is not None else None
+    step = job.first_step
+    job.model.train()
+    try:
+        if signum := _agreed_stop(job):  # stopped while the model was loading
+            before = str(args.resume) if args.resume is not None else None
+            raise TrainingInterrupted(signum, job.first_step, before)
+        for step in range(job.first_step, args.steps):
+            loss, norm, lr = _step(job, step, params)
+            done = step + 1
+            losses.append(loss)
+            tokens += args.batch_size * args.seq_len
+            elapsed = time.perf_counter() - start
+            record: dict[str, Any] = {"step": done, "loss": loss, "grad_norm": norm, "lr": lr,
+                                      "tokens_per_s": tokens / max(elapsed, 1e-9),
+                                      "elapsed_s": elapsed}
+            if job.eval_batches and (done == args.steps
+                                     or (args.eval_every and done % args.eval_every == 0)):
+                job.last_eval = evaluate(job.model, job.eval_batches)
+                record["eval_loss"] = job.last_eval
+            if reporter is not None:
+                log.append(record)
+                reporter.log(done, {"train/loss": loss, "train/grad_norm": norm,
+                                    "train/lr": lr, "eval/loss": record.get("eval_loss")})
+                if bar is not None:
+                    post = {"loss": f"{loss:.4f}", "tok_s": f"{record['tokens_per_s']:,.0f}"}
+                    if job.last_eval is not None:
+                        post["eval"] = f"{job.last_eval:.4f}"
+                    bar.set_postfix(post)
+                    bar.update(1)
+            if done == args.steps or (args.save_every and done % args.save_every == 0):
+                _save(job, done)
+                saved_at = done
+            if done < args.steps and (signum := _agreed_stop(job)):
+                if saved_at != done:
+                    _save(job, done)
+                raise TrainingInterrupted(signum, done, str(job.last_checkpoint))
+    except TrainingInterrupted:
+        if lead:
+            plot_losses(log, args.output / "loss.png")
+        raise
+    except (TrainingDivergedError, PeerLostError, KeyboardInterrupt):
+        raise
+    except Exception as exc:
+        lost = diagnose_peer_loss(exc, ranks, step + 1)
+        if lost is not None:
+            raise lost from exc
+        raise
+    finally:
+        if bar is not None:
+            bar.close()
+        if reporter is not None:
+            reporter.close()
+    if lead:
+        plot_losses(log, args.output / "loss.png")
     elapsed = time.perf_counter() - start
     return FinetuneSummary(
-        losses=losses, first_step=first_step, checkpoint=checkpoint,
-        tokens_per_second=tokens / max(elapsed, 1e-9), world_size=world,
-        model_source=loaded.source,
-        extra={"wrap_bytes_moved": wrap_report.bytes_moved,
-               "args": {k: str(v) for k, v in asdict(args).items()}},
+        losses=losses, first_step=job.first_step, checkpoint=job.last_checkpoint,
+        tokens_per_second=tokens / max(elapsed, 1e-9), world_size=ranks.world,
+        model_source=job.model_source, eval_loss=job.last_eval,
     )

@@ -1,0 +1,160 @@
+"""torchrun support: the process group, FSDP2 on the dense layers, and naming a lost peer."""
+
+from __future__ import annotations
+
+import os
+import socket
+import time
+from dataclasses import dataclass
+from datetime import timedelta
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from moe_experts.finetune.errors import PeerLostError
+
+__all__ = ["Ranks", "clip_grad_norm", "diagnose_peer_loss", "init_distributed", "shard_dense"]
+
+# Words gloo and c10d use when the other side of a connection went away.
+_CONNECTION_WORDS = ("connection closed", "connection reset", "closed by peer", "broken pipe",
+                     "connection refused", "end of file", "eof")
+
+
+@dataclass(frozen=True)
+class Ranks:
+    """This process's rank, the world size, and every rank's (host, pid) for diagnosis."""
+
+    rank: int
+    world: int
+    peers: tuple[tuple[str, int], ...] = ()
+
+
+def init_distributed() -> Ranks:
+    """Join the gloo process group when launched by torchrun (``WORLD_SIZE`` > 1)."""
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world > 1 and not dist.is_initialized():
+        dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+    if not dist.is_initialized():
+        return Ranks(0, 1)
+    me = (socket.gethostname(), os.getpid())
+    peers: list[tuple[str, int]] = [me] * dist.get_world_size()
+    dist.all_gather_object(peers, me)
+    return Ranks(dist.get_rank(), dist.get_world_size(), tuple(peers))
+
+
+def shard_dense(model: nn.Module, kept_out: set[nn.Parameter]) -> None:
+    """FSDP2 over each decoder layer and the root; ``kept_out`` (experts) stays out of FSDP."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.fsdp import fully_shard
+
+    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    layers = getattr(getattr(model, "model", model), "layers", [])
+    for layer in layers:
+        mine = {p for p in layer.parameters() if p in kept_out}
+        fully_shard(layer, mesh=mesh, ignored_params=mine)
+    fully_shard(model, mesh=mesh, ignored_params=kept_out)
+
+
+def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> float:
+    """Clip by the global norm over sharded (DTensor) and replicated gradients alike.
+
+    Returns:
+        The norm before clipping (``inf``/``nan`` when a gradient is not finite; then the
+        gradients are left as they are and the caller stops).
+    """
+    from torch.distributed.tensor import DTensor
+
+    sharded = torch.zeros((), dtype=torch.float64)
+    replicated = torch.zeros((), dtype=torch.float64)
+    for p in params:
+        if p.grad is None:
+            continue
+        if isinstance(p.grad, DTensor):
+            sharded += p.grad.to_local().double().pow(2).sum()
+        else:
+            replicated += p.grad.double().pow(2).sum()
+    if dist.is_initialized():
+        dist.all_reduce(sharded)
+    norm = float((sharded + replicated).sqrt())
+    if norm == norm and norm != float("inf") and norm > max_norm:
+        scale = max_norm / (norm + 1e-6)
+        for p in params:
+            if p.grad is not None:
+                p.grad.mul_(scale)
+    return norm
+
+
+def _pid_gone(pid: int) -> bool:
+    stat = Path(f"/proc/{pid}/stat")
+    try:
+        # The state letter follows the parenthesised command name; Z/X: exited, not reaped.
+        state = stat.read_text().rsplit(")", 1)[1].split()[0]
+        return state in ("Z", "X")
+    except FileNotFoundError:
+        return True
+    except (OSError, IndexError):
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return True
+        except OSError:
+            return False
+        return False
+
+
+def _chain(exc: BaseException) -> list[BaseException]:
+    out: list[BaseException] = []
+    e: BaseException | None = exc
+    while e is not None and len(out) < 8:
+        out.append(e)
+        e = e.__cause__ or e.__context__
+    return out
+
+
+def _first_line(exc: BaseException) -> str:
+    # The innermost error is the real one (a wrapper's "waited 0:02:00" comes after it).
+    return " ".join(str(_chain(exc)[-1]).split())[:300]
+
+
+def diagnose_peer_loss(exc: BaseException, ranks: Ranks, step: int,
+                       wait_s: float = 3.0) -> PeerLostError | None:
+    """If a peer rank is gone, say which and why, in place of a collective's error.
+
+    A local peer's process is looked up by pid (every rank's pid was exchanged at start);
+    the lookup is polled for up to ``wait_s`` because the peer may still be exiting.
+
+    Returns:
+        The error to raise, or None when no peer is known to be gone and the error does not
+        look like a lost connection (then the original error stands).
+    """
+    if ranks.world <= 1:
+        return None
+    host = socket.gethostname()
+    text = " ".join(str(e) for e in _chain(exc)).lower()
+    lost_connection = any(word in text for word in _CONNECTION_WORDS)
+    deadline = time.monotonic() + wait_s
+    gone: list[int] = []
+    while True:
+        gone = [r for r, (h, pid) in enumerate(ranks.peers)
+                if r != ranks.rank and h == host and _pid_gone(pid)]
+        if gone or time.monotonic() >= deadline:
+            break
+        time.sleep(0.1)
+    cause = _first_line(exc)
+    if gone:
+        who = ", ".join(f"rank {r} (pid {ranks.peers[r][1]})" for r in gone)
+        return PeerLostError(
+            f"{who} of {ranks.world} exited during step {step}, so its connection closed and "
+            f"rank {ranks.rank} cannot continue; look at {who.split(' (')[0]}'s own output for "
+            f"why it stopped [{cause}]"
+        )
+    if lost_connection:
+        return PeerLostError(
+            f"a peer rank closed its connection during step {step} (it exited or its host "
+            f"went away), so rank {ranks.rank} cannot continue; look at the other ranks' "
+            f"output for why [{cause}]"
+        )
+    return None
+

@@ -1,0 +1,126 @@
+"""``run_finetune``: the composition of data, model, adaptation, resume and the loop."""
+
+from __future__ import annotations
+
+import random
+from dataclasses import replace
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from moe_experts.finetune.config import FinetuneArgs, lora_config
+from moe_experts.finetune.data import (
+    Batch,
+    DataError,
+    PackedBatches,
+    default_corpus_path,
+    load_samples,
+    tokenize_samples,
+)
+from moe_experts.finetune.distributed import Ranks, init_distributed, shard_dense
+from moe_experts.finetune.errors import FinetuneError
+from moe_experts.finetune.formats import Sample
+from moe_experts.finetune.interrupts import StopRequest
+from moe_experts.finetune.loop import FinetuneSummary, TrainingJob, restore_checkpoint, train
+from moe_experts.finetune.models import LoadedModel, load_model
+
+__all__ = ["run_finetune"]
+
+
+def _hold_out(samples: list[Sample], fraction: float,
+              seed: int) -> tuple[list[Sample], list[Sample]]:
+    """Split records into (train, eval), the eval share drawn by ``seed``."""
+    n_eval = max(1, round(len(samples) * fraction))
+    if n_eval >= len(samples):
+        raise FinetuneError(
+            f"--eval-split {fraction}: --data has only {len(samples)} record(s); nothing would "
+            "be left to train on (use --eval-data FILE instead)"
+        )
+    held = set(random.Random(seed).sample(range(len(samples)), n_eval))
+    return ([s for i, s in enumerate(samples) if i not in held],
+            [s for i, s in enumerate(samples) if i in held])
+
+
+def _read_samples(args: FinetuneArgs) -> tuple[list[Sample], list[Sample]]:
+    """Every training and evaluation record, read before the model loads."""
+    samples = load_samples(args.data or default_corpus_path(), args.data_format)
+    if args.eval_data is not None:
+        return samples, load_samples(args.eval_data, args.data_format)
+    if args.eval_split is not None:
+        return _hold_out(samples, args.eval_split, args.seed)
+    return samples, []
+
+
+def _datasets(args: FinetuneArgs, tokenizer: Any, samples: list[Sample],
+              eval_samples: list[Sample]) -> tuple[PackedBatches, list[Batch]]:
+    """Training batches by step, and the evaluation set in micro-batch sized chunks."""
+    path = args.data or default_corpus_path()
+    examples = tokenize_samples(path, samples, tokenizer, train_on_prompt=args.train_on_prompt)
+    train_batches = PackedBatches.from_examples(examples, seq_len=args.seq_len,
+                                                batch_size=args.batch_size, seed=args.seed)
+    if not eval_samples:
+        return train_batches, []
+    micro = args.batch_size // args.grad_accum
+    eval_path = args.eval_data or path
+    try:
+        packed = PackedBatches.from_examples(
+            tokenize_samples(eval_path, eval_samples, tokenizer,
+                             train_on_prompt=args.train_on_prompt),
+            seq_len=args.seq_len, batch_size=1, seed=args.seed)
+    except DataError:
+        raise
+    except FinetuneError as exc:
+        raise FinetuneError(f"the evaluation data ({eval_path}): {exc}") from exc
+    # One batch of every row, then cut in micro-batches: each row is evaluated exactly once.
+    everything = replace(packed, batch_size=packed.rows.shape[0]).model_batch(0)
+    n = packed.rows.shape[0]
+    return train_batches, [everything.select(i, min(i + micro, n)) for i in range(0, n, micro)]
+
+
+def _load_on_ranks(name: str, ranks: Ranks) -> LoadedModel:
+    # Rank 0 first: it creates the built-in model's cache directory the others then read.
+    loaded = load_model(name) if ranks.rank == 0 else None
+    if ranks.world > 1:
+        dist.barrier()
+    return loaded if loaded is not None else load_model(name)
+
+
+def _expert_parameters(model: torch.nn.Module) -> set[torch.nn.Parameter]:
+    from moe_experts import KernelExperts
+
+    return {p for m in model.modules() if isinstance(m, KernelExperts) for p in m.parameters()}
+
+
+def run_finetune(args: FinetuneArgs, stop: StopRequest | None = None) -> FinetuneSummary:
+    """Fine-tune LoRA adapters on a MoE model and save verified checkpoints.
+
+    Args:
+        args: the resolved run (see :mod:`moe_experts.finetune.config`).
+        stop: a signal-driven stop request the loop honours at step boundaries.
+
+    Raises:
+        FinetuneError: for every user-facing problem (config, files, model, checkpoint).
+        TrainingInterrupted: SIGINT/SIGTERM stopped the run after saving a checkpoint.
+    """
+    import moe_experts
+    from lora_core import rebind_parameters
+
+    lora = lora_config(args)
+    samples, eval_samples = _read_samples(args)  # bad records fail before the model loads
+    ranks = init_distributed()
+    loaded = _load_on_ranks(args.model, ranks)
+    torch.manual_seed(args.seed)
+    result = moe_experts.adapt_model(loaded.model, lora, weight_dtype=args.weight_dtype)
+    if ranks.world > 1:
+        shard_dense(loaded.model, _expert_parameters(loaded.model))
+        result = rebind_parameters(result, loaded.model)  # fully_shard made new Parameters
+    optimizer = torch.optim.AdamW(result.parameters(), lr=args.lr, weight_decay=0.0)
+    batches, eval_batches = _datasets(args, loaded.tokenizer, samples, eval_samples)
+    job = TrainingJob(args=args, model=loaded.model, result=result, optimizer=optimizer,
+                      batches=batches, eval_batches=eval_batches, ranks=ranks,
+                      model_source=loaded.source, stop=stop)
+    if args.resume is not None:
+        job.first_step, job.last_eval = restore_checkpoint(args.resume, result, optimizer,
+                                                           args.steps)
+    return train(job)

@@ -1,0 +1,156 @@
+"""Bad values, bad files and a used --output are refused with one line before any model loads;
+a diverging run stops with the step and a lower --lr, and saves nothing non-finite."""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+from lora_checkpoint import load
+
+
+def _assert_clean_error(proc, *needles: str) -> str:
+    assert proc.returncode == 1, (proc.returncode, proc.stdout, proc.stderr)
+    err = proc.stderr.strip()
+    assert "Traceback" not in err, err
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1, err
+    for needle in needles:
+        assert needle in lines[0], (needle, lines[0])
+    return lines[0]
+
+
+@pytest.fixture
+def cold(cli, tmp_path: Path):
+    """A runner whose model cache is empty: if the model loaded, the cache would fill."""
+    cache = tmp_path / "cold-cache"
+    cli.env = {**cli.env, "MOE_EXPERTS_CACHE": str(cache)}
+    yield cli
+    assert not cache.exists(), "the model was loaded before the bad input was refused"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("flags", "needles"), [
+    (["--lr", "nan"], ["--lr", "finite"]),
+    (["--lr", "inf"], ["--lr", "finite"]),
+    (["--lr", "0"], ["--lr", "> 0"]),
+    (["--lr=-1e-3"], ["--lr", "> 0"]),
+    (["--max-grad-norm", "nan"], ["--max-grad-norm"]),
+    (["--max-grad-norm", "0"], ["--max-grad-norm", "> 0"]),
+    (["--save-every", "0"], ["--save-every", ">= 1"]),
+    (["--keep-last", "0"], ["--keep-last", ">= 1"]),
+    (["--grad-accum", "3", "--batch-size", "8"], ["--batch-size", "--grad-accum"]),
+    (["--lr-schedule", "cosin"], ["--lr-schedule", "cosine"]),
+    (["--eval-every", "5"], ["--eval-every", "--eval-data"]),
+], ids=["lr-nan", "lr-inf", "lr-zero", "lr-negative", "clip-nan", "clip-zero", "save-every-0",
+        "keep-last-0", "accum-split", "schedule-typo", "eval-without-data"])
+def test_bad_value_refused_before_the_model_loads(cold, tmp_path: Path, flags, needles) -> None:
+    _assert_clean_error(cold.run([*flags, "--output", str(tmp_path / "out")]), *needles)
+
+
+@pytest.mark.timeout(120)
+def test_output_under_a_file(cold, tmp_path: Path) -> None:
+    blocker = tmp_path / "file.txt"
+    blocker.write_text("not a directory")
+    _assert_clean_error(cold.run(["--output", str(blocker / "run")]), "--output", "file.txt")
+
+
+@pytest.mark.timeout(120)
+def test_output_not_writable(cold, tmp_path: Path) -> None:
+    if os.geteuid() == 0:
+        # root writes through permission bits; sysfs refuses new entries even to root.
+        target = Path("/sys/fs/moe-experts-test/run")
+        if not Path("/sys/fs").is_dir():
+            pytest.skip("no unwritable directory available to root here")
+    else:
+        locked = tmp_path / "locked"
+        locked.mkdir()
+        locked.chmod(0o500)
+        target = locked / "run"
+    _assert_clean_error(cold.run(["--output", str(target)]), "--output", "cannot write")
+
+
+@pytest.mark.timeout(120)
+def test_data_not_utf8_names_file_and_line(cold, tmp_path: Path) -> None:
+    data = tmp_path / "latin1.txt"
+    data.write_bytes("first line\nsecond line\ncaf\xe9 au lait\n".encode("latin-1"))
+    _assert_clean_error(cold.run(["--data", str(data), "--output", str(tmp_path / "out")]),
+                        "latin1.txt", "line 3", "UTF-8")
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(("yaml_text", "needles"), [
+    ("training:\n  lr: 1e-3\n  lerning_rate: 2\n", ["training.lerning_rate"]),
+    ("trainig:\n  lr: 1e-3\n", ["trainig", "training"]),
+    ("training:\n  stepz: 3\n", ["training.stepz", "steps"]),
+    ("lr: 0.1\n", ["lr", "training.lr"]),
+    ("lora:\n  rnak: 4\n", ["lora.rnak", "rank"]),
+    ("models:\n  moe:\n    lora:\n      enable: true\n      rnak: 8\n", ["rnak", "rank"]),
+    ("models:\n  moe:\n    lora: {rank: 4}\n    loar: {}\n", ["models.moe.loar", "lora"]),
+    ("output:\n  keep_last: 0\n", ["output.keep_last", ">= 1"]),
+], ids=["training-key", "section", "near-key", "wrong-section", "lora-key", "legacy-lora-key",
+        "legacy-block", "yaml-value"])
+def test_config_unknown_keys_suggest_the_nearest(cold, tmp_path: Path, yaml_text, needles) -> None:
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(yaml_text)
+    _assert_clean_error(cold.run(["--config", str(cfg), "--output", str(tmp_path / "out")]),
+                        *needles)
+
+
+@pytest.mark.timeout(300)
+def test_existing_output_needs_resume_or_overwrite(tmp_path: Path, cli) -> None:
+    out = tmp_path / "run"
+    common = ["--batch-size", "2", "--seq-len", "16", "--no-progress", "--output", str(out)]
+    first = cli.run([*common, "--steps", "3"])
+    assert first.returncode == 0, first.stderr
+    again = cli.run([*common, "--steps", "2"])
+    _assert_clean_error(again, "already holds checkpoints", "--resume", "--overwrite")
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step-00000003"
+    fresh = cli.run([*common, "--steps", "2", "--overwrite"])
+    assert fresh.returncode == 0, fresh.stderr
+    assert [r["step"] for r in cli.log(out)] == [1, 2]
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step-00000002"
+    assert not (out / "checkpoints" / "step-00000003").exists()
+
+
+@pytest.mark.timeout(300)
+def test_resume_logs_each_step_once(tmp_path: Path, cli) -> None:
+    out = tmp_path / "run"
+    common = ["--batch-size", "2", "--seq-len", "16", "--no-progress", "--output", str(out),
+              "--keep-last", "5"]
+    full = cli.run([*common, "--steps", "6", "--save-every", "3"])
+    assert full.returncode == 0, full.stderr
+    before = cli.log(out)
+    # A crash after step 6 was logged but before its checkpoint was published: latest is
+    # step 3, and resuming logs steps 4-6 again.
+    shutil.rmtree(out / "checkpoints" / "step-00000006")
+    (out / "checkpoints" / "latest").write_text("step-00000003")
+    resumed = cli.run([*common, "--steps", "6", "--resume", str(out / "checkpoints")])
+    assert resumed.returncode == 0, resumed.stderr
+    after = cli.log(out)
+    assert [r["step"] for r in after] == [1, 2, 3, 4, 5, 6]
+    assert [r["loss"] for r in after] == [r["loss"] for r in before]
+    # Resuming from an older checkpoint while later ones exist is refused (they would clash).
+    older = cli.run([*common, "--steps", "6", "--resume", str(out / "checkpoints" /
+                                                              "step-00000003")])
+    _assert_clean_error(older, "later checkpoints", "step-00000006")
+
+
+@pytest.mark.timeout(300)
+def test_divergence_stops_with_the_step_and_saves_nothing(tmp_path: Path, cli) -> None:
+    out = tmp_path / "run"
+    # lr 1e6: after one step the adapters are ~1e6, the activations overflow and the
+    # gradient vanishes (today: exit 0 with a flat loss and adapters of 5e6 saved as latest).
+    proc = cli.run(["--lr", "1e6", "--steps", "20", "--save-every", "1", "--batch-size", "2",
+                    "--seq-len", "16", "--no-progress", "--output", str(out)])
+    line = _assert_clean_error(proc, "diverged", "step 2", "--lr")
+    assert "1e+06" in line or "1000000" in line
+    # Only the step-1 checkpoint exists (finite), and it is what latest names.
+    assert (out / "checkpoints" / "latest").read_text().strip() == "step-00000001"
+    ckpt = load(out / "checkpoints")
+    for name, tensor in ckpt.tensors.items():
+        assert bool(tensor.isfinite().all()), name
+    assert [r["step"] for r in cli.log(out)] == [1]
