@@ -17,11 +17,13 @@ from moe_experts.architectures import (
 )
 from moe_experts.errors import (
     AdaptError,
+    LoadError,
     PlaceholderAccessError,
     UnsupportedModelError,
     WrapError,
 )
 from moe_experts.kernel_experts import KernelExperts
+from moe_experts.loading import load_pretrained
 from moe_experts.placeholders import (
     ExpertPlaceholder,
     is_placeholder,
@@ -35,6 +37,7 @@ __all__ = [
     "AdaptError",
     "ExpertPlaceholder",
     "KernelExperts",
+    "LoadError",
     "MoEArchitecture",
     "MoEBlockSite",
     "PlaceholderAccessError",
@@ -48,6 +51,7 @@ __all__ = [
     "find_architecture",
     "is_placeholder",
     "iter_moe_blocks",
+    "load_pretrained",
     "make_placeholder",
     "named_placeholders",
     "peft_key_prefix",
