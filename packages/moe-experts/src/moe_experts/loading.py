@@ -28,6 +28,7 @@ import kt_kernel
 from moe_experts.architectures import MoEBlockSite, find_architecture, iter_moe_blocks
 from moe_experts.errors import LoadError
 from moe_experts.kernel_experts import KernelExperts, Policy
+from moe_experts.memory import trim_host_heap
 from moe_experts.wrapping import _DTYPES, WeightDType, _check_activation, _expert_spec
 
 __all__ = ["load_pretrained"]
@@ -366,4 +367,5 @@ def load_pretrained(
             f"{path}: the checkpoint has no tensor for {missing[:5]}"
             f"{' ...' if len(missing) > 5 else ''}; it was saved from a different model"
         )
+    trim_host_heap()
     return model.eval()
