@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import re
 from collections.abc import Iterator
-from contextlib import ExitStack, contextmanager
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -151,72 +151,152 @@ class _KeyMapper:
         return None
 
 
-def _read(files: ExitStack, handles: dict[Path, Any], file: Path, key: str) -> torch.Tensor:
-    from safetensors import safe_open
+# safetensors dtype names -> torch dtypes (the ones a checkpoint of these families uses).
+_ST_DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
 
-    if file not in handles:
-        try:
-            handles[file] = files.enter_context(safe_open(str(file), framework="pt"))
-        except Exception as exc:  # safetensors raises its own error types for bad headers
-            raise LoadError(f"cannot open {file} as safetensors: {exc}") from exc
-    return handles[file].get_tensor(key)
+
+class _Shards:
+    """Reads single tensors from safetensors files with plain reads into owned memory.
+
+    Not a memory map: the pages of a mapped shard count as resident while it is mapped (a
+    block's experts would stay resident once read), whereas ``readinto`` leaves them in the
+    page cache only and every tensor owns aligned memory.
+    """
+
+    def __init__(self) -> None:
+        self._headers: dict[Path, tuple[dict[str, Any], int]] = {}
+
+    def _header(self, file: Path) -> tuple[dict[str, Any], int]:
+        if file not in self._headers:
+            try:
+                with file.open("rb") as f:
+                    size = int.from_bytes(f.read(8), "little")
+                    header = json.loads(f.read(size))
+                if not isinstance(header, dict):
+                    raise ValueError("the header is not a JSON object")
+            except (OSError, ValueError) as exc:
+                raise LoadError(f"cannot read {file} as safetensors: {exc}") from exc
+            header.pop("__metadata__", None)
+            self._headers[file] = (header, 8 + size)
+        return self._headers[file]
+
+    def info(self, file: Path, key: str) -> tuple[tuple[int, ...], torch.dtype, int, int]:
+        """``(shape, dtype, start, end)`` of ``key`` in ``file`` (absolute byte offsets)."""
+        header, base = self._header(file)
+        entry = header.get(key)
+        if not isinstance(entry, dict):
+            raise LoadError(f"{file.name} has no tensor {key!r} although the index names it")
+        dtype = _ST_DTYPES.get(entry.get("dtype", ""))
+        if dtype is None:
+            raise LoadError(f"{file.name}: tensor {key!r} has unsupported dtype {entry['dtype']}")
+        start, end = entry["data_offsets"]
+        return tuple(entry["shape"]), dtype, base + start, base + end
+
+    def read(self, file: Path, key: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+        """The tensor ``key`` in owned memory; with ``shape``, a mismatch is a LoadError."""
+        have, dtype, start, end = self.info(file, key)
+        if shape is not None:
+            _expect(have, shape, key, file)
+        out = torch.empty(have, dtype=dtype)
+        buf = out.view(-1).view(torch.uint8).numpy() if out.numel() else None
+        if end - start != out.numel() * out.element_size():
+            raise LoadError(f"{file.name}: tensor {key!r} has a corrupt byte range")
+        if buf is not None:
+            with file.open("rb") as f:
+                f.seek(start)
+                if f.readinto(buf) != end - start:
+                    raise LoadError(f"{file.name} is truncated inside tensor {key!r}")
+        return out
 
 
-def _expect(t: torch.Tensor, shape: tuple[int, ...], key: str, file: Path) -> torch.Tensor:
-    if tuple(t.shape) != shape:
+def _expect(have: tuple[int, ...], shape: tuple[int, ...], key: str, file: Path) -> None:
+    if tuple(have) != tuple(shape):
         raise LoadError(
-            f"{file.name}: tensor {key!r} has shape {list(t.shape)}, the model expects "
+            f"{file.name}: tensor {key!r} has shape {list(have)}, the model expects "
             f"{list(shape)}; the checkpoint does not match its config.json"
         )
-    return t
 
 
 def _assemble(
     site: MoEBlockSite,
     keys: _ExpertKeys,
     where: dict[str, Path],
+    shards: _Shards,
     meta: tuple[torch.Tensor, torch.Tensor],
+    storage: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """One block's ``gate_up [E, 2I, H]`` and ``down [E, H, I]`` in the model dtype."""
+    """One block's ``gate_up [E, 2I, H]`` and ``down [E, H, I]`` in the ``storage`` dtype.
+
+    Each tensor is first cast to the model dtype (what ``from_pretrained`` holds), then to
+    ``storage`` (what ``wrap`` copies it to), so the values are exactly those of that path.
+    """
     gu_meta, dn_meta = meta
-    e, two_i, h = gu_meta.shape
+    e, two_i = gu_meta.shape[:2]
     inter = two_i // 2
     name = site.experts_name
-    with ExitStack() as files:
-        handles: dict[Path, Any] = {}
-        if keys.fused and keys.per_expert:
-            raise LoadError(
-                f"{name}: the checkpoint holds both fused ({sorted(keys.fused.values())[0]!r}) "
-                "and per-expert keys; it must use one layout per experts module"
-            )
-        if keys.fused:
-            out = []
-            for part, m in (("gate_up", gu_meta), ("down", dn_meta)):
-                key = keys.fused.get(part)
-                if key is None:
-                    raise LoadError(f"{name}: the checkpoint has no fused {part} tensor for it")
-                t = _read(files, handles, where[key], key)
-                out.append(_expect(t, tuple(m.shape), key, where[key]).to(m.dtype))
-            return out[0], out[1]
-        gate_up = torch.empty(gu_meta.shape, dtype=gu_meta.dtype)
-        down = torch.empty(dn_meta.shape, dtype=dn_meta.dtype)
-        for x in range(e):
-            for role, dst, shape in (
-                ("gate", gate_up[x, :inter], (inter, h)),
-                ("up", gate_up[x, inter:], (inter, h)),
-                ("down", down[x], (h, inter)),
-            ):
-                key = keys.per_expert.get((x, role))
-                if key is None:
-                    raise LoadError(
-                        f"{name}: the checkpoint has no {role} weight for expert {x} (expected "
-                        f"a key like '{name}.{x}.<{role} proj>.weight'); it holds "
-                        f"{len(keys.per_expert)} of the {3 * e} per-expert tensors"
-                    )
-                t = _read(files, handles, where[key], key)
-                dst.copy_(_expect(t, shape, key, where[key]).to(dst.dtype))
-                del t
+    if keys.fused and keys.per_expert:
+        raise LoadError(
+            f"{name}: the checkpoint holds both fused ({sorted(keys.fused.values())[0]!r}) "
+            "and per-expert keys; it must use one layout per experts module"
+        )
+    gate_up = torch.empty(gu_meta.shape, dtype=storage)
+    down = torch.empty(dn_meta.shape, dtype=storage)
+    if keys.fused:
+        for part, dst in (("gate_up", gate_up), ("down", down)):
+            key = keys.fused.get(part)
+            if key is None:
+                raise LoadError(f"{name}: the checkpoint has no fused {part} tensor for it")
+            t = shards.read(where[key], key, tuple(dst.shape))
+            dst.copy_(t.to(gu_meta.dtype))
+            del t
         return gate_up, down
+    for x in range(e):
+        for role, dst in (
+            ("gate", gate_up[x, :inter]),
+            ("up", gate_up[x, inter:]),
+            ("down", down[x]),
+        ):
+            key = keys.per_expert.get((x, role))
+            if key is None:
+                raise LoadError(
+                    f"{name}: the checkpoint has no {role} weight for expert {x} (expected "
+                    f"a key like '{name}.{x}.<{role} proj>.weight'); it holds "
+                    f"{len(keys.per_expert)} of the {3 * e} per-expert tensors"
+                )
+            t = shards.read(where[key], key, tuple(dst.shape))
+            dst.copy_(t.to(gu_meta.dtype))
+            del t
+    return gate_up, down
+
+
+def _adopt_dense(
+    spec: kt_kernel.ExpertSpec, gate_up: torch.Tensor, down: torch.Tensor
+) -> kt_kernel.ExpertWeights:
+    """Dense :class:`kt_kernel.ExpertWeights` over already-filled storage, without a copy."""
+    from_parts = getattr(kt_kernel.ExpertWeights, "from_parts", None)
+    if from_parts is not None:  # kt-kernel with pluggable weight formats
+        from kt_kernel.formats import Dense
+
+        return from_parts(spec, Dense(gate_up.dtype), (gate_up,), (down,))
+    return kt_kernel.ExpertWeights(spec, gate_up, down)
+
+
+def _like(meta: torch.Tensor) -> torch.Tensor:
+    """A CPU tensor description of ``meta`` for the placeholder (no storage is touched)."""
+    return torch.empty(1, dtype=meta.dtype).expand(meta.shape)
 
 
 def _set_tensor(model: nn.Module, name: str, value: torch.Tensor) -> None:
@@ -315,30 +395,34 @@ def load_pretrained(
         else:
             keys.per_expert[slot] = key
 
-    # Experts first, one block at a time, so the meta experts never need storage.
+    # Experts first, one block at a time, so the meta experts never need storage. Dense
+    # formats are filled in place (the transient is one expert); int8 quantises a block.
+    shards = _Shards()
+    quantised = weight_dtype == "int8"
     for site in sites:
         experts = getattr(site.block, arch.experts_attr)
         meta = (getattr(experts, arch.gate_up_param), getattr(experts, arch.down_param))
-        gate_up, down = _assemble(site, expert_keys[site.experts_name], where, meta)
+        storage = meta[0].dtype if quantised else _DTYPES[weight_dtype]
+        keys = expert_keys[site.experts_name]
+        gate_up, down = _assemble(site, keys, where, shards, meta, storage)
         spec = _expert_spec(site, gate_up, down)
-        weights = kt_kernel.ExpertWeights.from_fused(
-            spec,
-            gate_up,
-            down,
-            dtype=_DTYPES[weight_dtype],
-            weight_dtype="int8" if weight_dtype == "int8" else None,
-        )
+        if quantised:
+            weights = kt_kernel.ExpertWeights.from_fused(
+                spec, gate_up, down, dtype=_DTYPES[weight_dtype], weight_dtype="int8"
+            )
+        else:
+            weights = _adopt_dense(spec, gate_up, down)
         kernel = KernelExperts(
             weights,
-            gate_up_like=gate_up,
-            down_like=down,
+            gate_up_like=_like(meta[0]),
+            down_like=_like(meta[1]),
             gate_up_name=arch.gate_up_param,
             down_name=arch.down_param,
             label=site.experts_name,
             policy=policy,
         )
         setattr(site.block, arch.experts_attr, kernel)
-        del gate_up, down, weights
+        del gate_up, down, weights, experts, meta
 
     state = dict(model.named_parameters(remove_duplicate=False))
     state.update(model.named_buffers(remove_duplicate=False))
@@ -348,18 +432,13 @@ def load_pretrained(
             f"{path}: checkpoint keys the {type(model).__name__} does not have: "
             f"{unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}"
         )
-    with ExitStack() as files:
-        handles: dict[Path, Any] = {}
-        # Shard by shard so each file is mapped once.
-        for name, key in sorted(dense.items(), key=lambda kv: str(where[kv[1]])):
-            current = state[name]
-            t = _read(files, handles, where[key], key)
-            _expect(t, tuple(current.shape), key, where[key])
-            target = _target_dtype(model, name, current.dtype, dtype)
-            value = t.to(target) if t.dtype.is_floating_point else t
-            # safetensors hands out views of the file mapping: own the memory instead.
-            _set_tensor(model, name, value.clone() if value is t else value)
-            del t, value
+    # Shard by shard, in file order.
+    for name, key in sorted(dense.items(), key=lambda kv: str(where[kv[1]])):
+        current = state[name]
+        t = shards.read(where[key], key, tuple(current.shape))
+        target = _target_dtype(model, name, current.dtype, dtype)
+        _set_tensor(model, name, t.to(target) if t.dtype.is_floating_point else t)
+        del t
     model.tie_weights()
     missing = sorted(n for n, p in model.named_parameters() if p.device.type == "meta")
     if missing:
