@@ -202,6 +202,21 @@ def test_missing_dense_key_and_files(ckpt_copy, tmp_path: Path) -> None:
         load_pretrained(path)
 
 
-def test_rejects_unsupported_dense_device(checkpoints) -> None:
-    with pytest.raises(LoadError, match="dense_device"):
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without a GPU")
+def test_unusable_dense_device_is_a_load_error(checkpoints) -> None:
+    with pytest.raises(LoadError, match="dense_device='cuda' is not usable here"):
         load_pretrained(checkpoints[("olmoe", "fused")], dense_device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_dense_on_cuda_experts_on_cpu(checkpoints) -> None:
+    path = checkpoints[("qwen3_moe", "per_expert")]
+    ref = load_pretrained(path, weight_dtype="fp32", dtype=torch.float32)
+    got = load_pretrained(path, weight_dtype="fp32", dtype=torch.float32, dense_device="cuda")
+    assert got.lm_head.weight.device.type == "cuda"
+    ids = token_batch()
+    with torch.no_grad():
+        want = ref(ids).logits
+        have = got(ids.cuda()).logits
+    torch.testing.assert_close(have.cpu(), want, rtol=1e-4, atol=1e-4)

@@ -344,7 +344,8 @@ def load_pretrained(
             ``model.safetensors.index.json``.
         weight_dtype: kernel storage, ``"bf16"``, ``"fp32"`` or ``"int8"`` (as in ``wrap``).
         dtype: the model dtype (dense weights, and what ``from_pretrained`` would give experts).
-        dense_device: device of the dense (non-expert) weights; only ``"cpu"`` for now.
+        dense_device: device of the dense (non-expert) weights, e.g. ``"cuda:0"``; the experts
+            stay on the CPU kernel and hidden states cross over and back (autograd too).
         policy: kt-kernel activation policy, ``"save"`` or ``"recompute"``.
 
     Returns:
@@ -363,11 +364,14 @@ def load_pretrained(
         raise WrapError(f"weight_dtype must be one of {sorted(_DTYPES)}, got {weight_dtype!r}")
     if policy not in ("save", "recompute"):
         raise WrapError(f"policy must be 'save' or 'recompute', got {policy!r}")
-    if torch.device(dense_device).type != "cpu":
+    try:
+        dense_device = torch.device(dense_device)
+        torch.empty(0, device=dense_device)
+    except (RuntimeError, AssertionError) as exc:  # torch's "not compiled with CUDA" is one
         raise LoadError(
-            f"dense_device={str(dense_device)!r} is not supported yet; load on 'cpu' and move "
-            "the dense layers with model.to() after loading"
-        )
+            f"dense_device={str(dense_device)!r} is not usable here ({exc}); pass 'cpu' or an "
+            "available accelerator such as 'cuda:0'"
+        ) from exc
     path = Path(path)
     if not (path / "config.json").is_file():
         raise LoadError(f"{path} has no config.json; pass a save_pretrained directory")
@@ -447,4 +451,8 @@ def load_pretrained(
             f"{' ...' if len(missing) > 5 else ''}; it was saved from a different model"
         )
     trim_host_heap()
+    if dense_device.type != "cpu":
+        # Placeholders move as metadata; the kernel's storage is no module state and stays on
+        # the CPU, where KernelExperts copies hidden states to and back.
+        model.to(dense_device)
     return model.eval()
