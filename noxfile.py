@@ -52,10 +52,12 @@ ENV = {
 
 nox.options.default_venv_backend = "venv"
 nox.options.error_on_external_run = True
+DIST = ROOT / "dist"
 nox.options.sessions = [
     "lint",
     *(f"tests-{name}" for name in LOCAL_DEPS),
     *(f"integration-{combo}" for combo in COMBOS),
+    *(f"install-alone-{name}" for name in LOCAL_DEPS),
 ]
 
 
@@ -169,14 +171,63 @@ def lint(session: nox.Session) -> None:
     session.run("ruff", "check", str(ROOT), *session.posargs)
 
 
+def _build_dist(session: nox.Session) -> None:
+    """Copy every package's wheel (built against the pinned torch) into ``dist/``."""
+    DIST.mkdir(exist_ok=True)
+    for package in LOCAL_DEPS:
+        wheel = _wheel(session, package, DEFAULT_CONSTRAINTS)
+        for old in DIST.glob(wheel.name.split("-")[0] + "-*.whl"):
+            old.unlink()
+        shutil.copy2(wheel, DIST / wheel.name)
+
+
+@nox.session
+def wheels(session: nox.Session) -> None:
+    """Build every package's wheel into dist/ (then: pip install --find-links dist ...)."""
+    _install_torch(session, DEFAULT_CONSTRAINTS)
+    _build_dist(session)
+    session.log("wheels in %s: %s", DIST, ", ".join(sorted(p.name for p in DIST.glob("*.whl"))))
+
+
+def _make_install_alone_session(package: str) -> None:
+    def install_alone(session: nox.Session) -> None:
+        # The README's command, word for word, in a fresh venv holding nothing else; torch
+        # resolves through the constraints to the pinned CPU build.
+        _install_torch(session, DEFAULT_CONSTRAINTS)
+        _build_dist(session)
+        session.run("python", "-m", "pip", "install", "--find-links", str(DIST), "-c",
+                    str(DEFAULT_CONSTRAINTS), package, env=_pip_env(DEFAULT_CONSTRAINTS))
+        module = package.replace("-", "_")
+        session.chdir(session.create_tmp())  # never import from the source tree
+        session.run("python", "-c", f"import {module}; print({module}.__name__, "
+                    f"{module}.__version__)", env=ENV)
+
+    install_alone.__doc__ = (f"Install {package} alone from dist/ with the README's one command "
+                             "and import it.")
+    nox.session(name=f"install-alone-{package}")(install_alone)
+
+
+for _package in LOCAL_DEPS:
+    _make_install_alone_session(_package)
+
+
 @nox.session
 def demo(session: nox.Session) -> None:
-    """The main job: a real LoRA fine-tune of a tiny MoE model on CPU (pass CLI flags after --)."""
+    """The main job: chat fine-tune of a tiny MoE model on CPU, then generate with the adapter.
+
+    Flags after ``--`` go to ``moe-experts finetune`` (e.g. ``-- --steps 50``).
+    """
     _install_torch(session, DEFAULT_CONSTRAINTS)
     _install_packages(session, ["moe-experts[train]"], DEFAULT_CONSTRAINTS)
     out = ROOT / "demo-output"
-    args = session.posargs or ["--output", str(out)]
+    chat = session.run("python", "-c", "from moe_experts.finetune.data import chat_demo_path; "
+                       "print(chat_demo_path())", silent=True).strip().splitlines()[-1]
+    args = ["--data", chat, "--steps", "300", "--output", str(out), *session.posargs]
     session.run("moe-experts", "finetune", *args, env=ENV)
+    for prompt in ("What is the opposite of hot?", "What color is the sky?"):
+        session.log("moe-experts generate --prompt %r", prompt)
+        session.run("moe-experts", "generate", "--adapter", str(out / "checkpoints"),
+                    "--prompt", prompt, "--max-new-tokens", "40", env=ENV)
 
 
 @nox.session

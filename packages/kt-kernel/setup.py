@@ -6,6 +6,7 @@ against. ``KT_KERNEL_NO_NATIVE=1`` builds a pure-Python wheel (the reference imp
 """
 
 import os
+from pathlib import Path
 
 from setuptools import setup
 
@@ -19,12 +20,8 @@ if os.environ.get("KT_KERNEL_NO_NATIVE", "0") != "1":
     ext_modules = [
         CppExtension(
             name="kt_kernel._C",
-            sources=[
-                "csrc/moe_kernel.cpp",
-                "csrc/elementwise.cpp",
-                "csrc/int8_kernel.cpp",
-                "csrc/int8_dequant.cpp",
-            ],
+            # Every csrc/*.cpp: a new weight format is one file that registers its tile loader.
+            sources=sorted(str(p) for p in Path("csrc").glob("*.cpp")),
             extra_compile_args=["-O3", "-fopenmp", "-fno-math-errno"],
             extra_link_args=["-fopenmp"],
         )

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 import kt_kernel as kk
+from moe_experts import peft_mapping as pm  # the PEFT layout lives in moe-experts
 
 
 @dataclass(frozen=True)
@@ -76,7 +77,7 @@ def make_problem(shape: Shape, tokens: int, dtype: torch.dtype, seed: int = 0) -
     with torch.no_grad():
         for _, p in lora.named_parameters():
             p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
-    return Problem(shape, tokens, dtype, gate_up, down, x, ids, w, dy, kk.lora_to_peft(lora))
+    return Problem(shape, tokens, dtype, gate_up, down, x, ids, w, dy, pm.lora_to_peft(lora))
 
 
 @dataclass
@@ -107,7 +108,7 @@ def kt_native(p: Problem, policy: str = "save", backend: str = "native") -> Runn
     s = p.shape
     spec = kk.ExpertSpec(s.experts, s.hidden, s.inter)
     weights = kk.ExpertWeights.from_fused(spec, p.gate_up, p.down)
-    lora = kk.lora_from_peft(spec, p.fused_lora, rank=s.rank, alpha=2.0 * s.rank, layout="fused")
+    lora = pm.lora_from_peft(spec, p.fused_lora, rank=s.rank, alpha=2.0 * s.rank, layout="fused")
     return _step(
         lambda x, w: kk.moe_experts_forward(
             x, p.ids, w, weights, lora, policy=policy, backend=backend
@@ -205,10 +206,10 @@ def linear_peft(p: Problem) -> Runner:
     mlps = nn.ModuleList(Qwen3MoeMLP(cfg, intermediate_size=s.inter) for _ in range(s.experts))
     mlps = mlps.to(p.dtype)
     e_, r = s.experts, s.rank
-    a_gu = kk.unstack_lora_a(p.fused_lora["gate_up_proj.lora_A.weight"], e_)
-    b_gu = kk.unstack_lora_b(p.fused_lora["gate_up_proj.lora_B.weight"], e_)
-    a_d = kk.unstack_lora_a(p.fused_lora["down_proj.lora_A.weight"], e_)
-    b_d = kk.unstack_lora_b(p.fused_lora["down_proj.lora_B.weight"], e_)
+    a_gu = pm.unstack_lora_a(p.fused_lora["gate_up_proj.lora_A.weight"], e_)
+    b_gu = pm.unstack_lora_b(p.fused_lora["gate_up_proj.lora_B.weight"], e_)
+    a_d = pm.unstack_lora_a(p.fused_lora["down_proj.lora_A.weight"], e_)
+    b_d = pm.unstack_lora_b(p.fused_lora["down_proj.lora_B.weight"], e_)
     with torch.no_grad():
         for e, m in enumerate(mlps):
             m.gate_proj.weight.copy_(p.gate_up[e, : s.inter])

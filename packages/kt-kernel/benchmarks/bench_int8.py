@@ -192,7 +192,7 @@ def main() -> None:
         "threads": torch.get_num_threads(),
         "torch": torch.__version__,
         "kt_kernel": kk.__version__,
-        "int8_isa": str(torch.ops.kt_kernel_int8.isa()),
+        "int8_isa": str(torch.ops.kt_kernel.int8_isa()),
         "backend": kk.backend_info().isa,
         "cpu": platform.processor() or platform.machine(),
         "loadavg": os.getloadavg(),

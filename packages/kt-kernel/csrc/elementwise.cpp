@@ -2,6 +2,7 @@
 // the wheel runs on any x86-64; each copy below is compiled for its ISA by a target pragma
 // and kernels() picks one from CPUID at first use.
 #include "elementwise.h"
+#include "formats.h"
 
 #include <cstdint>
 #include <cstdlib>
@@ -30,18 +31,14 @@ namespace isa_base {
 }  // namespace isa_base
 
 static Kernels select() {
-  // KT_KERNEL_ISA=avx2|scalar caps the choice (for testing the fallback paths).
-  const char* cap = std::getenv("KT_KERNEL_ISA");
-  const bool allow512 = !cap || std::strcmp(cap, "avx512") == 0;
-  const bool allow2 = allow512 || std::strcmp(cap, "avx2") == 0;
 #if defined(__x86_64__) && defined(__GNUC__)
-  __builtin_cpu_init();
-  if (allow512 && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
-      __builtin_cpu_supports("avx512vl") && __builtin_cpu_supports("avx512dq")) {
-    return isa_avx512::make_table("avx512");
-  }
-  if (allow2 && __builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) {
-    return isa_avx2::make_table("avx2");
+  switch (isa_level()) {
+    case Isa::kAvx512:
+      return isa_avx512::make_table("avx512");
+    case Isa::kAvx2:
+      return isa_avx2::make_table("avx2");
+    default:
+      break;
   }
 #endif
   return isa_base::make_table("scalar");

@@ -1,6 +1,5 @@
-// Routing, scheduling and element-wise plumbing shared by the dense-base op (moe_kernel.cpp)
-// and the INT8-base op (int8_kernel.cpp): one copy, so both route, tile, pad and scatter
-// identically. Everything here is inline; the translation units keep their own GEMM code.
+// Routing, scheduling, scratch memory, base GEMMs over any weight format (formats.h) and the
+// element-wise plumbing of the one expert op (moe_kernel.cpp). Everything here is inline.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -9,15 +8,173 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <exception>
 #include <mutex>
+#include <string>
 #include <vector>
 
 #include "elementwise.h"
+#include "formats.h"
 
 namespace kt_kernel {
 namespace common {
+
+// ------------------------------------------------------------------------- scratch memory
+// Activation-sized buffers reused across calls. Fresh multi-MiB allocations are mmapped and
+// every first touch page-faults (serialising threads on the mm lock); reusing them avoids
+// that. Buffers are taken out under a mutex and handed back when their Scratch dies, so
+// concurrent calls never share one. Nothing that escapes to Python is ever pooled.
+class Pool {
+ public:
+  at::Tensor take(int64_t bytes) {
+    if (bytes <= 0) return at::empty({0}, at::kByte);
+    std::lock_guard<std::mutex> lock(mu_);
+    int best = -1;
+    for (int i = 0; i < static_cast<int>(free_.size()); ++i) {
+      const int64_t cap = free_[i].numel();
+      if (cap >= bytes && (best < 0 || cap < free_[best].numel())) best = i;
+    }
+    if (best < 0) return at::empty({bytes}, at::kByte);
+    at::Tensor t = free_[best];
+    free_.erase(free_.begin() + best);
+    return t;
+  }
+  void give(at::Tensor t) {
+    if (t.numel() == 0) return;
+    std::lock_guard<std::mutex> lock(mu_);
+    free_.push_back(std::move(t));
+    if (free_.size() > kMaxFree) {  // drop the smallest
+      auto it = std::min_element(free_.begin(), free_.end(), [](const auto& a, const auto& b) {
+        return a.numel() < b.numel();
+      });
+      free_.erase(it);
+    }
+  }
+  void clear() {
+    std::lock_guard<std::mutex> lock(mu_);
+    free_.clear();
+  }
+
+ private:
+  static constexpr size_t kMaxFree = 8;
+  std::mutex mu_;
+  std::vector<at::Tensor> free_;
+};
+
+inline Pool& pool() {
+  static Pool* p = new Pool();  // never destroyed: avoids teardown-order issues at exit
+  return *p;
+}
+
+// A [rows, cols] tensor of `dtype` viewing a pooled buffer, returned to the pool on scope exit.
+struct Scratch {
+  at::Tensor buf, t;
+  Scratch(int64_t rows, int64_t cols, at::ScalarType dtype) {
+    const int64_t bytes = rows * cols * static_cast<int64_t>(c10::elementSize(dtype));
+    buf = pool().take(bytes);
+    t = buf.narrow(0, 0, bytes).view(dtype).view({rows, cols});
+  }
+  ~Scratch() {
+    t.reset();
+    pool().give(std::move(buf));
+  }
+  Scratch(const Scratch&) = delete;
+  Scratch& operator=(const Scratch&) = delete;
+};
+
+// ------------------------------------------------------------- base GEMMs over a format
+// Elements per dequantised tile: 1 Mi (2 MiB of bf16; 512 rows of a 2048-wide gate_up, a third
+// of one expert). Measured for INT8 (2 cores, H=2048/I=768/E=64, T=64): 128 Ki tiles ran 10%
+// slower than the bf16 base and 1 Mi tiles 8% faster, because each oneDNN call has a fixed
+// cost that dominates at few rows. Overridable for tuning and tests: KT_KERNEL_TILE_ELEMS
+// (KT_INT8_TILE_ELEMS is still read).
+inline int64_t tile_elems() {
+  static const int64_t v = [] {
+    const char* s = std::getenv("KT_KERNEL_TILE_ELEMS");
+    if (!s) s = std::getenv("KT_INT8_TILE_ELEMS");
+    const long long n = s ? std::atoll(s) : 0;
+    return n >= 1024 ? static_cast<int64_t>(n) : int64_t{1024 * 1024};
+  }();
+  return v;
+}
+
+// A per-thread scratch tile; only one is alive per thread at a time (dequantise, GEMM, next).
+inline at::Tensor scratch_tile(int64_t rows, int64_t cols, at::ScalarType dt) {
+  thread_local std::vector<char> buf;
+  const size_t bytes = static_cast<size_t>(rows * cols) * c10::elementSize(dt);
+  if (buf.size() < bytes) buf.resize(bytes);
+  return at::from_blob(buf.data(), {rows, cols}, at::TensorOptions().dtype(dt));
+}
+
+// Tile extent along one axis: at most about tile_elems() elements per tile, split evenly
+// (a multiple of 16) so no thin tail tile is left (e.g. 2048 columns -> 4 x 512, not
+// 3 x 672 + 32: a thin GEMM costs nearly as much as a full one).
+inline int64_t tile_extent(int64_t full, int64_t other) {
+  const int64_t cap = std::max<int64_t>(16, tile_elems() / std::max<int64_t>(other, 1));
+  const int64_t tiles = (full + cap - 1) / cap;
+  const int64_t t = ((full + tiles - 1) / tiles + 15) / 16 * 16;
+  return std::max<int64_t>(std::min(t, full), 1);
+}
+
+// One projection's frozen weights W [E, N, K] in some format: the two GEMMs the op needs.
+// A format with a tile loader is read tile by tile through a per-thread scratch (no
+// full-precision copy of an expert ever exists); the dense format is read in place.
+struct Projection {
+  const formats::Format* fmt = nullptr;
+  std::vector<at::Tensor> parts;
+  int64_t experts = 0, n = 0, k = 0;
+
+  formats::ExpertView view(int64_t e) const {
+    formats::ExpertView v{};
+    v.n = n;
+    v.k = k;
+    for (size_t i = 0; i < parts.size(); ++i) {
+      const at::Tensor& p = parts[i];
+      v.part[i] = static_cast<const char*>(p.data_ptr()) + e * p.stride(0) * p.element_size();
+      v.dims[i] = static_cast<int>(std::min<int64_t>(p.dim() - 1, 3));
+      for (int d = 0; d < v.dims[i]; ++d) v.sizes[i][d] = p.size(d + 1);
+    }
+    return v;
+  }
+
+  // out [m, N] = in [m, K] @ W_e^T (row blocks of W_e).
+  void nt(at::Tensor& out, const at::Tensor& in, int64_t e) const {
+    if (fmt->load == nullptr) {
+      at::mm_out(out, in, parts[0][e].t());
+      return;
+    }
+    const auto dt = in.scalar_type();
+    const formats::ExpertView v = view(e);
+    const int64_t nt = tile_extent(n, k);
+    for (int64_t n0 = 0; n0 < n; n0 += nt) {
+      const int64_t len = std::min(nt, n - n0);
+      at::Tensor tile = scratch_tile(len, k, dt);
+      fmt->load(v, n0, 0, len, k, dt, tile.data_ptr(), k);
+      at::Tensor o = out.narrow(1, n0, len);
+      at::mm_out(o, in, tile.t());
+    }
+  }
+
+  // out [m, K] = in [m, N] @ W_e (column blocks of W_e): dx and the gradient into down's input.
+  void nn(at::Tensor& out, const at::Tensor& in, int64_t e) const {
+    if (fmt->load == nullptr) {
+      at::mm_out(out, in, parts[0][e]);
+      return;
+    }
+    const auto dt = in.scalar_type();
+    const formats::ExpertView v = view(e);
+    const int64_t ct = tile_extent(k, n);
+    for (int64_t c0 = 0; c0 < k; c0 += ct) {
+      const int64_t len = std::min(ct, k - c0);
+      at::Tensor tile = scratch_tile(n, len, dt);
+      fmt->load(v, 0, c0, n, len, dt, tile.data_ptr(), len);
+      at::Tensor o = out.narrow(1, c0, len);
+      at::mm_out(o, in, tile);
+    }
+  }
+};
 
 // Experts' rows start at a multiple of `pad` and are zero-padded to one (each op picks its
 // own pad; see kPad there). Padding rows carry zero input and zero routing weight.
@@ -34,8 +191,8 @@ inline Routing route(const at::Tensor& ids, int64_t num_experts, int64_t pad) {
   const int64_t* id = ids.data_ptr<int64_t>();
   int64_t* off = offsets.data_ptr<int64_t>();
   for (int64_t f = 0; f < n; ++f) {
-    TORCH_CHECK(id[f] >= 0 && id[f] < num_experts, "topk_ids must lie in [0, ", num_experts,
-                "), got id ", id[f]);
+    TORCH_CHECK_INDEX(id[f] >= 0 && id[f] < num_experts, "topk_ids must lie in [0, ", num_experts,
+                      "), got id ", id[f]);
     off[id[f] + 1]++;
   }
   for (int64_t e = 0; e < num_experts; ++e) {
@@ -152,46 +309,46 @@ inline void gather_rows(const at::Tensor& src, const int64_t* perm, int64_t k, i
   }
 }
 
-inline void silu_mul(const at::Tensor& gu, at::Tensor& h) {
+inline void act_fwd(const at::Tensor& gu, at::Tensor& h, const Act& act) {
   const auto& kt = kernels();
   const int64_t rows = gu.size(0), inter = h.size(1);
   switch (gu.scalar_type()) {
     case at::kFloat:
-      kt.silu_mul_f32(gu.data_ptr<float>(), h.data_ptr<float>(), rows, inter);
+      kt.act_fwd_f32(gu.data_ptr<float>(), h.data_ptr<float>(), rows, inter, act);
       break;
     case at::kDouble:
-      kt.silu_mul_f64(gu.data_ptr<double>(), h.data_ptr<double>(), rows, inter);
+      kt.act_fwd_f64(gu.data_ptr<double>(), h.data_ptr<double>(), rows, inter, act);
       break;
     case at::kBFloat16:
-      kt.silu_mul_bf16(reinterpret_cast<const uint16_t*>(gu.data_ptr()),
-                       reinterpret_cast<uint16_t*>(h.data_ptr()), rows, inter);
+      kt.act_fwd_bf16(reinterpret_cast<const uint16_t*>(gu.data_ptr()),
+                      reinterpret_cast<uint16_t*>(h.data_ptr()), rows, inter, act);
       break;
     default:
       TORCH_CHECK(false, "unsupported dtype ", gu.scalar_type());
   }
 }
 
-inline void silu_mul_bwd(const at::Tensor& gu, const at::Tensor& gh, const at::Tensor& w,
-                  at::Tensor& dgu, at::Tensor& h, at::Tensor& dw) {
+inline void act_bwd(const at::Tensor& gu, const at::Tensor& gh, const at::Tensor& w,
+                    at::Tensor& dgu, at::Tensor& h, at::Tensor& dw, const Act& act) {
   const auto& kt = kernels();
   const int64_t rows = gu.size(0), inter = h.size(1);
   switch (gu.scalar_type()) {
     case at::kFloat:
-      kt.silu_mul_bwd_f32(gu.data_ptr<float>(), gh.data_ptr<float>(), w.data_ptr<float>(),
-                          dgu.data_ptr<float>(), h.data_ptr<float>(), dw.data_ptr<float>(),
-                          rows, inter);
+      kt.act_bwd_f32(gu.data_ptr<float>(), gh.data_ptr<float>(), w.data_ptr<float>(),
+                     dgu.data_ptr<float>(), h.data_ptr<float>(), dw.data_ptr<float>(), rows,
+                     inter, act);
       break;
     case at::kDouble:
-      kt.silu_mul_bwd_f64(gu.data_ptr<double>(), gh.data_ptr<double>(), w.data_ptr<double>(),
-                          dgu.data_ptr<double>(), h.data_ptr<double>(), dw.data_ptr<double>(),
-                          rows, inter);
+      kt.act_bwd_f64(gu.data_ptr<double>(), gh.data_ptr<double>(), w.data_ptr<double>(),
+                     dgu.data_ptr<double>(), h.data_ptr<double>(), dw.data_ptr<double>(), rows,
+                     inter, act);
       break;
     case at::kBFloat16:
-      kt.silu_mul_bwd_bf16(reinterpret_cast<const uint16_t*>(gu.data_ptr()),
-                           reinterpret_cast<const uint16_t*>(gh.data_ptr()), w.data_ptr<float>(),
-                           reinterpret_cast<uint16_t*>(dgu.data_ptr()),
-                           reinterpret_cast<uint16_t*>(h.data_ptr()), dw.data_ptr<float>(), rows,
-                           inter);
+      kt.act_bwd_bf16(reinterpret_cast<const uint16_t*>(gu.data_ptr()),
+                      reinterpret_cast<const uint16_t*>(gh.data_ptr()), w.data_ptr<float>(),
+                      reinterpret_cast<uint16_t*>(dgu.data_ptr()),
+                      reinterpret_cast<uint16_t*>(h.data_ptr()), dw.data_ptr<float>(), rows,
+                      inter, act);
       break;
     default:
       TORCH_CHECK(false, "unsupported dtype ", gu.scalar_type());

@@ -1,4 +1,8 @@
-// Routed SwiGLU experts with LoRA: forward and backward on CPU.
+// Routed gated experts with LoRA over any registered weight format: forward and backward on
+// CPU. ONE op for every format (formats.h) and activation (elementwise.h), registered once
+// with TORCH_LIBRARY as torch.ops.kt_kernel.*; every entry validates its own inputs, so a
+// direct call with inconsistent tensors raises (naming the argument) instead of reading out
+// of bounds.
 //
 // Layout of one call: a counting sort groups the T*k (token, slot) pairs by expert; work is
 // cut into (expert, row tile) tasks run over OpenMP threads, each doing its GEMMs with ATen
@@ -10,6 +14,7 @@
 #include <c10/util/Exception.h>
 #include <omp.h>
 #include <torch/extension.h>
+#include <torch/library.h>
 
 #include <algorithm>
 #include <atomic>
@@ -20,6 +25,7 @@
 #include <vector>
 
 #include "elementwise.h"
+#include "formats.h"
 #include "moe_common.h"
 
 namespace kt_kernel {
@@ -27,13 +33,13 @@ namespace {
 
 // Per-phase thread CPU time summed over threads (nanoseconds), read by profile() for the benchmark.
 enum Phase {
-  kRoute, kPrep, kGather, kGemmGateUp, kLoraGateUp, kSilu, kGemmDown, kLoraDown, kScatter,
-  kBwdGemmDown, kBwdLoraDown, kSiluBwd, kBwdLoraGateUp, kBwdGemmGateUp, kWeightGrad,
+  kRoute, kPrep, kGather, kGemmGateUp, kLoraGateUp, kAct, kGemmDown, kLoraDown, kScatter,
+  kBwdGemmDown, kBwdLoraDown, kActBwd, kBwdLoraGateUp, kBwdGemmGateUp, kWeightGrad,
   kBwdScatter, kRecompute, kPhaseCount
 };
 const char* kPhaseNames[] = {
-    "route", "prepare_lora", "gather", "gemm_gate_up", "lora_gate_up", "silu_mul",
-    "gemm_down", "lora_down", "scatter", "bwd_gemm_down", "bwd_lora_down", "silu_mul_bwd",
+    "route", "prepare_lora", "gather", "gemm_gate_up", "lora_gate_up", "activation",
+    "gemm_down", "lora_down", "scatter", "bwd_gemm_down", "bwd_lora_down", "activation_bwd",
     "bwd_lora_gate_up", "bwd_gemm_gate_up", "lora_weight_grad", "bwd_scatter", "recompute"};
 std::atomic<int64_t> g_phase_ns[kPhaseCount];
 
@@ -52,97 +58,220 @@ struct Timer {
 };
 #define KT_TIME(p) Timer kt_timer_##p(p)
 
-// Each expert's rows start at a multiple of kPad and its block is zero-padded to one, so every
-// GEMM sees M (and, for the LoRA weight gradients, K) in {kPad, 2*kPad, ..., tile}. oneDNN
-// JIT-compiles and caches one primitive per distinct shape (~0.75 MiB each); unpadded
-// routing would create a new one for almost every call. Padded rows are exact zeros all
-// the way through (zero input, zero routing weight), so they change no result.
-constexpr int64_t kPad = 16;
-
 using common::Lora;
+using common::Projection;
 using common::Routing;
+using common::Scratch;
 using common::Task;
+using common::act_bwd;
+using common::act_fwd;
 using common::gather_rows;
 using common::make_tasks;
 using common::prepare_lora;
 using common::run_tasks;
 using common::scatter;
-using common::silu_mul;
-using common::silu_mul_bwd;
 
-Routing route(const at::Tensor& ids, int64_t num_experts) {
-  return common::route(ids, num_experts, kPad);
+// ------------------------------------------------------------------ argument validation
+// Every check below guards a pointer the loops read: the op is reachable from any Python
+// code as torch.ops.kt_kernel.*, so it trusts nothing the Python wrapper already checked.
+
+Act parse_activation(const std::string& name, const std::vector<double>& params) {
+  Act act;
+  size_t want = 0;
+  if (name == "swiglu") {
+    act.kind = kSwiGLU;
+  } else if (name == "clamped_swiglu") {
+    act.kind = kClampedSwiGLU;
+    want = 2;
+  } else if (name == "swiglu_limit") {
+    act.kind = kSwiGLULimit;
+    want = 1;
+  } else if (name == "gelu_tanh_gated") {
+    act.kind = kGeluTanhGated;
+  } else {
+    TORCH_CHECK_VALUE(false, "activation must be swiglu, clamped_swiglu, swiglu_limit or "
+                      "gelu_tanh_gated, got '", name, "'");
+  }
+  TORCH_CHECK_VALUE(params.size() == want, "activation_params for ", name, " must hold ", want,
+                    " values (clamped_swiglu: alpha, limit; swiglu_limit: limit), got ",
+                    params.size());
+  if (act.kind == kClampedSwiGLU) {
+    act.alpha = params[0];
+    act.limit = params[1];
+  } else if (act.kind == kSwiGLULimit) {
+    act.limit = params[0];
+  }
+  if (want > 0) {
+    TORCH_CHECK_VALUE(act.limit > 0, "activation_params: limit must be > 0, got ", act.limit);
+  }
+  return act;
 }
 
-// Scratch buffers reused across calls. Fresh multi-MiB allocations are mmapped and every
-// first touch page-faults (serialising threads on the mm lock); reusing them avoids that.
-// Buffers are taken out under a mutex and handed back when the Scratch dies, so concurrent
-// calls never share one. Nothing that escapes to Python is ever pooled.
-class Pool {
- public:
-  at::Tensor take(int64_t bytes) {
-    if (bytes <= 0) return at::empty({0}, at::kByte);
-    std::lock_guard<std::mutex> lock(mu_);
-    int best = -1;
-    for (int i = 0; i < static_cast<int>(free_.size()); ++i) {
-      const int64_t cap = free_[i].numel();
-      if (cap >= bytes && (best < 0 || cap < free_[best].numel())) best = i;
-    }
-    if (best < 0) return at::empty({bytes}, at::kByte);
-    at::Tensor t = free_[best];
-    free_.erase(free_.begin() + best);
-    return t;
-  }
-  void give(at::Tensor t) {
-    if (t.numel() == 0) return;
-    std::lock_guard<std::mutex> lock(mu_);
-    free_.push_back(std::move(t));
-    if (free_.size() > kMaxFree) {  // drop the smallest
-      auto it = std::min_element(free_.begin(), free_.end(), [](const auto& a, const auto& b) {
-        return a.numel() < b.numel();
-      });
-      free_.erase(it);
-    }
-  }
-  void clear() {
-    std::lock_guard<std::mutex> lock(mu_);
-    free_.clear();
-  }
+const char* const kSplitNames[] = {"gate_lora_a", "gate_lora_b", "up_lora_a",
+                                   "up_lora_b",   "down_lora_a", "down_lora_b"};
+const char* const kFusedNames[] = {"gate_up_lora_a", "gate_up_lora_b", "down_lora_a",
+                                   "down_lora_b"};
 
- private:
-  static constexpr size_t kMaxFree = 8;
-  std::mutex mu_;
-  std::vector<at::Tensor> free_;
-};
-
-Pool& pool() {
-  static Pool* p = new Pool();  // never destroyed: avoids teardown-order issues at exit
-  return *p;
+void check_lora(const std::vector<at::Tensor>& t, bool fused, int64_t e, int64_t h, int64_t i,
+                at::ScalarType dt) {
+  if (t.empty()) return;
+  const size_t want = fused ? 4 : 6;
+  TORCH_CHECK_VALUE(t.size() == want, "lora must hold ", want, " tensors for the ",
+                    fused ? "fused" : "split", " layout, got ", t.size());
+  const char* const* names = fused ? kFusedNames : kSplitNames;
+  for (size_t j = 0; j < want; ++j) {
+    TORCH_CHECK_VALUE(t[j].defined() && t[j].dim() == 3, "lora[", j, "] (", names[j],
+                      ") must be a 3-D tensor, got ",
+                      t[j].defined() ? t[j].sizes() : at::IntArrayRef{});
+    TORCH_CHECK_TYPE(t[j].scalar_type() == dt, "lora[", j, "] (", names[j], ") must be ", dt,
+                     " (the compute dtype), got ", t[j].scalar_type());
+    TORCH_CHECK_VALUE(t[j].device().is_cpu(), "lora[", j, "] (", names[j], ") must be on CPU");
+  }
+  const int64_t r = t[0].size(1);
+  TORCH_CHECK_VALUE(r > 0, "lora[0] (", names[0], ") has rank 0");
+  std::vector<std::vector<int64_t>> shapes;
+  if (fused) {
+    shapes = {{e, r, h}, {e, 2 * i, r}, {e, r, i}, {e, h, r}};
+  } else {
+    shapes = {{e, r, h}, {e, i, r}, {e, r, h}, {e, i, r}, {e, r, i}, {e, h, r}};
+  }
+  for (size_t j = 0; j < want; ++j) {
+    TORCH_CHECK_VALUE(t[j].sizes() == at::IntArrayRef(shapes[j]), "lora[", j, "] (", names[j],
+                      ") must have shape ", at::IntArrayRef(shapes[j]), " (E=", e, ", rank=", r,
+                      "), got ", t[j].sizes());
+  }
 }
 
-// A [rows, cols] tensor of `dtype` viewing a pooled buffer, returned to the pool on scope exit.
-struct Scratch {
-  at::Tensor buf, t;
-  Scratch(int64_t rows, int64_t cols, at::ScalarType dtype) {
-    const int64_t bytes = rows * cols * static_cast<int64_t>(c10::elementSize(dtype));
-    buf = pool().take(bytes);
-    t = buf.narrow(0, 0, bytes).view(dtype).view({rows, cols});
-  }
-  ~Scratch() {
-    t.reset();
-    pool().give(std::move(buf));
-  }
-  Scratch(const Scratch&) = delete;
-  Scratch& operator=(const Scratch&) = delete;
+// The validated, shared part of a forward or backward call.
+struct Call {
+  int64_t tokens = 0, hidden = 0, k = 0, experts = 0, inter = 0;
+  at::ScalarType dt = at::kFloat;
+  const formats::Format* fmt = nullptr;
+  Projection gu, dn;
+  at::Tensor gu_bias, dn_bias;  // undefined when absent
+  Act act;
+  at::Tensor x, ids, w;
 };
 
+Call prepare(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& w,
+             const std::string& format, const std::vector<at::Tensor>& gate_up,
+             const std::vector<at::Tensor>& down, const std::optional<at::Tensor>& gate_up_bias,
+             const std::optional<at::Tensor>& down_bias, int64_t num_experts,
+             int64_t intermediate_size, const std::string& activation,
+             const std::vector<double>& activation_params, const std::vector<at::Tensor>& lora,
+             bool fused, int64_t tile_rows) {
+  Call c;
+  TORCH_CHECK_VALUE(x.defined() && x.dim() == 2, "x must be a 2-D [T, H] tensor, got ",
+                    x.defined() ? x.sizes() : at::IntArrayRef{});
+  c.dt = x.scalar_type();
+  TORCH_CHECK_TYPE(c.dt == at::kFloat || c.dt == at::kBFloat16 || c.dt == at::kDouble,
+                   "x must be float32, bfloat16 or float64, got ", c.dt);
+  TORCH_CHECK_VALUE(x.device().is_cpu(), "x must be a CPU tensor, got ", x.device());
+  c.tokens = x.size(0);
+  c.hidden = x.size(1);
+  TORCH_CHECK_VALUE(ids.defined() && ids.dim() == 2 && ids.size(1) >= 1,
+                    "topk_ids must be a 2-D [T, k>=1] tensor, got ",
+                    ids.defined() ? ids.sizes() : at::IntArrayRef{});
+  TORCH_CHECK_TYPE(at::isIntegralType(ids.scalar_type(), false),
+                   "topk_ids must be an integer tensor, got ", ids.scalar_type());
+  TORCH_CHECK_VALUE(ids.size(0) == c.tokens, "topk_ids has ", ids.size(0),
+                    " rows but x has ", c.tokens, " (one row of expert ids per token of x)");
+  c.k = ids.size(1);
+  const auto w_dt = c.dt == at::kDouble ? at::kDouble : at::kFloat;
+  TORCH_CHECK_VALUE(w.defined() && w.sizes() == ids.sizes(),
+                    "topk_weights must have the shape of topk_ids ", ids.sizes(), ", got ",
+                    w.defined() ? w.sizes() : at::IntArrayRef{});
+  TORCH_CHECK_TYPE(w.scalar_type() == w_dt, "topk_weights must be ", w_dt, " for x of ", c.dt,
+                   ", got ", w.scalar_type());
+  TORCH_CHECK_VALUE(num_experts > 0, "num_experts must be > 0, got ", num_experts);
+  TORCH_CHECK_VALUE(intermediate_size > 0, "intermediate_size must be > 0, got ",
+                    intermediate_size);
+  c.experts = num_experts;
+  c.inter = intermediate_size;
+  c.fmt = &formats::find_format(format);
+  c.fmt->check(gate_up, c.experts, 2 * c.inter, c.hidden, "gate_up");
+  c.fmt->check(down, c.experts, c.hidden, c.inter, "down");
+  TORCH_CHECK_VALUE(static_cast<int>(gate_up.size()) == c.fmt->num_parts &&
+                        static_cast<int>(down.size()) == c.fmt->num_parts,
+                    "format ", format, " takes ", c.fmt->num_parts, " tensors per projection");
+  if (c.fmt->load == nullptr) {
+    TORCH_CHECK_TYPE(gate_up[0].scalar_type() == c.dt && down[0].scalar_type() == c.dt,
+                     "dense gate_up/down must have x's dtype ", c.dt, ", got ",
+                     gate_up[0].scalar_type(), " / ", down[0].scalar_type());
+  } else {
+    TORCH_CHECK_TYPE(c.dt == at::kFloat || c.dt == at::kBFloat16, "format ", format,
+                     " computes in float32 or bfloat16; x is ", c.dt);
+  }
+  c.gu = Projection{c.fmt, gate_up, c.experts, 2 * c.inter, c.hidden};
+  c.dn = Projection{c.fmt, down, c.experts, c.hidden, c.inter};
+  if (gate_up_bias.has_value() && gate_up_bias->defined()) {
+    c.gu_bias = *gate_up_bias;
+    TORCH_CHECK_VALUE(c.gu_bias.sizes() == at::IntArrayRef({c.experts, 2 * c.inter}),
+                      "gate_up_bias must have shape [E=", c.experts, ", 2I=", 2 * c.inter,
+                      "], got ", c.gu_bias.sizes());
+    TORCH_CHECK_TYPE(c.gu_bias.scalar_type() == c.dt, "gate_up_bias must be ", c.dt, ", got ",
+                     c.gu_bias.scalar_type());
+  }
+  if (down_bias.has_value() && down_bias->defined()) {
+    c.dn_bias = *down_bias;
+    TORCH_CHECK_VALUE(c.dn_bias.sizes() == at::IntArrayRef({c.experts, c.hidden}),
+                      "down_bias must have shape [E=", c.experts, ", H=", c.hidden, "], got ",
+                      c.dn_bias.sizes());
+    TORCH_CHECK_TYPE(c.dn_bias.scalar_type() == c.dt, "down_bias must be ", c.dt, ", got ",
+                     c.dn_bias.scalar_type());
+  }
+  c.act = parse_activation(activation, activation_params);
+  check_lora(lora, fused, c.experts, c.hidden, c.inter, c.dt);
+  TORCH_CHECK_VALUE(tile_rows > 0 && tile_rows % c.fmt->row_pad == 0,
+                    "tile_rows must be a positive multiple of ", c.fmt->row_pad, " for format ",
+                    format, ", got ", tile_rows);
+  c.x = x.detach().contiguous();
+  c.ids = ids.detach().to(at::kLong).contiguous();
+  c.w = w.detach().contiguous();
+  return c;
+}
 
-// gu = xs @ W_gu[e]^T (+ s * (xs @ A_cat^T) @ B_bd^T, keeping z = xs @ A_cat^T).
-void gate_up_rows(const at::Tensor& xs, const at::Tensor& gate_up, const Lora& l, int64_t e,
-                  at::Tensor& gu, at::Tensor* z) {
+// Saved routing handed back to backward: checked to be a permutation of this call's rows.
+Routing check_saved_routing(const std::vector<at::Tensor>& saved, const Call& c, int64_t pad) {
+  TORCH_CHECK_VALUE(saved.size() == 3 || saved.size() == 6,
+                    "saved must hold 3 or 6 tensors from forward, got ", saved.size());
+  const char* names[] = {"saved[0] (perm)", "saved[1] (pos)", "saved[2] (offsets)"};
+  for (int i = 0; i < 3; ++i) {
+    TORCH_CHECK_VALUE(saved[i].defined() && saved[i].dim() == 1 &&
+                          saved[i].scalar_type() == at::kLong && saved[i].is_contiguous(),
+                      names[i], " must be a contiguous 1-D int64 tensor");
+  }
+  const int64_t n = c.tokens * c.k, np = saved[0].numel();
+  TORCH_CHECK_VALUE(saved[1].numel() == n, "saved[1] (pos) must have T*k=", n, " entries, got ",
+                    saved[1].numel());
+  TORCH_CHECK_VALUE(saved[2].numel() == c.experts + 1, "saved[2] (offsets) must have E+1=",
+                    c.experts + 1, " entries, got ", saved[2].numel());
+  const int64_t* off = saved[2].data_ptr<int64_t>();
+  TORCH_CHECK_VALUE(off[0] == 0 && off[c.experts] == np, "saved[2] (offsets) must run from 0 to ",
+                    np);
+  for (int64_t e = 0; e < c.experts; ++e) {
+    TORCH_CHECK_VALUE(off[e + 1] >= off[e] && off[e] % pad == 0,
+                      "saved[2] (offsets) must be non-decreasing multiples of ", pad);
+  }
+  const int64_t* perm = saved[0].data_ptr<int64_t>();
+  const int64_t* pos = saved[1].data_ptr<int64_t>();
+  for (int64_t p = 0; p < np; ++p) {
+    TORCH_CHECK_VALUE(perm[p] >= -1 && perm[p] < n, "saved[0] (perm) entry out of range");
+  }
+  for (int64_t f = 0; f < n; ++f) {
+    TORCH_CHECK_VALUE(pos[f] >= 0 && pos[f] < np && perm[pos[f]] == f,
+                      "saved[1] (pos) is not the inverse of saved[0] (perm)");
+  }
+  return Routing{saved[0], saved[1], saved[2]};
+}
+
+// gu = xs @ W_gu[e]^T (+ bias) (+ s * (xs @ A_cat^T) @ B_bd^T, keeping z = xs @ A_cat^T).
+void gate_up_rows(const at::Tensor& xs, const Call& c, const Lora& l, int64_t e, at::Tensor& gu,
+                  at::Tensor* z) {
   {
     KT_TIME(kGemmGateUp);
-    at::mm_out(gu, xs, gate_up[e].t());
+    c.gu.nt(gu, xs, e);
+    if (c.gu_bias.defined()) gu.add_(c.gu_bias[e]);
   }
   if (l.on) {
     KT_TIME(kLoraGateUp);
@@ -152,19 +281,22 @@ void gate_up_rows(const at::Tensor& xs, const at::Tensor& gate_up, const Lora& l
 }
 
 std::tuple<at::Tensor, std::vector<at::Tensor>> forward(
-    at::Tensor x, at::Tensor ids, at::Tensor w, at::Tensor gate_up, at::Tensor down,
+    const at::Tensor& x_in, const at::Tensor& ids_in, const at::Tensor& w_in,
+    const std::string& format, const std::vector<at::Tensor>& gate_up,
+    const std::vector<at::Tensor>& down, const std::optional<at::Tensor>& gate_up_bias,
+    const std::optional<at::Tensor>& down_bias, int64_t num_experts, int64_t intermediate_size,
+    const std::string& activation, const std::vector<double>& activation_params,
     std::vector<at::Tensor> lora_t, double scaling, bool fused, bool save, int64_t tile_rows) {
   at::NoGradGuard no_grad;
-  x = x.detach().contiguous();
-  ids = ids.detach().contiguous();
-  w = w.detach().contiguous();
-  for (auto& t : lora_t) t = t.detach();
-  const int64_t tokens = x.size(0), hidden = x.size(1), k = ids.size(1);
-  const int64_t num_experts = gate_up.size(0), inter = down.size(2);
-  TORCH_CHECK(tile_rows > 0 && tile_rows % kPad == 0, "tile_rows must be a multiple of ", kPad);
+  for (auto& t : lora_t) t = t.defined() ? t.detach() : t;
+  const Call c = prepare(x_in, ids_in, w_in, format, gate_up, down, gate_up_bias, down_bias,
+                         num_experts, intermediate_size, activation, activation_params, lora_t,
+                         fused, tile_rows);
+  const at::Tensor& x = c.x;
+  const int64_t tokens = c.tokens, hidden = c.hidden, k = c.k, inter = c.inter;
   Routing rt = [&] {
     KT_TIME(kRoute);
-    return route(ids, num_experts);
+    return common::route(c.ids, c.experts, c.fmt->row_pad);
   }();
   Lora l = [&] {
     KT_TIME(kPrep);
@@ -173,12 +305,10 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> forward(
   const int64_t ra = l.on ? l.a_cat.size(1) : 0;
   const int64_t np = rt.perm.numel();  // padded row count
   auto opts = x.options();
-  const auto dt = x.scalar_type();
-  Scratch xs_s(np, hidden, dt), out_s(np, hidden, dt);
-  std::optional<Scratch> gu_s;
-  if (!save) gu_s.emplace(np, 2 * inter, dt);
+  const auto dt = c.dt;
+  Scratch xs_s(np, hidden, dt), out_s(np, hidden, dt), gu_s(save ? 0 : np, 2 * inter, dt);
   at::Tensor xs = xs_s.t, out = out_s.t;
-  at::Tensor gu = save ? at::empty({np, 2 * inter}, opts) : gu_s->t;
+  at::Tensor gu = save ? at::empty({np, 2 * inter}, opts) : gu_s.t;
   at::Tensor z = l.on ? at::empty({np, ra}, opts) : at::empty({0}, opts);
   at::Tensor zd = l.on ? at::empty({np, l.rank}, opts) : at::empty({0}, opts);
   const int64_t* perm = rt.perm.data_ptr<int64_t>();
@@ -193,16 +323,17 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> forward(
     at::Tensor xs_t = xs.narrow(0, b, m);
     at::Tensor gu_t = gu.narrow(0, b, m);
     at::Tensor z_t = l.on ? z.narrow(0, b, m) : at::Tensor();
-    gate_up_rows(xs_t, gate_up, l, e, gu_t, &z_t);
+    gate_up_rows(xs_t, c, l, e, gu_t, &z_t);
     at::Tensor h_t = at::empty({m, inter}, opts);
     {
-      KT_TIME(kSilu);
-      silu_mul(gu_t, h_t);
+      KT_TIME(kAct);
+      act_fwd(gu_t, h_t, c.act);
     }
     at::Tensor o_t = out.narrow(0, b, m);
     {
       KT_TIME(kGemmDown);
-      at::mm_out(o_t, h_t, down[e].t());
+      c.dn.nt(o_t, h_t, e);
+      if (c.dn_bias.defined()) o_t.add_(c.dn_bias[e]);
     }
     if (l.on) {
       KT_TIME(kLoraDown);
@@ -213,7 +344,7 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> forward(
   });
   at::Tensor y = [&] {
     KT_TIME(kScatter);
-    return scatter(out, rt.pos, w, tokens, k);
+    return scatter(out, rt.pos, c.w, tokens, k);
   }();
   std::vector<at::Tensor> saved = {rt.perm, rt.pos, rt.offsets};
   if (save) {
@@ -225,23 +356,47 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> forward(
 }
 
 std::tuple<at::Tensor, at::Tensor, std::vector<at::Tensor>> backward(
-    at::Tensor dy, at::Tensor x, at::Tensor ids, at::Tensor w, at::Tensor gate_up,
-    at::Tensor down, std::vector<at::Tensor> lora_t, double scaling, bool fused,
-    std::vector<at::Tensor> saved, bool need_dx, int64_t tile_rows) {
+    const at::Tensor& dy_in, const at::Tensor& x_in, const at::Tensor& ids_in,
+    const at::Tensor& w_in, const std::string& format, const std::vector<at::Tensor>& gate_up,
+    const std::vector<at::Tensor>& down, const std::optional<at::Tensor>& gate_up_bias,
+    const std::optional<at::Tensor>& down_bias, int64_t num_experts, int64_t intermediate_size,
+    const std::string& activation, const std::vector<double>& activation_params,
+    std::vector<at::Tensor> lora_t, double scaling, bool fused, std::vector<at::Tensor> saved,
+    bool need_dx, int64_t tile_rows) {
   at::NoGradGuard no_grad;
-  dy = dy.detach().contiguous();
-  for (auto& t : lora_t) t = t.detach();
-  const int64_t tokens = x.size(0), hidden = x.size(1), k = ids.size(1);
-  const int64_t num_experts = gate_up.size(0), inter = down.size(2);
-  TORCH_CHECK(tile_rows > 0 && tile_rows % kPad == 0, "tile_rows must be a multiple of ", kPad);
-  TORCH_CHECK(saved.size() == 3 || saved.size() == 6, "corrupt saved state");
-  Routing rt{saved[0], saved[1], saved[2]};
+  for (auto& t : lora_t) t = t.defined() ? t.detach() : t;
+  const Call c = prepare(x_in, ids_in, w_in, format, gate_up, down, gate_up_bias, down_bias,
+                         num_experts, intermediate_size, activation, activation_params, lora_t,
+                         fused, tile_rows);
+  TORCH_CHECK_VALUE(dy_in.defined() && dy_in.sizes() == c.x.sizes(),
+                    "dy must have the shape of x ", c.x.sizes(), ", got ",
+                    dy_in.defined() ? dy_in.sizes() : at::IntArrayRef{});
+  TORCH_CHECK_TYPE(dy_in.scalar_type() == c.dt, "dy must be ", c.dt, ", got ",
+                   dy_in.scalar_type());
+  const at::Tensor dy = dy_in.detach().contiguous();
+  const at::Tensor& x = c.x;
+  const at::Tensor& w = c.w;
+  const int64_t tokens = c.tokens, hidden = c.hidden, k = c.k, inter = c.inter;
+  const int64_t num_e = c.experts;
+  Routing rt = check_saved_routing(saved, c, c.fmt->row_pad);
   const bool have_saved = saved.size() == 6;
   Lora l = prepare_lora(lora_t, fused, scaling, inter);
   const int64_t ra = l.on ? l.a_cat.size(1) : 0, r = l.rank;
   auto opts = x.options();
   const int64_t* perm = rt.perm.data_ptr<int64_t>();
   const int64_t np = rt.perm.numel();
+  if (have_saved) {
+    TORCH_CHECK_VALUE(saved[3].sizes() == at::IntArrayRef({np, 2 * inter}) &&
+                          saved[3].scalar_type() == c.dt,
+                      "saved[3] (gate_up pre-activations) must be ", c.dt, " [", np, ", ",
+                      2 * inter, "]");
+    if (l.on) {
+      TORCH_CHECK_VALUE(saved[4].sizes() == at::IntArrayRef({np, ra}) &&
+                            saved[5].sizes() == at::IntArrayRef({np, r}) &&
+                            saved[4].scalar_type() == c.dt && saved[5].scalar_type() == c.dt,
+                        "saved[4]/saved[5] (LoRA intermediates) do not match the LoRA rank");
+    }
+  }
   // Per-row routing weight in sorted order (0 on padding rows), and the per-row dw.
   at::Tensor w_flat = w.reshape({-1}).contiguous();
   at::Tensor w_rows = at::zeros({np}, w.options());
@@ -254,7 +409,7 @@ std::tuple<at::Tensor, at::Tensor, std::vector<at::Tensor>> backward(
   });
   at::Tensor dw_rows = at::empty({np}, w.options());
   const bool need_xs = l.on || !have_saved;
-  const auto dt = x.scalar_type();
+  const auto dt = c.dt;
   Scratch xs_s(need_xs ? np : 0, hidden, dt), dys_s(np, hidden, dt), dgu_s(np, 2 * inter, dt);
   Scratch dxs_s(need_dx ? np : 0, hidden, dt), h_s(l.on ? np : 0, inter, dt);
   at::Tensor xs = need_xs ? xs_s.t : at::Tensor();
@@ -281,7 +436,7 @@ std::tuple<at::Tensor, at::Tensor, std::vector<at::Tensor>> backward(
       KT_TIME(kRecompute);
       gu_t = at::empty({m, 2 * inter}, opts);
       at::Tensor z_t = l.on ? z.narrow(0, b, m) : at::Tensor();
-      gate_up_rows(xs.narrow(0, b, m), gate_up, l, e, gu_t, &z_t);
+      gate_up_rows(xs.narrow(0, b, m), c, l, e, gu_t, &z_t);
     }
     {
       KT_TIME(kGather);
@@ -291,7 +446,7 @@ std::tuple<at::Tensor, at::Tensor, std::vector<at::Tensor>> backward(
     at::Tensor gh_t = at::empty({m, inter}, opts);
     {
       KT_TIME(kBwdGemmDown);
-      at::mm_out(gh_t, dys_t, down[e]);
+      c.dn.nn(gh_t, dys_t, e);
     }
     if (l.on) {
       KT_TIME(kBwdLoraDown);
@@ -303,8 +458,12 @@ std::tuple<at::Tensor, at::Tensor, std::vector<at::Tensor>> backward(
     at::Tensor h_t = l.on ? h.narrow(0, b, m) : at::empty({m, inter}, opts);
     at::Tensor dw_t = dw_rows.narrow(0, b, m);
     {
-      KT_TIME(kSiluBwd);
-      silu_mul_bwd(gu_t, gh_t, w_rows.narrow(0, b, m), dgu_t, h_t, dw_t);
+      KT_TIME(kActBwd);
+      act_bwd(gu_t, gh_t, w_rows.narrow(0, b, m), dgu_t, h_t, dw_t, c.act);
+      // d topk_weights = <dy, expert output>; the down bias is part of that output.
+      if (c.dn_bias.defined()) {
+        dw_t.add_(at::mv(dys_t.to(w.scalar_type()), c.dn_bias[e].to(w.scalar_type())));
+      }
     }
     if (l.on) {
       KT_TIME(kBwdLoraGateUp);
@@ -318,7 +477,7 @@ std::tuple<at::Tensor, at::Tensor, std::vector<at::Tensor>> backward(
     if (need_dx) {
       KT_TIME(kBwdGemmGateUp);
       at::Tensor dxs_t = dxs.narrow(0, b, m);
-      at::mm_out(dxs_t, dgu_t, gate_up[e]);
+      c.gu.nn(dxs_t, dgu_t, e);
       if (l.on) dxs_t.addmm_(dz.narrow(0, b, m), l.a_cat[e], 1.0, l.s);
     }
   });
@@ -326,19 +485,18 @@ std::tuple<at::Tensor, at::Tensor, std::vector<at::Tensor>> backward(
   std::vector<at::Tensor> grads;
   if (l.on) {
     KT_TIME(kWeightGrad);
-    // Weight gradients: one GEMM per expert over all of its rows (a fixed reduction order).
+    // Weight gradients: one GEMM per row tile of an expert, summed in order (fixed reduction).
     at::Tensor w_col = w_rows.to(opts.dtype()).unsqueeze(1);
     at::Tensor qw = q * w_col;    // dL/d(A_down h) / s, per row
     at::Tensor zdw = zd * w_col;  // routing weight folded into the down LoRA input
     at::Tensor d_acat = at::zeros_like(l.a_cat);
     at::Tensor d_bbd = fused ? at::zeros_like(l.b_bd) : at::Tensor();
-    at::Tensor d_bg = fused ? at::Tensor() : at::zeros({num_experts, inter, r}, opts);
-    at::Tensor d_bu = fused ? at::Tensor() : at::zeros({num_experts, inter, r}, opts);
+    at::Tensor d_bg = fused ? at::Tensor() : at::zeros({num_e, inter, r}, opts);
+    at::Tensor d_bu = fused ? at::Tensor() : at::zeros({num_e, inter, r}, opts);
     at::Tensor d_ad = at::zeros_like(l.a_down);
     at::Tensor d_bd = at::zeros_like(l.b_down);
     const int64_t* off = rt.offsets.data_ptr<int64_t>();
-    run_tasks(num_experts, [&](int64_t e) {
-      // Row tiles of one expert are summed in order into its gradients (fixed K per GEMM).
+    run_tasks(num_e, [&](int64_t e) {
       at::Tensor d_bd_e = d_bd[e], d_ad_e = d_ad[e], d_acat_e = d_acat[e];
       at::Tensor d_bbd_e = fused ? d_bbd[e] : at::Tensor();
       at::Tensor d_bg_e = fused ? at::Tensor() : d_bg[e];
@@ -364,9 +522,38 @@ std::tuple<at::Tensor, at::Tensor, std::vector<at::Tensor>> backward(
     }
   }
   KT_TIME(kBwdScatter);
-  at::Tensor dx = need_dx ? scatter(dxs, rt.pos, at::Tensor(), tokens, k) : at::Tensor();
+  at::Tensor dx = need_dx ? scatter(dxs, rt.pos, at::Tensor(), tokens, k) : at::empty({0}, opts);
   at::Tensor dw = dw_rows.index_select(0, rt.pos).reshape({tokens, k});
   return {dx, dw, grads};
+}
+
+// W_e[row0 : row0 + rows, col0 : col0 + cols] of every expert through the format's tile loader
+// (or a copy for dense): for tests of each loader against its Python `dequantize`.
+at::Tensor dequantize_tile(const std::string& format, const std::vector<at::Tensor>& parts,
+                           int64_t n, int64_t k, int64_t row0, int64_t col0, int64_t rows,
+                           int64_t cols, at::ScalarType dtype) {
+  const formats::Format& f = formats::find_format(format);
+  TORCH_CHECK_VALUE(!parts.empty() && parts[0].defined() && parts[0].dim() >= 1,
+                    "parts must be the format's tensors");
+  const int64_t e_count = parts[0].size(0);
+  f.check(parts, e_count, n, k, "parts");
+  TORCH_CHECK_VALUE(row0 >= 0 && rows > 0 && row0 + rows <= n && col0 >= 0 && cols > 0 &&
+                        col0 + cols <= k,
+                    "tile [", row0, ":", row0 + rows, ", ", col0, ":", col0 + cols,
+                    "] out of range of [", n, ", ", k, "]");
+  TORCH_CHECK_TYPE(dtype == at::kFloat || dtype == at::kBFloat16 ||
+                       (f.load == nullptr && dtype == at::kDouble),
+                   "dtype must be float32 or bfloat16, got ", dtype);
+  if (f.load == nullptr) {
+    return parts[0].narrow(1, row0, rows).narrow(2, col0, cols).to(dtype).contiguous();
+  }
+  at::Tensor out = at::empty({e_count, rows, cols}, at::TensorOptions().dtype(dtype));
+  Projection p{&f, parts, e_count, n, k};
+  for (int64_t e = 0; e < e_count; ++e) {
+    char* dst = static_cast<char*>(out.data_ptr()) + e * rows * cols * out.element_size();
+    f.load(p.view(e), row0, col0, rows, cols, dtype, dst, cols);
+  }
+  return out;
 }
 
 std::vector<std::string> cpu_features() {
@@ -398,17 +585,36 @@ std::vector<std::pair<std::string, double>> profile(bool reset) {
 }
 
 }  // namespace
+
+namespace formats {
+const std::string& int8_isa();
+}  // namespace formats
+
 }  // namespace kt_kernel
 
-PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
-  m.doc() = "kt-kernel native MoE expert forward/backward";
-  m.def("forward", &kt_kernel::forward, "expert op forward");
-  m.def("backward", &kt_kernel::backward, "expert op backward");
-  m.def("isa", []() { return std::string(kt_kernel::kernels().isa); });
-  m.def("cpu_features", &kt_kernel::cpu_features);
-  m.def("release_scratch", []() { kt_kernel::pool().clear(); },
-        "free the scratch buffers kept between calls");
-  m.def("profile", &kt_kernel::profile, "per-phase seconds summed over threads",
-        pybind11::arg("reset") = false);
+// The only binding style: every op lives in torch.ops.kt_kernel. The Python module
+// kt_kernel._C exists only so that importing it loads this library (and its registrations).
+TORCH_LIBRARY(kt_kernel, m) {
+  m.def("forward", &kt_kernel::forward);
+  m.def("backward", &kt_kernel::backward);
+  m.def("dequantize_tile", &kt_kernel::dequantize_tile);
+  m.def("isa", []() { return std::string(kt_kernel::isa_name(kt_kernel::isa_level())); });
+  m.def("int8_isa", []() { return kt_kernel::formats::int8_isa(); });
+  m.def("formats", []() { return kt_kernel::formats::format_names(); });
+  m.def("cpu_features", []() { return kt_kernel::cpu_features(); });
+  m.def("release_scratch", []() { kt_kernel::common::pool().clear(); });
+  m.def("profile", [](bool reset) {
+    std::vector<std::string> names;
+    std::vector<double> secs;
+    for (auto& [n, s] : kt_kernel::profile(reset)) {
+      names.push_back(n);
+      secs.push_back(s);
+    }
+    return std::make_tuple(names, secs);
+  });
   m.def("torch_version", []() { return std::string(TORCH_VERSION); });
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.doc() = "kt-kernel native library; its ops are torch.ops.kt_kernel.*";
 }

@@ -60,9 +60,10 @@ def test_native_tile_dequant_matches_python(dtype: torch.dtype) -> None:
     # Odd sizes exercise the masked tails of the SIMD loop, the column blocks its strided use.
     q, s = quantize_per_channel(torch.randn(2, 7, 53))
     ref = dequantize_per_channel(q, s, dtype)
-    assert torch.equal(torch.ops.kt_kernel_int8.dequantize(q, s, dtype), ref)
-    cols = torch.ops.kt_kernel_int8.dequantize_columns(q, s, 5, 37, dtype)
-    assert torch.equal(cols, ref[:, :, 5:42])
+    tile = torch.ops.kt_kernel.dequantize_tile
+    assert torch.equal(tile("int8", [q, s], 7, 53, 0, 0, 7, 53, dtype), ref)
+    assert torch.equal(tile("int8", [q, s], 7, 53, 0, 5, 7, 37, dtype), ref[:, :, 5:42])
+    assert torch.equal(tile("int8", [q, s], 7, 53, 2, 0, 4, 53, dtype), ref[:, 2:6])
 
 
 def test_weights_storage_report_and_nbytes() -> None:
@@ -203,9 +204,9 @@ import torch, kt_kernel as kk
 from kt_kernel.quant import dequantize_per_channel, int8_isa, quantize_per_channel
 torch.manual_seed(0)
 q, s = quantize_per_channel(torch.randn(3, 9, 45))
-deq = torch.ops.kt_kernel_int8.dequantize
-same = all(torch.equal(deq(q, s, dt), dequantize_per_channel(q, s, dt))
-           for dt in (torch.float32, torch.bfloat16))
+deq = torch.ops.kt_kernel.dequantize_tile
+same = all(torch.equal(deq("int8", [q, s], 9, 45, 0, 0, 9, 45, dt),
+                       dequantize_per_channel(q, s, dt)) for dt in (torch.float32, torch.bfloat16))
 spec = kk.ExpertSpec(4, 32, 16)
 w8 = kk.ExpertWeights.from_fused(spec, torch.randn(4, 32, 32), torch.randn(4, 32, 16),
                                  weight_dtype="int8", dtype=torch.bfloat16)
@@ -298,10 +299,8 @@ def test_inference_path_keeps_no_graph_and_matches(kt) -> None:
 def test_int8_errors() -> None:
     spec = kk.ExpertSpec(2, 8, 4)
     gu, dn = torch.randn(2, 8, 8), torch.randn(2, 8, 4)
-    with pytest.raises(
-        kk.KernelDTypeError, match=r"weight_dtype must be 'int8' or None, got 'int4'"
-    ):
-        kk.ExpertWeights.from_fused(spec, gu, dn, weight_dtype="int4")  # type: ignore[arg-type]
+    with pytest.raises(kk.KernelDTypeError, match=r"weight_dtype must be one of .*got 'int9'"):
+        kk.ExpertWeights.from_fused(spec, gu, dn, weight_dtype="int9")
     with pytest.raises(kk.KernelDTypeError, match=r"compute dtype\) must be torch.float32 or"):
         kk.ExpertWeights.from_fused(spec, gu, dn, weight_dtype="int8", dtype=torch.float64)
     bad = gu.clone()
@@ -309,7 +308,7 @@ def test_int8_errors() -> None:
     with pytest.raises(kk.KernelInputError, match=r"NaN or inf"):
         kk.ExpertWeights.from_fused(spec, bad, dn, weight_dtype="int8")
     with pytest.raises(
-        kk.KernelDTypeError, match=r"quantization_report\(\) needs weight_dtype='int8'"
+        kk.KernelDTypeError, match=r"quantization_report\(\) needs weights quantised"
     ):
         kk.ExpertWeights.from_fused(spec, gu, dn).quantization_report()
     w8 = kk.ExpertWeights.from_fused(spec, gu, dn, weight_dtype="int8", dtype=torch.bfloat16)

@@ -37,7 +37,8 @@ def test_two_gloo_ranks_save_load_restore(tmp_path):
     )
     assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-4000:]
     published = sorted(p.name for p in root.iterdir())
-    assert published == ["latest", "step-00000003"]  # the failed save left nothing behind
+    # the failed save left nothing behind (.lock is the root's writer lock)
+    assert published == [".lock", "latest", "step-00000003"]
     ckpt = root / "step-00000003"
     files = sorted(os.listdir(ckpt))
     assert "rank_local-rank00000.safetensors" in files

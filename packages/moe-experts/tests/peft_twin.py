@@ -6,8 +6,8 @@ import peft
 import torch
 from torch import nn
 
-import kt_kernel
 from lora_core.contracts import AdaptationResult, PeftTensorLayout
+from moe_experts import peft_mapping
 
 
 def peft_param_name(export_key: str, adapter: str = "default") -> str:
@@ -18,9 +18,9 @@ def peft_param_name(export_key: str, adapter: str = "default") -> str:
 def to_peft_layout(t: torch.Tensor, layout: PeftTensorLayout) -> torch.Tensor:
     """Our ``[E, r, in]`` / ``[E, out, r]`` tensor in PEFT's stacked layout."""
     if layout is PeftTensorLayout.EXPERT_STACKED_A:
-        return kt_kernel.stack_lora_a(t)
+        return peft_mapping.stack_lora_a(t)
     if layout is PeftTensorLayout.EXPERT_STACKED_B:
-        return kt_kernel.stack_lora_b(t)
+        return peft_mapping.stack_lora_b(t)
     return t
 
 

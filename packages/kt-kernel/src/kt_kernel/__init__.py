@@ -1,25 +1,30 @@
 """kt-kernel: a native CPU kernel for routed MoE experts with LoRA, and its PyTorch oracle.
 
-The public surface is tensors plus small typed specs: :class:`ExpertSpec`,
-:class:`ExpertWeights`, :class:`LoraBuffers`, :func:`moe_experts_forward`, the PEFT converters
-and :func:`backend_info`. ``kt_kernel.reference`` holds the plain-PyTorch oracle.
+The public surface is tensors plus small typed specs: :class:`ExpertSpec` (with its
+activation), :class:`ExpertWeights` (in a :class:`WeightFormat`), :class:`LoraBuffers`,
+:func:`moe_experts_forward` and :func:`backend_info`.
+``kt_kernel.reference`` holds the plain-PyTorch oracle.
 """
 
 from kt_kernel._native import BackendInfo, backend_info
 from kt_kernel._version import __version__
-from kt_kernel.errors import KernelDTypeError, KernelInputError, NativeBackendError
-from kt_kernel.lora import FUSED_NAMES, SPLIT_NAMES, LoraBuffers
-from kt_kernel.ops import activation_memory_bytes, moe_experts_forward
-from kt_kernel.peft_mapping import (
-    copy_lora_from_peft,
-    lora_from_peft,
-    lora_to_peft,
-    peft_keys,
-    stack_lora_a,
-    stack_lora_b,
-    unstack_lora_a,
-    unstack_lora_b,
+from kt_kernel.activations import (
+    Activation,
+    ClampedSwiGLU,
+    GeluTanhGated,
+    SwiGLU,
+    SwiGLULimit,
 )
+from kt_kernel.errors import KernelDTypeError, KernelInputError, NativeBackendError
+from kt_kernel.formats import (
+    FORMATS,
+    Dense,
+    Int8PerChannel,
+    WeightFormat,
+    register_format,
+)
+from kt_kernel.lora import FUSED_NAMES, SPLIT_NAMES, LoraBuffers, LoraLayout, lora_shapes
+from kt_kernel.ops import activation_memory_bytes, moe_experts_forward
 from kt_kernel.quant import (
     ProjectionQuantError,
     QuantizationReport,
@@ -28,34 +33,39 @@ from kt_kernel.quant import (
     quantize_per_channel,
 )
 from kt_kernel.reference import moe_experts_forward_reference
-from kt_kernel.spec import ExpertSpec, ExpertWeights
+from kt_kernel.spec import ExpertSpec
+from kt_kernel.weights import ExpertWeights
 
 __all__ = [
+    "FORMATS",
     "FUSED_NAMES",
     "SPLIT_NAMES",
+    "Activation",
     "BackendInfo",
+    "ClampedSwiGLU",
+    "Dense",
     "ExpertSpec",
     "ExpertWeights",
+    "GeluTanhGated",
+    "Int8PerChannel",
     "KernelDTypeError",
     "KernelInputError",
     "LoraBuffers",
+    "LoraLayout",
     "NativeBackendError",
     "ProjectionQuantError",
     "QuantizationReport",
+    "SwiGLU",
+    "SwiGLULimit",
+    "WeightFormat",
     "__version__",
     "activation_memory_bytes",
     "backend_info",
-    "copy_lora_from_peft",
     "dequantize_per_channel",
     "int8_isa",
-    "lora_from_peft",
-    "lora_to_peft",
+    "lora_shapes",
     "moe_experts_forward",
     "moe_experts_forward_reference",
-    "peft_keys",
     "quantize_per_channel",
-    "stack_lora_a",
-    "stack_lora_b",
-    "unstack_lora_a",
-    "unstack_lora_b",
+    "register_format",
 ]

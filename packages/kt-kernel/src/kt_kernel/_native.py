@@ -55,8 +55,9 @@ class BackendInfo:
         active: ``"native"`` (the C++ extension) or ``"reference"`` (plain PyTorch).
         native_available: whether ``kt_kernel._C`` loaded.
         native_error: the load error when it did not, else ``None``.
-        isa: instruction set the native elementwise loops dispatch to
-            (``"avx512"``, ``"avx2"`` or ``"scalar"``); ``None`` without the extension.
+        isa: instruction set every native loop dispatches to (``"avx512"``, ``"avx2"`` or
+            ``"scalar"``): the best the CPU has, capped by ``KT_KERNEL_ISA``; ``None``
+            without the extension.
         cpu_features: the CPU features the dispatcher detected.
         num_threads: OpenMP threads the extension will use (``torch.get_num_threads()``).
         torch_version: torch the extension was compiled against (``None`` without it).
@@ -77,12 +78,13 @@ def backend_info() -> BackendInfo:
 
     if _MODULE is None:
         return BackendInfo("reference", False, _ERROR, None, (), torch.get_num_threads(), None)
+    ops = torch.ops.kt_kernel
     return BackendInfo(
         active="native",
         native_available=True,
         native_error=None,
-        isa=str(_MODULE.isa()),
-        cpu_features=tuple(_MODULE.cpu_features()),
+        isa=str(ops.isa()),
+        cpu_features=tuple(ops.cpu_features()),
         num_threads=torch.get_num_threads(),
-        torch_version=str(_MODULE.torch_version()),
+        torch_version=str(ops.torch_version()),
     )

@@ -8,19 +8,14 @@ import torch
 
 from kt_kernel._native import native_module
 from kt_kernel.errors import KernelDTypeError, KernelInputError
-from kt_kernel.lora import LoraBuffers
-from kt_kernel.quant import int8_experts_forward
+from kt_kernel.lora import LoraBuffers, lora_shapes
 from kt_kernel.reference import moe_experts_forward_reference
-from kt_kernel.spec import ExpertWeights
+from kt_kernel.weights import ExpertWeights
 
 __all__ = ["Backend", "Policy", "activation_memory_bytes", "moe_experts_forward"]
 
 Policy = Literal["save", "recompute"]
 Backend = Literal["auto", "native", "reference"]
-
-# Rows per (expert, tile) task: small enough to spread a hot expert over threads, large
-# enough that each single-threaded GEMM stays near peak.
-TILE_ROWS = 256
 
 
 def _validate(
@@ -85,14 +80,35 @@ def _validate(
             raise KernelInputError(f"lora must be a LoraBuffers or None, got {type(lora).__name__}")
         if lora.spec != spec:
             raise KernelInputError(f"lora.spec {lora.spec} does not match weights.spec {spec}")
+        _check_lora_tensors(lora)
     if policy not in ("save", "recompute"):
         raise KernelInputError(f"policy must be 'save' or 'recompute', got {policy!r}")
     if backend not in ("auto", "native", "reference"):
         raise KernelInputError(f"backend must be 'auto', 'native' or 'reference', got {backend!r}")
 
 
+def _check_lora_tensors(lora: LoraBuffers) -> None:
+    # The buffers are plain attributes a caller can swap (``.data = ...``): check every call.
+    for name, shape in lora_shapes(lora.spec, lora.rank, lora.layout).items():
+        t = getattr(lora, name, None)
+        if not isinstance(t, torch.Tensor):
+            raise KernelInputError(f"LoRA buffer {name} is {type(t).__name__}, not a tensor")
+        if tuple(t.shape) != shape:
+            raise KernelInputError(
+                f"LoRA buffer {name} has shape {list(t.shape)} but rank {lora.rank} with "
+                f"{lora.spec} needs {list(shape)}; it was replaced after construction (e.g. "
+                "through .data): build a new LoraBuffers for another shape"
+            )
+        if not t.dtype.is_floating_point:
+            raise KernelDTypeError(f"LoRA buffer {name} must be floating point, got {t.dtype}")
+
+
+def _native_ops() -> Any:
+    return torch.ops.kt_kernel
+
+
 class _NativeExperts(torch.autograd.Function):
-    """Autograd wrapper over ``kt_kernel._C.forward`` / ``backward``."""
+    """Autograd wrapper over ``torch.ops.kt_kernel.forward``/``backward``, for every format."""
 
     @staticmethod
     def forward(  # type: ignore[override]
@@ -106,37 +122,38 @@ class _NativeExperts(torch.autograd.Function):
         save: bool,
         *lora: torch.Tensor,
     ) -> torch.Tensor:
-        mod = native_module()
-        y, saved = mod.forward(
-            x, ids, w, weights._gate_up, weights._down, list(lora), scaling, fused, save, TILE_ROWS
+        """Run the native forward; keeps routing (and with ``save`` the pre-activations)."""
+        tile_rows = weights.format.tile_rows
+        args = weights.native_args()
+        y, saved = _native_ops().forward(
+            x, ids, w, *args, list(lora), scaling, fused, save, tile_rows
         )
         ctx.save_for_backward(x, w, ids, *lora, *saved)
         ctx.n_lora = len(lora)
         ctx.weights = weights
         ctx.scaling = scaling
         ctx.fused = fused
-        ctx.save = save
         return y
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
-        mod = native_module()
+        """dx through the base (any format), d topk_weights and the LoRA gradients."""
         x, w, ids, *rest = ctx.saved_tensors
         lora, saved = rest[: ctx.n_lora], rest[ctx.n_lora :]
         need_dx = bool(ctx.needs_input_grad[0])
-        dx, dw, grads = mod.backward(
+        weights: ExpertWeights = ctx.weights
+        dx, dw, grads = _native_ops().backward(
             dy.contiguous(),
             x,
             ids,
             w,
-            ctx.weights._gate_up,
-            ctx.weights._down,
+            *weights.native_args(),
             list(lora),
             ctx.scaling,
             ctx.fused,
             list(saved),
             need_dx,
-            TILE_ROWS,
+            weights.format.tile_rows,
         )
         return (dx if need_dx else None, dw, None, None, None, None, None, *grads)
 
@@ -151,11 +168,12 @@ def moe_experts_forward(
     policy: Policy = "save",
     backend: Backend = "auto",
 ) -> torch.Tensor:
-    """Routed SwiGLU experts with optional LoRA, differentiable in x, topk_weights and LoRA.
+    """Routed gated experts with optional LoRA, differentiable in x, topk_weights and LoRA.
 
     ``y[t] = sum_j topk_weights[t, j] * Expert_{topk_ids[t, j]}(x[t])`` where
-    ``Expert_e(x) = down_e(silu(gate_e(x)) * up_e(x))`` and each projection is
-    ``W_p x + (alpha / r) * B_p (A_p x)``. The base weights are frozen (no gradient).
+    ``Expert_e(x) = down_e(act(gate_e(x), up_e(x)))`` (``act`` = ``weights.spec.activation``)
+    and each projection is ``W_p x (+ b_p) + (alpha / r) * B_p (A_p x)``. The base weights
+    (in any :class:`~kt_kernel.WeightFormat`) and biases are frozen (no gradient).
 
     Args:
         x: ``[T, H]`` in ``weights.dtype``; may be non-contiguous.
@@ -198,17 +216,20 @@ def moe_experts_forward(
     else:
         factors = tuple(t.to(weights.dtype).contiguous() for t in lora.tensors())
         scaling, fused = lora.scaling, lora.layout == "fused"
-    if weights.is_quantized:
-        base = weights.int8_storage()
-        return int8_experts_forward(xc, w, ids, base, scaling, fused, policy == "save", factors)
     needs_graph = torch.is_grad_enabled() and (
         xc.requires_grad or w.requires_grad or any(f.requires_grad for f in factors)
     )
     if not needs_graph:  # inference: nothing is kept for a backward
-        mod = native_module()
-        y, _ = mod.forward(
-            xc, ids, w, weights._gate_up, weights._down, list(factors), scaling, fused, False,
-            TILE_ROWS,
+        y, _ = _native_ops().forward(
+            xc,
+            ids,
+            w,
+            *weights.native_args(),
+            list(factors),
+            scaling,
+            fused,
+            False,
+            weights.format.tile_rows,
         )
         return y
     return _NativeExperts.apply(xc, w, ids, weights, scaling, fused, policy == "save", *factors)

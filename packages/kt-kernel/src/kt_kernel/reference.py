@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 
 from kt_kernel.lora import LoraBuffers
-from kt_kernel.spec import ExpertWeights
+from kt_kernel.weights import ExpertWeights
 
 __all__ = ["moe_experts_forward_reference"]
 
@@ -22,9 +21,11 @@ def moe_experts_forward_reference(
     weights: ExpertWeights,
     lora: LoraBuffers | None = None,
 ) -> torch.Tensor:
-    """``y[t] = sum_j w[t, j] * Expert_{ids[t, j]}(x[t])`` with SwiGLU experts and optional LoRA.
+    """``y[t] = sum_j w[t, j] * Expert_{ids[t, j]}(x[t])`` with gated experts and optional LoRA.
 
-    ``Expert_e(x) = down_e(silu(gate_e(x)) * up_e(x))``, each projection ``W x + s * B (A x)``.
+    ``Expert_e(x) = down_e(act(gate_e(x), up_e(x)))`` with ``act = weights.spec.activation``,
+    each projection ``W x (+ bias) + s * B (A x)``; weights in any format are dequantised one
+    expert at a time (:meth:`ExpertWeights.expert_gate_up`).
     Computes in ``weights.dtype``; LoRA factors and routing weights are cast to it
     (differentiably). Inputs are not validated here; :func:`kt_kernel.moe_experts_forward` does.
 
@@ -44,6 +45,8 @@ def moe_experts_forward_reference(
     xc = x.to(dtype)
     wc = topk_weights.to(dtype)
     acc = torch.float64 if dtype == torch.float64 else torch.float32
+    act = spec.activation
+    gu_bias, dn_bias = weights.gate_up_bias, weights.down_bias
     y = torch.zeros(x.shape[0], spec.hidden_size, dtype=acc, device=x.device)
     if lora is not None:
         s = lora.scaling
@@ -55,6 +58,8 @@ def moe_experts_forward_reference(
         xe = xc[tok]
         # Per expert: for int8 weights this dequantises one expert, never the whole bank.
         gu = xe @ weights.expert_gate_up(e).t()
+        if gu_bias is not None:
+            gu = gu + gu_bias[e]
         if lora is not None:
             if lora.layout == "fused":
                 gu = gu + _lora_term(xe, f["gate_up_lora_a"][e], f["gate_up_lora_b"][e], s)
@@ -66,8 +71,10 @@ def moe_experts_forward_reference(
                     ],
                     dim=-1,
                 )
-        h = F.silu(gu[:, :inter]) * gu[:, inter:]
+        h = act(gu[:, :inter], gu[:, inter:])
         o = h @ weights.expert_down(e).t()
+        if dn_bias is not None:
+            o = o + dn_bias[e]
         if lora is not None:
             o = o + _lora_term(h, f["down_lora_a"][e], f["down_lora_b"][e], s)
         y = y.index_add(0, tok, (o * wc[tok, slot].unsqueeze(-1)).to(acc))

@@ -5,15 +5,19 @@
 copies the tensors into the existing parameters in place.
 """
 
+from lora_checkpoint._finite import NonFiniteTensor
 from lora_checkpoint._version import __version__
 from lora_checkpoint.errors import (
     CheckpointError,
     CheckpointExistsError,
+    CheckpointIOError,
+    CheckpointLockedError,
     DigestMismatchError,
     DtypeMismatchError,
     ManifestError,
     MissingFileError,
     MissingTensorError,
+    NonFiniteTensorError,
     ShapeMismatchError,
     TruncatedFileError,
     UnexpectedTensorError,
@@ -35,7 +39,15 @@ from lora_checkpoint.manifest import (
     registered_migrations,
     unregister_migration,
 )
-from lora_checkpoint.reader import LoadedCheckpoint, load, resolve_checkpoint, restore, verify
+from lora_checkpoint.reader import (
+    CheckpointReport,
+    LoadedCheckpoint,
+    inspect,
+    load,
+    resolve_checkpoint,
+    restore,
+    verify,
+)
 from lora_checkpoint.training_state import OptimizerState, RngState, TrainingState
 from lora_checkpoint.writer import (
     ADAPTER_CONFIG,
@@ -57,6 +69,9 @@ __all__ = [
     "MANIFEST",
     "CheckpointError",
     "CheckpointExistsError",
+    "CheckpointIOError",
+    "CheckpointLockedError",
+    "CheckpointReport",
     "DigestAlgorithm",
     "DigestMismatchError",
     "DtypeMismatchError",
@@ -66,6 +81,8 @@ __all__ = [
     "ManifestError",
     "MissingFileError",
     "MissingTensorError",
+    "NonFiniteTensor",
+    "NonFiniteTensorError",
     "OptimizerState",
     "ParameterEntry",
     "RankShard",
@@ -80,6 +97,7 @@ __all__ = [
     "UnknownFormatVersionError",
     "UnsafeFileError",
     "__version__",
+    "inspect",
     "list_checkpoints",
     "load",
     "parse_manifest",

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import ctypes
 import json
-import math
 import os
 import struct
 from collections.abc import Mapping
@@ -30,32 +29,20 @@ from lora_checkpoint._digest import (
     new_hasher,
     pool_pays,
 )
+from lora_checkpoint._fs import io_error
+from lora_checkpoint._st_header import (
+    DTYPE_TO_CODE,
+    NAME_TO_DTYPE,
+    dtype_name,
+    header_length,
+    match_manifest,
+    parse_header,
+)
 from lora_checkpoint.errors import (
     CheckpointError,
     DigestMismatchError,
     TruncatedFileError,
 )
-
-# safetensors dtype codes; the manifest stores torch names, files store these codes.
-DTYPE_TO_CODE: dict[torch.dtype, str] = {
-    torch.float64: "F64",
-    torch.float32: "F32",
-    torch.float16: "F16",
-    torch.bfloat16: "BF16",
-    torch.int64: "I64",
-    torch.int32: "I32",
-    torch.int16: "I16",
-    torch.int8: "I8",
-    torch.uint8: "U8",
-    torch.bool: "BOOL",
-    torch.uint16: "U16",
-    torch.uint32: "U32",
-    torch.uint64: "U64",
-    torch.float8_e4m3fn: "F8_E4M3",
-    torch.float8_e5m2: "F8_E5M2",
-}
-CODE_TO_DTYPE: dict[str, torch.dtype] = {v: k for k, v in DTYPE_TO_CODE.items()}
-NAME_TO_DTYPE: dict[str, torch.dtype] = {str(d).removeprefix("torch."): d for d in DTYPE_TO_CODE}
 
 # Chunks hashed/written/read at a time: big enough to amortise thread hand-offs, small
 # enough that the hash of chunk i overlaps the write (or read) of chunk i+1 and that a
@@ -65,13 +52,6 @@ CHUNK_BYTES = 4 * 1024 * 1024
 # Bytes written between background fdatasync calls (see write_safetensors); 16 MiB
 # measured ~10% faster saves than 64 MiB (the disk starts earlier), 8 MiB no faster.
 FLUSH_BYTES = 16 * 1024 * 1024
-# safetensors refuses headers above 100 MB; so do we, before allocating anything.
-MAX_HEADER_BYTES = 100 * 1024 * 1024
-
-
-def dtype_name(dtype: torch.dtype) -> str:
-    """Return the manifest's name for ``dtype`` (``torch.float32`` -> ``"float32"``)."""
-    return str(dtype).removeprefix("torch.")
 
 
 @dataclass(frozen=True)
@@ -92,16 +72,6 @@ class FileRecord:
     digest: str  # of the whole file's bytes, in ``algorithm``
     algorithm: DigestAlgorithm
     tensors: tuple[TensorRecord, ...]
-
-
-@dataclass(frozen=True)
-class HeaderEntry:
-    """One tensor described by a safetensors header."""
-
-    dtype: torch.dtype
-    shape: tuple[int, ...]
-    begin: int  # offset into the data section
-    end: int
 
 
 def as_cpu_contiguous(tensor: torch.Tensor) -> torch.Tensor:
@@ -149,6 +119,7 @@ def write_safetensors(
 
     Raises:
         CheckpointError: for a dtype safetensors cannot store.
+        CheckpointIOError: the file system refused the write (disk full, read-only...).
     """
     prepared: list[tuple[str, torch.Tensor]] = []
     for key, t in tensors.items():
@@ -176,11 +147,20 @@ def write_safetensors(
     hjson += b" " * ((8 - (8 + len(hjson)) % 8) % 8)
     prefix = struct.pack("<Q", len(hjson)) + hjson
 
+    try:
+        return _write_prepared(path, prepared, prefix, offset)
+    except OSError as exc:
+        raise io_error(exc, path, "write the checkpoint file") from exc
+
+
+def _write_prepared(
+    path: Path, prepared: list[tuple[str, torch.Tensor]], prefix: bytes, offset: int
+) -> FileRecord:
     algorithm = WRITE_ALGORITHM
     file_hash = new_hasher(algorithm, pool_pays(len(prefix) + offset, beside_io=True))
     file_hash.update(prefix)
     tensor_hashes: list[tuple[str, torch.Tensor, Hasher]] = []
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o644)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL | os.O_CLOEXEC, 0o644)
     try:
         # One worker hashes the chunks in file order, each into the file hash and then into
         # its tensor's hash (the chunk is still cached for the second); blake3 releases the
@@ -221,77 +201,6 @@ def write_safetensors(
             for key, t, h in tensor_hashes
         ),
     )
-
-
-def _header_length(head: bytes | bytearray | memoryview, file: str, size: int) -> int:
-    # The 8-byte prefix: refuse a header that is too big or longer than the file before
-    # allocating anything for it.
-    if size < 8 or len(head) < 8:
-        raise TruncatedFileError(f"{file}: {size} bytes is too short for a safetensors header")
-    (hlen,) = struct.unpack("<Q", bytes(head[:8]))
-    if hlen > MAX_HEADER_BYTES:
-        raise CheckpointError(f"{file}: header length {hlen} exceeds {MAX_HEADER_BYTES} bytes")
-    if 8 + hlen > size:
-        raise TruncatedFileError(
-            f"{file}: header says {hlen} header bytes but the file has only {size} bytes"
-        )
-    return int(hlen)
-
-
-def parse_header(
-    buf: bytes | bytearray | memoryview, file: str, size: int | None = None
-) -> tuple[int, dict[str, HeaderEntry]]:
-    """Parse and validate a safetensors header.
-
-    Args:
-        buf: at least the first ``8 + header_len`` bytes of the file.
-        file: the file's name, for error messages.
-        size: the whole file's size (default ``len(buf)``), to check that the data section
-            is complete.
-
-    Returns:
-        ``(data_start, entries)``: where the data section begins and key -> entry.
-
-    Raises:
-        TruncatedFileError: if the file ends inside the header or the data.
-        CheckpointError: if the header is not valid safetensors.
-    """
-    if size is None:
-        size = len(buf)
-    hlen = _header_length(buf, file, size)
-    if 8 + hlen > len(buf):
-        raise TruncatedFileError(f"{file}: only {len(buf)} bytes of the header were given")
-    try:
-        raw = json.loads(bytes(buf[8 : 8 + hlen]))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        raise CheckpointError(f"{file}: safetensors header is not valid JSON: {exc}") from exc
-    if not isinstance(raw, dict):
-        raise CheckpointError(f"{file}: safetensors header must be a JSON object")
-    data_len = size - 8 - hlen
-    entries: dict[str, HeaderEntry] = {}
-    end_max = 0
-    for key, spec in raw.items():
-        if key == "__metadata__":
-            continue
-        try:
-            dtype = CODE_TO_DTYPE[spec["dtype"]]
-            shape = tuple(int(s) for s in spec["shape"])
-            begin, end = (int(o) for o in spec["data_offsets"])
-        except (KeyError, TypeError, ValueError) as exc:
-            raise CheckpointError(f"{file}: bad header entry for key {key!r}: {spec!r}") from exc
-        nbytes = math.prod(shape) * dtype.itemsize
-        if any(s < 0 for s in shape) or begin < 0 or end - begin != nbytes:
-            raise CheckpointError(
-                f"{file}: key {key!r}: data_offsets {[begin, end]} do not hold shape "
-                f"{list(shape)} of {dtype_name(dtype)} ({nbytes} bytes)"
-            )
-        end_max = max(end_max, end)
-        entries[key] = HeaderEntry(dtype, shape, begin, end)
-    if end_max > data_len:
-        raise TruncatedFileError(
-            f"{file}: tensors need {end_max} data bytes but only {data_len} are present"
-        )
-    return 8 + hlen, entries
 
 
 def _checked_size(fd: int, path: Path, expected_size: int | None) -> int:
@@ -414,6 +323,7 @@ def read_safetensors(
     algorithm: DigestAlgorithm | None = None,
     readers: ThreadPoolExecutor | None = None,
     file_worker: ThreadPoolExecutor | None = None,
+    expected: Mapping[str, tuple[str, tuple[int, ...]]] | None = None,
 ) -> SafetensorsRead:
     """Read a safetensors file into tensors that own their memory, hashing those very bytes.
 
@@ -432,6 +342,8 @@ def read_safetensors(
         file_worker: a single-thread executor for this file alone, which hashes in order and
             closes the file (default: a private one). With both given this returns while
             the bytes are still arriving, so the caller can start the next file.
+        expected: key -> (dtype name, shape) the manifest records; a header that differs
+            (another key, dtype or shape) is refused before any tensor is allocated.
 
     Returns:
         The tensors, valid once ``finish()`` returned the digest. With ``algorithm`` set, a
@@ -453,6 +365,7 @@ def read_safetensors(
                 algorithm=algorithm,
                 readers=readers or own_readers,
                 file_worker=file_worker or own_worker,
+                expected=expected,
             )
             read.finish()
         return read
@@ -508,7 +421,7 @@ def read_safetensors(
         _pread_into(fd, [memoryview(head)], 0, name, size)
         header = b""
         try:
-            hlen = _header_length(head, name, size)
+            hlen = header_length(head, name, size)
             header = os.pread(fd, hlen, 8)
             data_start, entries = parse_header(head + header, name, size)
             plan = sorted(entries.items(), key=lambda kv: (kv[1].begin, kv[1].end))
@@ -520,6 +433,8 @@ def read_safetensors(
                         "bytes of another tensor; a safetensors file holds each tensor once"
                     )
                 end_so_far = max(end_so_far, e.end)
+            if expected is not None:
+                match_manifest(name, entries, expected)
         except CheckpointError as exc:
             if h is None:
                 raise
@@ -531,7 +446,13 @@ def read_safetensors(
         tensors: dict[str, torch.Tensor] = {}
         pos = data_start
         for key, e in plan:
-            t = torch.empty(e.shape, dtype=e.dtype)
+            try:
+                t = torch.empty(e.shape, dtype=e.dtype)
+            except RuntimeError as exc:  # out of memory: the sizes themselves were checked
+                raise CheckpointError(
+                    f"{name}: cannot allocate {e.end - e.begin} bytes for key {key!r}: {exc}; "
+                    "load on a machine with more memory"
+                ) from exc
             if e.begin < e.end:
                 add_scratch(data_start + e.begin, pos)
                 add(_byte_view(t), t, data_start + e.begin)

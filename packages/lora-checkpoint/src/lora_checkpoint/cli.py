@@ -1,8 +1,10 @@
 """``lora-checkpoint`` command line: ``verify DIR`` and ``inspect DIR``.
 
 Exit codes:
-    0: success (``verify``: every file of every rank matches the manifest).
-    1: the checkpoint failed verification or could not be read (a ``CheckpointError``).
+    0: success (``verify``: every file of every rank matches the manifest and no tensor
+       holds NaN/Inf, unless ``--allow-non-finite``).
+    1: the checkpoint failed verification or could not be read: one ``error:`` line on
+       stderr, never a traceback.
     2: usage error (bad arguments, or DIR is not a directory).
 """
 
@@ -16,13 +18,12 @@ from collections.abc import Sequence
 
 import torch
 
-from lora_checkpoint._safetensors_io import NAME_TO_DTYPE
-from lora_checkpoint.errors import CheckpointError
-from lora_checkpoint.manifest import Manifest, parse_manifest
-from lora_checkpoint.reader import resolve_checkpoint, verify
-from lora_checkpoint.writer import MANIFEST
+from lora_checkpoint._finite import NonFiniteTensor
+from lora_checkpoint._st_header import NAME_TO_DTYPE
+from lora_checkpoint.manifest import Manifest
+from lora_checkpoint.reader import inspect, verify
 
-__all__ = ["EXIT_FAILED", "EXIT_OK", "EXIT_USAGE", "main"]
+__all__ = ["EXIT_FAILED", "EXIT_OK", "EXIT_USAGE", "main", "render"]
 
 EXIT_OK = 0
 EXIT_FAILED = 1
@@ -48,8 +49,24 @@ def _table(rows: list[list[str]], header: list[str]) -> str:
     return "\n".join(lines)
 
 
-def render(manifest: Manifest) -> str:
-    """Return the human-readable ``inspect`` report of a manifest."""
+def _one_line(text: str) -> str:
+    # Pydantic and nested errors span lines; the CLI prints exactly one.
+    return " ".join(text.split())
+
+
+def _error(exc: BaseException) -> int:
+    print(f"lora-checkpoint: error: {type(exc).__name__}: {_one_line(str(exc))}", file=sys.stderr)
+    return EXIT_FAILED
+
+
+def _non_finite_lines(found: Sequence[NonFiniteTensor]) -> list[str]:
+    if not found:
+        return ["non-finite tensors: none"]
+    return [f"non-finite tensors: {len(found)}"] + [f"  {f.describe()}" for f in found]
+
+
+def render(manifest: Manifest, non_finite: Sequence[NonFiniteTensor] = ()) -> str:
+    """Return the human-readable ``inspect`` report of a manifest and its NaN/Inf scan."""
     algorithm = manifest.digest_algorithm.value  # the digest columns' header
     out = [
         f"checkpoint {manifest.name}  format_version {manifest.format_version}  "
@@ -95,6 +112,7 @@ def render(manifest: Manifest) -> str:
     ]
     total = sum(f.size for f in manifest.files)
     out += [f"{len(manifest.tensors)} tensors in {len(manifest.files)} files, {_human(total)}"]
+    out += _non_finite_lines(non_finite)
     return "\n".join(out)
 
 
@@ -108,6 +126,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     p_verify = sub.add_parser("verify", help="check every file and tensor against the manifest")
     p_verify.add_argument("directory")
+    p_verify.add_argument(
+        "--allow-non-finite",
+        action="store_true",
+        help="accept tensors holding NaN/Inf (reported, not a failure)",
+    )
     p_inspect = sub.add_parser("inspect", help="print tensors, files, components and versions")
     p_inspect.add_argument("directory")
     p_inspect.add_argument("--json", action="store_true", help="print the manifest as JSON")
@@ -118,25 +141,34 @@ def main(argv: Sequence[str] | None = None) -> int:
     from pathlib import Path
 
     if not Path(args.directory).is_dir():
-        print(f"lora-checkpoint: {args.directory!r} is not a directory", file=sys.stderr)
+        print(
+            f"lora-checkpoint: error: {args.directory!r} is not a directory; pass a checkpoint "
+            "or a checkpoint root",
+            file=sys.stderr,
+        )
         return EXIT_USAGE
     try:
         if args.command == "verify":
-            manifest = verify(args.directory)
+            manifest = verify(args.directory, allow_non_finite=args.allow_non_finite)
             print(
                 f"OK {manifest.name}: {len(manifest.tensors)} tensors in "
                 f"{len(manifest.files)} files verified"
             )
+            if args.allow_non_finite:
+                print("\n".join(_non_finite_lines(inspect(args.directory).non_finite)))
             return EXIT_OK
-        ckpt = resolve_checkpoint(args.directory)
-        manifest = parse_manifest((ckpt / MANIFEST).read_bytes(), str(ckpt / MANIFEST))
-        print(
-            manifest.to_json() if args.json else render(manifest), end="\n" if not args.json else ""
-        )
+        report = inspect(args.directory)
+        if args.json:
+            print(report.manifest.to_json(), end="")
+            if report.non_finite:  # stdout stays the manifest's JSON
+                print(
+                    "warning: " + "; ".join(_non_finite_lines(report.non_finite)), file=sys.stderr
+                )
+        else:
+            print(render(report.manifest, report.non_finite))
         return EXIT_OK
-    except CheckpointError as exc:
-        print(f"lora-checkpoint: FAILED: {type(exc).__name__}: {exc}", file=sys.stderr)
-        return EXIT_FAILED
+    except Exception as exc:  # a CheckpointError, or a bug: one line either way
+        return _error(exc)
 
 
 if __name__ == "__main__":  # pragma: no cover

@@ -2,14 +2,19 @@
 
 from __future__ import annotations
 
+from typing import Any
+
 __all__ = [
     "CheckpointError",
     "CheckpointExistsError",
+    "CheckpointIOError",
+    "CheckpointLockedError",
     "DigestMismatchError",
     "DtypeMismatchError",
     "ManifestError",
     "MissingFileError",
     "MissingTensorError",
+    "NonFiniteTensorError",
     "ShapeMismatchError",
     "TruncatedFileError",
     "UnexpectedTensorError",
@@ -64,3 +69,24 @@ class UnsafeFileError(CheckpointError):
 
 class CheckpointExistsError(CheckpointError):
     """A checkpoint with the requested name already exists under the root."""
+
+
+class CheckpointIOError(CheckpointError):
+    """The operating system refused a read or write (disk full, read-only, permissions)."""
+
+
+class CheckpointLockedError(CheckpointError):
+    """Another process held the checkpoint root's lock for longer than the timeout."""
+
+
+class NonFiniteTensorError(CheckpointError):
+    """A tensor holds NaN or infinite values (``save``/``verify`` refuse it unless allowed).
+
+    Attributes:
+        tensors: the offending tensors (``NonFiniteTensor`` records: name, file, counts).
+    """
+
+    def __init__(self, message: str, *, tensors: tuple[Any, ...] = ()) -> None:
+        """Keep ``tensors`` beside the message."""
+        super().__init__(message)
+        self.tensors = tensors

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import enum
-import json
 from collections.abc import Callable
 from datetime import datetime
 from typing import Any
@@ -11,6 +10,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from lora_checkpoint._digest import DigestAlgorithm
+from lora_checkpoint._jsonio import loads_bounded
 from lora_checkpoint.errors import ManifestError, UnknownFormatVersionError
 from lora_core.contracts import ComponentVersion, ParameterOwnership, PeftTensorLayout
 
@@ -329,10 +329,7 @@ def parse_manifest(data: bytes | str, file: str = "manifest.json") -> Manifest:
         UnknownFormatVersionError: for a format version without a migration path.
         ManifestError: for anything else that is not a valid manifest.
     """
-    try:
-        raw = json.loads(data)
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as exc:
-        raise ManifestError(f"{file} is not valid JSON: {exc}") from exc
+    raw = loads_bounded(data, file, "manifest", ManifestError)
     if not isinstance(raw, dict):
         raise ManifestError(f"{file} must hold a JSON object, got {type(raw).__name__}")
     read_as = raw.get("format_version")

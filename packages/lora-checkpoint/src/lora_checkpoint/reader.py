@@ -3,9 +3,9 @@
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
-from contextlib import ExitStack
+from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -14,6 +14,8 @@ from torch import nn
 
 from lora_checkpoint import _dist, _fs
 from lora_checkpoint._digest import available_cores
+from lora_checkpoint._finite import NonFiniteTensor, find_non_finite, non_finite_error
+from lora_checkpoint._names import checkpoint_name_problem
 from lora_checkpoint._safetensors_io import (
     SafetensorsRead,
     dtype_name,
@@ -29,6 +31,7 @@ from lora_checkpoint.errors import (
     MissingFileError,
     MissingTensorError,
     ShapeMismatchError,
+    TruncatedFileError,
     UnexpectedTensorError,
     UnsafeFileError,
 )
@@ -37,7 +40,16 @@ from lora_checkpoint.training_state import TrainingState
 from lora_checkpoint.writer import MANIFEST, training_state_files
 from lora_core.contracts import AdaptationResult
 
-__all__ = ["LoadedCheckpoint", "load", "resolve_checkpoint", "restore", "verify"]
+__all__ = [
+    "CheckpointReport",
+    "LoadedCheckpoint",
+    "inspect",
+    "load",
+    "resolve_checkpoint",
+    "restore",
+    "scan_non_finite",
+    "verify",
+]
 
 # Threads reading checkpoint files: 2 measured ~30% faster than 1 for loads that page-fault
 # fresh memory (on 2 cores, 3 were no faster); beyond 8, a disk rarely gains more.
@@ -45,6 +57,10 @@ MAX_READ_THREADS = 8
 # Extensions whose usual readers (torch.load, pickle) can execute code.
 UNSAFE_SUFFIXES = frozenset({".bin", ".pt", ".pth", ".pkl", ".pickle", ".ckpt", ".joblib"})
 _SAFE_SUFFIXES = (".safetensors", ".json")
+# ``latest`` holds one name of at most 200 bytes; read no more than this of it.
+MAX_LATEST_BYTES = 4096
+# A manifest lists every tensor and file; even 100k tensors stay well under this.
+MAX_MANIFEST_BYTES = 256 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -77,18 +93,33 @@ def resolve_checkpoint(directory: str | os.PathLike[str]) -> Path:
     path = Path(directory)
     if not path.is_dir():
         raise MissingFileError(f"checkpoint directory {str(path)!r} does not exist")
-    if (path / MANIFEST).exists():
+    if (path / MANIFEST).exists() or (path / MANIFEST).is_symlink():
         return path
     latest = path / _fs.LATEST
-    if not latest.is_file():
+    if not latest.is_file() and not latest.is_symlink():
         raise MissingFileError(
             f"{str(path)!r} holds neither {MANIFEST} (a checkpoint) nor {_fs.LATEST!r} "
             "(a checkpoint root); pass a directory written by lora_checkpoint.save"
         )
-    name = latest.read_text(encoding="utf-8", errors="replace").strip()
-    if not name or "/" in name or "\\" in name or name.startswith("."):
-        raise UnsafeFileError(f"{str(latest)!r} names {name!r}, which is not a checkpoint name")
+    try:
+        raw = _fs.read_bounded(latest, MAX_LATEST_BYTES)
+    except OSError as exc:
+        raise _fs.io_error(exc, latest, "read the latest pointer") from exc
+    name = raw.decode("utf-8", errors="replace").removesuffix("\n")
+    problem = checkpoint_name_problem(name)
+    if problem is not None:
+        raise UnsafeFileError(
+            f"{str(latest)!r} names {name[:64]!r}, which is not a checkpoint name ({problem}); "
+            "write the name of a checkpoint directory of this root into it"
+        )
     target = path / name
+    if target.is_symlink():
+        real, inside = os.path.realpath(target), os.path.realpath(path)
+        if os.path.dirname(real) != inside:
+            raise UnsafeFileError(
+                f"{target} is a symbolic link leading outside the checkpoint root {str(path)!r}; "
+                "checkpoints must be directories inside the root (move the checkpoint in)"
+            )
     if not (target / MANIFEST).is_file():
         raise MissingFileError(
             f"{str(latest)!r} points at {name!r}, but {str(target / MANIFEST)!r} does not exist"
@@ -149,6 +180,7 @@ def _read_safetensors_file(
             algorithm=manifest.digest_algorithm if verify else None,
             readers=readers,
             file_worker=file_worker,
+            expected={t.key: (t.dtype, t.shape) for t in manifest.tensors if t.file == entry.file},
         )
     except CheckpointError as exc:
         return exc
@@ -216,13 +248,50 @@ def _read_json_file(ckpt: Path, entry: FileEntry, manifest: Manifest, verify: bo
 
 def _read_manifest(ckpt: Path) -> Manifest:
     path = ckpt / MANIFEST
-    if not path.is_file():
+    if not path.is_file() and not path.is_symlink():
         raise MissingFileError(f"{path} does not exist")
-    return parse_manifest(path.read_bytes(), str(path))
+    try:
+        data = _fs.read_bounded(path, MAX_MANIFEST_BYTES)
+    except OSError as exc:
+        raise _fs.io_error(exc, path, "read the manifest") from exc
+    return parse_manifest(data, str(path))
+
+
+def _lock_root(directory: str | os.PathLike[str]) -> Path | None:
+    # The root whose lock guards ``directory``: the directory itself when it is a root, its
+    # parent when it is a checkpoint inside a root (pruning may delete it), else None.
+    path = Path(directory)
+    if (path / _fs.LOCK_FILE).is_file():
+        return path
+    if (path / MANIFEST).is_file() and (path.parent / _fs.LOCK_FILE).is_file():
+        return path.parent
+    return None
+
+
+@contextmanager
+def _reading(directory: str | os.PathLike[str], lock_timeout: float) -> Iterator[bool]:
+    # Readers hold the root's lock shared, so no writer publishes or prunes meanwhile; any
+    # OSError on the way becomes a CheckpointIOError naming the file. Yields whether a lock
+    # is held (roots written before 0.3 have no lock file).
+    try:
+        root = _lock_root(directory)
+        with ExitStack() as stack:
+            locked = False
+            if root is not None:
+                locked = stack.enter_context(
+                    _fs.root_lock(root, exclusive=False, timeout=lock_timeout)
+                )
+            yield locked
+    except OSError as exc:
+        raise _fs.io_error(exc, exc.filename or directory, "read the checkpoint") from exc
 
 
 def load(
-    directory: str | os.PathLike[str], *, verify: bool = True, rank: int | None = None
+    directory: str | os.PathLike[str],
+    *,
+    verify: bool = True,
+    rank: int | None = None,
+    lock_timeout: float = _fs.DEFAULT_LOCK_TIMEOUT,
 ) -> LoadedCheckpoint:
     """Read and verify a checkpoint.
 
@@ -232,14 +301,32 @@ def load(
             manifest names (sizes and headers are always checked).
         rank: whose rank-local tensors and training state to read (default: this process's
             rank, 0 without a process group).
+        lock_timeout: seconds to wait while a writer publishes into or prunes the root
+            (the root's lock is held shared while reading, so pruning never removes the
+            checkpoint being read).
 
     Returns:
         The manifest, the parameter tensors by name, and the training state.
 
     Raises:
         CheckpointError: a subclass naming the file and key for anything missing, unexpected,
-            mis-shaped, mis-typed, corrupted, unsafe or of an unknown format version.
+            mis-shaped, mis-typed, corrupted, unsafe or of an unknown format version;
+            ``CheckpointIOError`` when the operating system refuses a read;
+            ``CheckpointLockedError`` when a writer holds the root for ``lock_timeout``.
     """
+    with _reading(directory, lock_timeout) as locked:
+        try:
+            return _load(directory, verify=verify, rank=rank)
+        except (MissingFileError, TruncatedFileError):
+            # Without a lock (a root from before 0.3, pruned by an old writer), the checkpoint
+            # `latest` named may have been pruned mid-read: resolve `latest` again, once.
+            if locked or (Path(directory) / MANIFEST).exists():
+                raise
+    with _reading(directory, lock_timeout):
+        return _load(directory, verify=verify, rank=rank)
+
+
+def _load(directory: str | os.PathLike[str], *, verify: bool, rank: int | None) -> LoadedCheckpoint:
     ckpt = resolve_checkpoint(directory)
     manifest = _read_manifest(ckpt)
     _check_unsafe(ckpt, manifest)
@@ -323,17 +410,102 @@ def load(
     return LoadedCheckpoint(manifest=manifest, tensors=tensors, training_state=state, path=ckpt)
 
 
-def verify(directory: str | os.PathLike[str]) -> Manifest:
+def verify(
+    directory: str | os.PathLike[str],
+    *,
+    allow_non_finite: bool = False,
+    lock_timeout: float = _fs.DEFAULT_LOCK_TIMEOUT,
+) -> Manifest:
     """Verify every file of every rank of a checkpoint (what the CLI's ``verify`` runs).
 
+    Args:
+        directory: a checkpoint root or one checkpoint directory.
+        allow_non_finite: accept tensors holding NaN/Inf (their digests still must match).
+        lock_timeout: seconds to wait while a writer publishes into or prunes the root.
+
+    Returns:
+        The verified manifest.
+
     Raises:
-        CheckpointError: the first problem found.
+        NonFiniteTensorError: a tensor holds NaN/Inf (unless ``allow_non_finite``); its
+            ``tensors`` lists them all.
+        CheckpointError: the first other problem found.
     """
-    ckpt = resolve_checkpoint(directory)
-    manifest = _read_manifest(ckpt)
-    for r in range(manifest.world_size):
-        load(ckpt, verify=True, rank=r)
+    with _reading(directory, lock_timeout):
+        ckpt = resolve_checkpoint(directory)
+        manifest = _read_manifest(ckpt)
+        for r in range(manifest.world_size):
+            _load(ckpt, verify=True, rank=r)
+        if not allow_non_finite:
+            found = scan_non_finite(ckpt, manifest)
+            if found:
+                raise non_finite_error(
+                    found,
+                    str(ckpt),
+                    "the files are intact but the values are unusable; resume from an earlier "
+                    "checkpoint (or pass allow_non_finite=True / --allow-non-finite to accept)",
+                )
     return manifest
+
+
+def scan_non_finite(ckpt: Path, manifest: Manifest) -> list[NonFiniteTensor]:
+    """Return every stored tensor (all ranks' files) holding NaN/Inf, in manifest order.
+
+    Raises:
+        CheckpointError: a file cannot be read (sizes and headers are checked).
+    """
+    names = {(t.file, t.key): t.name for t in manifest.tensors}
+    found: list[NonFiniteTensor] = []
+    for entry in manifest.files:
+        if not entry.file.endswith(".safetensors"):
+            continue
+        path = ckpt / entry.file
+        if not path.is_file() or path.is_symlink():
+            raise MissingFileError(f"{path}: listed in the manifest but missing")
+        read = read_safetensors(
+            path,
+            expected_size=entry.size,
+            expected={t.key: (t.dtype, t.shape) for t in manifest.tensors if t.file == entry.file},
+        )
+        if read.header_error is not None:
+            raise read.header_error
+        found += find_non_finite(
+            ((names.get((entry.file, k), k), t) for k, t in read.tensors.items()), entry.file
+        )
+    return found
+
+
+@dataclass(frozen=True)
+class CheckpointReport:
+    """What :func:`inspect` found in a checkpoint.
+
+    Attributes:
+        path: the checkpoint directory (``latest`` followed).
+        manifest: its manifest.
+        non_finite: the stored tensors holding NaN/Inf (every rank's files), in manifest order.
+    """
+
+    path: Path
+    manifest: Manifest
+    non_finite: tuple[NonFiniteTensor, ...]
+
+
+def inspect(
+    directory: str | os.PathLike[str], *, lock_timeout: float = _fs.DEFAULT_LOCK_TIMEOUT
+) -> CheckpointReport:
+    """Read a checkpoint's manifest and scan every stored tensor for NaN/Inf values.
+
+    Digests are not checked (that is :func:`verify`); sizes and headers are.
+
+    Raises:
+        CheckpointError: a subclass naming the file, when the checkpoint cannot be read.
+    """
+    with _reading(directory, lock_timeout):
+        ckpt = resolve_checkpoint(directory)
+        manifest = _read_manifest(ckpt)
+        _check_unsafe(ckpt, manifest)
+        found = scan_non_finite(ckpt, manifest)
+    return CheckpointReport(ckpt, manifest, tuple(found))
 
 
 def _local_part(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:

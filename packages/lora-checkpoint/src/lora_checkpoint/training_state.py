@@ -6,7 +6,6 @@ never as pickle.
 
 from __future__ import annotations
 
-import json
 import random
 from collections.abc import Mapping
 from dataclasses import dataclass, field
@@ -15,6 +14,7 @@ from typing import Any
 import torch
 
 from lora_checkpoint._dist import is_dtensor
+from lora_checkpoint._jsonio import MAX_JSON_DEPTH, loads_bounded
 from lora_checkpoint.errors import (
     CheckpointError,
     ManifestError,
@@ -28,15 +28,23 @@ __all__ = ["OptimizerState", "RngState", "TrainingState"]
 TRAINING_STATE_SCHEMA_VERSION = 1
 _RNG_TORCH_KEY = "rng/torch_cpu"
 _JSON_SCALARS = (bool, int, float, str, type(None))
+# The data position and optimizer values are written inside the training-state document,
+# which readers accept up to MAX_JSON_DEPTH levels: leave room for its own few levels.
+_MAX_USER_DEPTH = MAX_JSON_DEPTH - 8
 
 
-def _jsonable(value: Any, where: str) -> Any:
+def _jsonable(value: Any, where: str, depth: int = 0) -> Any:
     if isinstance(value, _JSON_SCALARS):
         return value
+    if depth >= _MAX_USER_DEPTH:
+        raise CheckpointError(
+            f"{where}: nested more than {_MAX_USER_DEPTH} levels deep (or it contains itself); "
+            "store a flatter structure"
+        )
     if isinstance(value, (list, tuple)):
-        return [_jsonable(v, where) for v in value]
+        return [_jsonable(v, where, depth + 1) for v in value]
     if isinstance(value, dict) and all(isinstance(k, str) for k in value):
-        return {k: _jsonable(v, where) for k, v in value.items()}
+        return {k: _jsonable(v, where, depth + 1) for k, v in value.items()}
     raise CheckpointError(
         f"{where}: value of type {type(value).__name__} cannot be stored as JSON; "
         "use numbers, strings, lists and dicts with str keys"
@@ -260,8 +268,12 @@ class TrainingState:
             state_doc: dict[str, dict[str, Any]] = {}
             # Parameter order, not the optimizer's insertion order (which a resumed run
             # changes), so the same state always writes the same file bytes.
-            ordered = [n for g in self.optimizer.param_groups for n in g["params"]
-                       if n in self.optimizer.state]
+            ordered = [
+                n
+                for g in self.optimizer.param_groups
+                for n in g["params"]
+                if n in self.optimizer.state
+            ]
             for i, n in enumerate(ordered):
                 s = self.optimizer.state[n]
                 entry: dict[str, Any] = {}
@@ -291,8 +303,8 @@ class TrainingState:
         Raises:
             ManifestError: the JSON is malformed or names tensors that are absent.
         """
+        doc = loads_bounded(raw, file, "training state", ManifestError)
         try:
-            doc = json.loads(raw)
             if doc.get("schema_version") != TRAINING_STATE_SCHEMA_VERSION:
                 raise ManifestError(
                     f"{file}: training-state schema_version {doc.get('schema_version')!r} is not "
@@ -322,13 +334,9 @@ class TrainingState:
                     raise MissingTensorError(f"{file}: RNG state tensor {_RNG_TORCH_KEY!r} missing")
                 rng = RngState(tensors[_RNG_TORCH_KEY], doc["rng"]["python"], doc["rng"]["numpy"])
             return cls(step=doc["step"], data_position=doc["data_position"], optimizer=opt, rng=rng)
-        except (
-            KeyError,
-            TypeError,
-            AttributeError,
-            json.JSONDecodeError,
-            UnicodeDecodeError,
-        ) as exc:
+        except CheckpointError:
+            raise
+        except (KeyError, TypeError, AttributeError, ValueError, IndexError) as exc:
             raise ManifestError(f"{file}: malformed training state: {exc!r}") from exc
 
 

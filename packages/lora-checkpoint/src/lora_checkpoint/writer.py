@@ -10,9 +10,11 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import uuid
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
+from contextlib import suppress
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
@@ -20,7 +22,9 @@ from typing import Any
 import torch
 
 from lora_checkpoint import _dist, _fs
+from lora_checkpoint._checks import as_checkpoint_error, precheck_inputs, training_state_files_of
 from lora_checkpoint._digest import WRITE_ALGORITHM, digest_of
+from lora_checkpoint._names import check_checkpoint_name
 from lora_checkpoint._safetensors_io import (
     FileRecord,
     as_cpu_contiguous,
@@ -154,13 +158,10 @@ def _checkpoint_name(name: str | None, step: int | None) -> str:
             raise CheckpointError(
                 "save needs a checkpoint name: pass step=, name=, or a training_state"
             )
-        name = f"step-{int(step):08d}"
-    if not name or "/" in name or "\\" in name or name.startswith(".") or name == _fs.LATEST:
-        raise CheckpointError(
-            f"checkpoint name {name!r} must be a plain directory name, not starting with '.', "
-            f"and not {_fs.LATEST!r}"
-        )
-    return name
+        if isinstance(step, bool) or not isinstance(step, int) or step < 0:
+            raise CheckpointError(f"step must be an int >= 0, got {step!r}")
+        name = f"step-{step:08d}"
+    return check_checkpoint_name(name)
 
 
 def _entries(
@@ -193,7 +194,7 @@ def _write_rank_files(
     tmp: Path,
     result: AdaptationResult,
     rank: int,
-    training_state: TrainingState | None,
+    training_state: tuple[dict[str, torch.Tensor], dict[str, Any]] | None,
     shared: dict[str, torch.Tensor],
     local: dict[str, torch.Tensor],
     base_model_name_or_path: str | None,
@@ -256,8 +257,7 @@ def _write_rank_files(
         add(local, file, {n: (n, TensorKind.PARAMETER, None) for n in local}, rank)
     if training_state is not None:
         st_file, js_file = training_state_files(rank)
-        ts_tensors, doc = training_state.to_files()
-        ts_tensors = {k: as_cpu_contiguous(v) for k, v in ts_tensors.items()}
+        ts_tensors, doc = training_state
         add(
             ts_tensors, st_file, {k: (k, TensorKind.TRAINING_STATE, None) for k in ts_tensors}, rank
         )
@@ -312,15 +312,17 @@ def list_checkpoints(directory: str | os.PathLike[str]) -> list[Manifest]:
     Unreadable directories (not checkpoints) are skipped.
     """
     root = Path(directory)
-    found = []
+    found: list[Manifest] = []
     if not root.is_dir():
         return found
     for child in root.iterdir():
-        if child.name.startswith(".") or not (child / MANIFEST).is_file():
+        # A symlinked entry is not a checkpoint of this root (and never pruned through).
+        if child.name.startswith(".") or child.is_symlink() or not (child / MANIFEST).is_file():
             continue
         try:
-            found.append(parse_manifest((child / MANIFEST).read_bytes(), str(child / MANIFEST)))
-        except ManifestError:
+            data = _fs.read_bounded(child / MANIFEST, 256 * 1024 * 1024)
+            found.append(parse_manifest(data, str(child / MANIFEST)))
+        except (ManifestError, OSError, CheckpointError):
             continue
     return sorted(found, key=lambda m: (m.created_at, m.name))
 
@@ -335,6 +337,8 @@ def save(
     keep_last: int | None = None,
     base_model_name_or_path: str | None = None,
     task_type: str | None = None,
+    allow_non_finite: bool = False,
+    lock_timeout: float = _fs.DEFAULT_LOCK_TIMEOUT,
 ) -> Manifest:
     """Write a checkpoint of ``result``'s parameters under the root ``directory``.
 
@@ -343,92 +347,169 @@ def save(
         result: the adapter parameters (names, ownership, PEFT exports, LoRA config).
         training_state: optional optimizer/RNG/step/data-position state (this rank's).
         step: names the checkpoint ``step-XXXXXXXX`` (default: ``training_state.step``).
-        name: an explicit checkpoint directory name instead.
+        name: an explicit checkpoint directory name instead: at most 200 bytes, no
+            whitespace or control characters, no ``/``, not starting with ``.``.
         keep_last: after publishing, delete all but the newest ``keep_last`` checkpoints.
         base_model_name_or_path: recorded in ``adapter_config.json`` and the manifest.
         task_type: PEFT ``task_type`` for ``adapter_config.json`` (None unless given).
+        allow_non_finite: save parameters and optimizer state holding NaN/Inf anyway.
+        lock_timeout: seconds to wait for another writer (or reader) of the same root to
+            release ``<directory>/.lock``; 0 fails at once if it is taken.
 
     Returns:
         The manifest that was published (on every rank).
 
     Raises:
         CheckpointExistsError: ``<directory>/<name>`` already exists.
-        CheckpointError: invalid arguments, or any rank failed to write (nothing is published).
+        NonFiniteTensorError: a tensor holds NaN/Inf (names them), unless allowed.
+        CheckpointLockedError: another process held the root's lock for ``lock_timeout``.
+        CheckpointIOError: the file system refused a write (disk full, read-only...).
+        CheckpointError: invalid arguments, or any rank failed to write (nothing is
+            published, and no temp directory is left behind).
     """
     if keep_last is not None and (
         isinstance(keep_last, bool) or not isinstance(keep_last, int) or keep_last < 1
     ):
         raise CheckpointError(f"keep_last must be an int >= 1 or None, got {keep_last!r}")
+    if (
+        isinstance(lock_timeout, bool)
+        or not isinstance(lock_timeout, (int, float))
+        or not (0 <= lock_timeout < float("inf"))
+    ):
+        raise CheckpointError(f"lock_timeout must be a finite number >= 0, got {lock_timeout!r}")
     if step is None and training_state is not None:
         step = training_state.step
     ckpt_name = _checkpoint_name(name, step)
     root = Path(directory)
     rank, world = _dist.rank_and_world()
 
-    setup: dict[str, Any] = {}
-    if rank == 0:
-        try:
-            root.mkdir(parents=True, exist_ok=True)
-            if (root / ckpt_name).exists():
-                raise CheckpointExistsError(
-                    f"checkpoint {str(root / ckpt_name)!r} already exists; pass another name/step "
-                    "or delete it"
-                )
-            _fs.remove_stale(root)
-            tmp = root / f"{_fs.TMP_PREFIX}{ckpt_name}-{uuid.uuid4().hex}"
-            tmp.mkdir()
-            setup = {"tmp": str(tmp)}
-        except (OSError, CheckpointError) as exc:
-            setup = {"error": f"{type(exc).__name__}: {exc}"}
-            if not _dist.dist_active():
-                raise
-    setup = _dist.broadcast(setup)
-    if "error" in setup:
-        raise CheckpointError(f"rank 0 could not prepare the checkpoint: {setup['error']}")
-    tmp = Path(setup["tmp"])
-
+    # Every rank joins the collectives of _collect in one order, before anything is written.
     shared, local = _collect(result, rank)
-    outcome: dict[str, Any]
+    precheck: dict[str, Any] = {}
     try:
-        outcome = _write_rank_files(
-            tmp, result, rank, training_state, shared, local, base_model_name_or_path, task_type
-        )
-        outcome["has_training_state"] = training_state is not None
-    except (OSError, CheckpointError) as exc:
+        state, labels = training_state_files_of(training_state)
+        precheck_inputs(result, shared, local, state, labels, allow_non_finite)
+    except Exception as exc:
+        err = as_checkpoint_error(exc, root / ckpt_name)
         if not _dist.dist_active():
-            _fs.remove_stale(root)
-            raise
-        outcome = {"error": f"rank {rank}: {type(exc).__name__}: {exc}"}
-    outcomes = _dist.gather(outcome)  # also the barrier: every rank has fsynced its files
+            raise err from exc
+        precheck = {"error": f"rank {rank}: {type(err).__name__}: {err}"}
+    if _dist.dist_active():
+        refused = [o["error"] for o in _dist.gather(precheck) if "error" in o]
+        if refused:
+            raise CheckpointError("checkpoint not written; " + "; ".join(refused))
 
-    published: dict[str, Any] = {}
-    if rank == 0:
+    claim = -1  # rank 0's flock on its temp directory: other writers' cleanup keeps it
+    tmp: Path | None = None
+    try:
+        setup: dict[str, Any] = {}
+        if rank == 0:
+            try:
+                root.mkdir(parents=True, exist_ok=True)
+                with _fs.root_lock(root, exclusive=True, timeout=lock_timeout):
+                    if os.path.lexists(root / ckpt_name):
+                        raise CheckpointExistsError(
+                            f"checkpoint {str(root / ckpt_name)!r} already exists; pass another "
+                            "name/step or delete it"
+                        )
+                    _fs.remove_stale(root)
+                    tmp = root / f"{_fs.TMP_PREFIX}{ckpt_name}-{uuid.uuid4().hex}"
+                    tmp.mkdir()
+                    claim = _fs.claim_dir(tmp)
+                setup = {"tmp": str(tmp)}
+            except Exception as exc:
+                err = as_checkpoint_error(exc, root)
+                if not _dist.dist_active():
+                    raise err from exc
+                setup = {"error": f"{type(err).__name__}: {err}"}
+        setup = _dist.broadcast(setup)
+        if "error" in setup:
+            raise CheckpointError(f"rank 0 could not prepare the checkpoint: {setup['error']}")
+        tmp = Path(setup["tmp"])
+
+        outcome: dict[str, Any]
         try:
-            errors = [o["error"] for o in outcomes if "error" in o]
-            if errors:
-                raise CheckpointError("checkpoint not published; " + "; ".join(errors))
-            if len({o["has_training_state"] for o in outcomes}) > 1:
-                raise CheckpointError("training_state must be given on every rank or on none")
-            manifest = _build_manifest(
-                result, ckpt_name, world, outcomes, training_state, base_model_name_or_path
+            outcome = _write_rank_files(
+                tmp, result, rank, state, shared, local, base_model_name_or_path, task_type
             )
-            _fs.write_bytes_durable(tmp / MANIFEST, manifest.to_json().encode())
-            _fs.fsync_dir(tmp)
-            os.rename(tmp, root / ckpt_name)
-            _fs.fsync_dir(root)
-            _fs.replace_atomic(root / _fs.LATEST, (ckpt_name + "\n").encode())
-            if keep_last is not None:
-                _prune(root, keep_last, ckpt_name)
-            published = {"manifest": manifest.to_json()}
-        except (OSError, CheckpointError) as exc:
-            _fs.remove_stale(root)
+            outcome["has_training_state"] = training_state is not None
+        except Exception as exc:
+            err = as_checkpoint_error(exc, tmp)
             if not _dist.dist_active():
-                raise
-            published = {"error": f"{type(exc).__name__}: {exc}"}
-    published = _dist.broadcast(published)
-    if "error" in published:
-        raise CheckpointError(published["error"])
-    return parse_manifest(published["manifest"])
+                raise err from exc
+            outcome = {"error": f"rank {rank}: {type(err).__name__}: {err}"}
+        outcomes = _dist.gather(outcome)  # also the barrier: every rank has fsynced its files
+
+        published: dict[str, Any] = {}
+        if rank == 0:
+            try:
+                manifest = _publish(
+                    root,
+                    tmp,
+                    ckpt_name,
+                    outcomes,
+                    result,
+                    world,
+                    training_state,
+                    base_model_name_or_path,
+                    keep_last,
+                    lock_timeout,
+                )
+                tmp = None  # published: nothing to clean up
+                published = {"manifest": manifest.to_json()}
+            except Exception as exc:
+                err = as_checkpoint_error(exc, root / ckpt_name)
+                if not _dist.dist_active():
+                    raise err from exc
+                published = {"error": f"{type(err).__name__}: {err}"}
+        published = _dist.broadcast(published)
+        if "error" in published:
+            raise CheckpointError(published["error"])
+        return parse_manifest(published["manifest"])
+    finally:
+        if rank == 0 and tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)  # our own temp directory only
+        if claim >= 0:
+            with suppress(OSError):
+                os.close(claim)
+
+
+def _publish(
+    root: Path,
+    tmp: Path,
+    ckpt_name: str,
+    outcomes: list[dict[str, Any]],
+    result: AdaptationResult,
+    world: int,
+    training_state: TrainingState | None,
+    base_model_name_or_path: str | None,
+    keep_last: int | None,
+    lock_timeout: float,
+) -> Manifest:
+    errors = [o["error"] for o in outcomes if "error" in o]
+    if errors:
+        raise CheckpointError("checkpoint not published; " + "; ".join(errors))
+    if len({o["has_training_state"] for o in outcomes}) > 1:
+        raise CheckpointError("training_state must be given on every rank or on none")
+    manifest = _build_manifest(
+        result, ckpt_name, world, outcomes, training_state, base_model_name_or_path
+    )
+    _fs.write_bytes_durable(tmp / MANIFEST, manifest.to_json().encode())
+    _fs.fsync_dir(tmp)
+    # Publish and prune under the root's lock: no other writer renames, prunes or cleans up
+    # meanwhile, and readers holding it shared never see a checkpoint vanish mid-read.
+    with _fs.root_lock(root, exclusive=True, timeout=lock_timeout):
+        if os.path.lexists(root / ckpt_name):
+            raise CheckpointExistsError(
+                f"checkpoint {str(root / ckpt_name)!r} was created by another writer while this "
+                "one was writing; pass another name/step"
+            )
+        os.rename(tmp, root / ckpt_name)
+        _fs.fsync_dir(root)
+        _fs.replace_atomic(root / _fs.LATEST, (ckpt_name + "\n").encode())
+        if keep_last is not None:
+            _prune(root, keep_last, ckpt_name)
+    return manifest
 
 
 def _build_manifest(

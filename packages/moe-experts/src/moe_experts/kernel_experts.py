@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 import kt_kernel
+from moe_experts import peft_mapping
 from moe_experts.placeholders import make_placeholder
 
 __all__ = ["KernelExperts", "Policy"]
@@ -132,9 +133,9 @@ class KernelExperts(nn.Module):
             for name, (param, kind) in self._peft.sources.items():
                 # Differentiable views: autograd delivers the gradient to PEFT's own parameter.
                 views[f"lora.{name}"] = (
-                    kt_kernel.unstack_lora_a(param, e)
+                    peft_mapping.unstack_lora_a(param, e)
                     if kind == "a"
-                    else kt_kernel.unstack_lora_b(param, e)
+                    else peft_mapping.unstack_lora_b(param, e)
                 )
             y = torch.func.functional_call(
                 self._peft.caller, views, (x, ids, w, self.policy), strict=False

@@ -9,6 +9,7 @@ import torch
 from torch import nn
 
 import kt_kernel
+from moe_experts import peft_mapping
 from moe_experts.architectures import (
     MoEArchitecture,
     MoEBlockSite,
@@ -167,8 +168,8 @@ def _adopt(
         sources[f"{ours}_lora_a"] = (a, "a")
         sources[f"{ours}_lora_b"] = (b, "b")
         # Views of PEFT's storage: the kernel's buffers *are* PEFT's memory, no copy.
-        tensors[f"{ours}_lora_a"] = kt_kernel.unstack_lora_a(a.detach(), spec.num_experts)
-        tensors[f"{ours}_lora_b"] = kt_kernel.unstack_lora_b(b.detach(), spec.num_experts)
+        tensors[f"{ours}_lora_a"] = peft_mapping.unstack_lora_a(a.detach(), spec.num_experts)
+        tensors[f"{ours}_lora_b"] = peft_mapping.unstack_lora_b(b.detach(), spec.num_experts)
     buffers = kt_kernel.LoraBuffers.from_tensors(spec, rank, alpha, "fused", tensors)
     for p in buffers.parameters():
         p.requires_grad_(False)  # gradients go to PEFT's parameters through the views

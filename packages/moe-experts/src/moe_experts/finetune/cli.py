@@ -13,9 +13,10 @@ from collections.abc import Sequence
 from pathlib import Path
 
 from moe_experts.finetune.errors import FinetuneError
+from moe_experts.finetune.formats import DATA_FORMATS
 from moe_experts.finetune.loop import FinetuneArgs, run_finetune
 
-__all__ = ["build_parser", "finetune_main", "main"]
+__all__ = ["COMMANDS", "build_parser", "finetune_main", "main", "report_error"]
 
 
 def build_parser(prog: str = "moe-experts finetune") -> argparse.ArgumentParser:
@@ -25,8 +26,13 @@ def build_parser(prog: str = "moe-experts finetune") -> argparse.ArgumentParser:
     p.add_argument("--model", default=d.model,
                    help="'tiny-qwen3-moe' (built in) or a local Hugging Face model directory")
     p.add_argument("--data", type=Path, default=None,
-                   help=".txt (one document per line) or .jsonl ({\"text\": ...}); "
-                        "default: a small corpus shipped with the package")
+                   help=".txt (one document per line), .jsonl or .json records: text, chat "
+                        "messages, alpaca or sharegpt (detected per file); default: a small "
+                        "corpus shipped with the package")
+    p.add_argument("--data-format", choices=sorted(DATA_FORMATS), default=None,
+                   help="force the record format instead of detecting it")
+    p.add_argument("--train-on-prompt", action="store_true",
+                   help="chat/instruction data: loss on every token, not only the replies")
     p.add_argument("--config", type=Path, default=None,
                    help="YAML file with a models.<role>.lora block (default: rank 8 on "
                         "attention and experts)")
@@ -50,11 +56,22 @@ def build_parser(prog: str = "moe-experts finetune") -> argparse.ArgumentParser:
     return p
 
 
+def report_error(exc: FinetuneError, *, debug: bool = False) -> int:
+    """Print a user-facing error as ``error:`` lines on stderr; returns the exit code 1."""
+    if debug:
+        traceback.print_exc()
+    # One line per problem (a DataError lists each bad record), whatever the formatting.
+    for problem in getattr(exc, "lines", None) or [str(exc)]:
+        print(f"error: {' '.join(problem.split())}", file=sys.stderr)
+    return 1
+
+
 def finetune_main(argv: Sequence[str] | None = None, prog: str = "moe-experts finetune") -> int:
     """Run the fine-tune from command-line arguments; returns the exit code."""
     ns = build_parser(prog).parse_args(argv)
     args = FinetuneArgs(
-        model=ns.model, data=ns.data, config=ns.config, role=ns.role, steps=ns.steps,
+        model=ns.model, data=ns.data, data_format=ns.data_format,
+        train_on_prompt=ns.train_on_prompt, config=ns.config, role=ns.role, steps=ns.steps,
         lr=ns.lr, batch_size=ns.batch_size, seq_len=ns.seq_len, save_every=ns.save_every,
         keep_last=ns.keep_last, output=ns.output, resume=ns.resume, seed=ns.seed,
         weight_dtype=ns.weight_dtype, max_grad_norm=ns.max_grad_norm,
@@ -66,11 +83,7 @@ def finetune_main(argv: Sequence[str] | None = None, prog: str = "moe-experts fi
         hf_logging.disable_progress_bar()
         summary = run_finetune(args)
     except FinetuneError as exc:
-        if ns.debug:
-            traceback.print_exc()
-        message = " ".join(str(exc).split())  # one line, whatever the cause's formatting
-        print(f"error: {message}", file=sys.stderr)
-        return 1
+        return report_error(exc, debug=ns.debug)
     if summary.world_size > 1:
         import torch.distributed as dist
 
@@ -89,10 +102,29 @@ def finetune_main(argv: Sequence[str] | None = None, prog: str = "moe-experts fi
     return 0
 
 
+# command -> (module, function, summary); modules are imported only when their command runs.
+COMMANDS: dict[str, tuple[str, str, str]] = {
+    "finetune": ("moe_experts.finetune.cli", "finetune_main", "LoRA fine-tune of a MoE model"),
+    "generate": ("moe_experts.finetune.generate", "generate_main",
+                 "generate text with the base model and a trained adapter"),
+    "export": ("moe_experts.finetune.export", "export_main",
+               "export a checkpoint as a PEFT adapter, vLLM per-expert LoRA or a merged model"),
+}
+
+
 def main(argv: Sequence[str] | None = None) -> int:
-    """The ``moe-experts`` console script: ``moe-experts finetune [flags]``."""
+    """The ``moe-experts`` console script: ``moe-experts COMMAND [flags]``."""
+    import importlib
+
     argv = list(sys.argv[1:] if argv is None else argv)
-    if not argv or argv[0] != "finetune":
-        print("usage: moe-experts finetune [--help] [flags]", file=sys.stderr)
+    usage = "usage: moe-experts {" + ",".join(COMMANDS) + "} [--help] [flags]"
+    if not argv or argv[0] in ("-h", "--help"):
+        lines = [usage, "", "commands:"]
+        lines += [f"  {name:<10}{summary}" for name, (_, _, summary) in COMMANDS.items()]
+        print("\n".join(lines), file=sys.stdout if argv else sys.stderr)
+        return 0 if argv else 2
+    if argv[0] not in COMMANDS:
+        print(f"{usage}\nerror: unknown command {argv[0]!r}", file=sys.stderr)
         return 2
-    return finetune_main(argv[1:])
+    module, function, _ = COMMANDS[argv[0]]
+    return getattr(importlib.import_module(module), function)(argv[1:])

@@ -1,18 +1,61 @@
-"""Text corpora, the byte-level tokenizer of the built-in model, and deterministic batching."""
+"""Reading ``--data`` files into token examples, and deterministic packed batches.
+
+Batches are *packed with attention boundaries*: examples are concatenated into rows of
+``seq_len + 1`` tokens, ``position_ids`` restart at 0 where an example starts, and transformers
+turns restarting positions into a block-diagonal causal mask, so no token attends to another
+example. Labels are ``-100`` (no loss, no gradient) on prompt tokens of chat and instruction
+data, and where the next token belongs to another example.
+"""
 
 from __future__ import annotations
 
 import json
-from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass, replace
 from importlib import resources
 from pathlib import Path
+from typing import Any
 
 import torch
 
 from moe_experts.finetune.errors import FinetuneError
+from moe_experts.finetune.formats import (
+    DATA_FORMATS,
+    DataFormat,
+    RecordError,
+    Sample,
+    detect_format,
+)
 
-__all__ = ["ByteTokenizer", "PackedBatches", "default_corpus_path", "load_texts"]
+__all__ = [
+    "IGNORE_INDEX",
+    "Batch",
+    "ByteTokenizer",
+    "DataError",
+    "Example",
+    "PackedBatches",
+    "causal_lm_loss",
+    "chat_demo_path",
+    "default_corpus_path",
+    "encode_text",
+    "load_examples",
+    "load_samples",
+    "load_texts",
+    "tokenize_samples",
+]
+
+IGNORE_INDEX = -100  # torch.nn.functional.cross_entropy's default ignore_index
+MAX_REPORTED = 20  # bad records listed before the rest are only counted
+
+
+class DataError(FinetuneError):
+    """Bad records in a data file: ``problems`` holds one ``file:line: field: why`` per record."""
+
+    def __init__(self, problems: Sequence[str], total: int | None = None) -> None:
+        self.problems = list(problems)
+        more = (total or len(self.problems)) - len(self.problems)
+        self.lines = self.problems + ([f"... and {more} more bad records"] if more > 0 else [])
+        super().__init__("\n".join(self.lines))
 
 
 class ByteTokenizer:
@@ -32,56 +75,273 @@ class ByteTokenizer:
         return bytes(i for i in ids if i < 256).decode("utf-8", errors="replace")
 
 
+@dataclass(frozen=True)
+class Example:
+    """One tokenised document: ``train[i]`` says whether token ``i`` is a loss target."""
+
+    ids: tuple[int, ...]
+    train: tuple[bool, ...]
+
+
 def default_corpus_path() -> Path:
     """The small English corpus shipped inside the package."""
     return Path(str(resources.files("moe_experts.finetune").joinpath("corpus.txt")))
 
 
-def load_texts(path: Path) -> list[str]:
-    """Read documents from a ``.txt`` (one per non-empty line) or ``.jsonl`` (``{"text": ...}``).
+def chat_demo_path() -> Path:
+    """The small chat dataset (OpenAI ``messages``) shipped inside the package."""
+    return Path(str(resources.files("moe_experts.finetune").joinpath("chat_demo.jsonl")))
 
-    Raises:
-        FinetuneError: if the file is missing, has another suffix, or a JSON line is malformed.
-    """
-    if not path.is_file():
-        raise FinetuneError(f"--data {path}: no such file")
+
+def encode_text(tokenizer: Any, text: str) -> list[int]:
+    """Token ids of a plain document: the tokenizer's own special tokens, then EOS."""
+    ids = list(tokenizer(text)["input_ids"])
+    eos = getattr(tokenizer, "eos_token_id", None)
+    return ids + ([eos] if eos is not None and (not ids or ids[-1] != eos) else [])
+
+
+def _records(path: Path) -> Iterator[tuple[int, Any]]:
+    """``(line, record)`` pairs; a ``.txt`` line is ``{"text": line}``."""
     suffix = path.suffix.lower()
-    raw = path.read_text(encoding="utf-8")
+    try:
+        raw = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as exc:
+        raise FinetuneError(f"{path}: not UTF-8 text ({exc.reason} at byte {exc.start})") from exc
+    except OSError as exc:
+        raise FinetuneError(f"{path}: cannot read it ({exc.strerror})") from exc
     if suffix == ".txt":
-        texts = [line.strip() for line in raw.splitlines() if line.strip()]
+        for lineno, line in enumerate(raw.splitlines(), 1):
+            if line.strip():
+                yield lineno, {"text": line.strip()}
     elif suffix == ".jsonl":
-        texts = []
         for lineno, line in enumerate(raw.splitlines(), 1):
             if not line.strip():
                 continue
             try:
-                record = json.loads(line)
+                yield lineno, json.loads(line)
             except json.JSONDecodeError as exc:
-                raise FinetuneError(f"--data {path}:{lineno}: not valid JSON ({exc.msg})") from exc
-            if not isinstance(record, dict) or not isinstance(record.get("text"), str):
-                raise FinetuneError(
-                    f'--data {path}:{lineno}: expected an object with a "text" string, '
-                    f"got {line[:80]!r}"
-                )
-            texts.append(record["text"])
+                yield lineno, RecordError("(line)",
+                                          f"not valid JSON ({exc.msg} at column {exc.colno})")
+    elif suffix == ".json":
+        yield from _json_array(path, raw)
     else:
-        raise FinetuneError(f"--data {path}: expected a .txt or .jsonl file, got {suffix!r}")
-    if not texts:
-        raise FinetuneError(f"--data {path}: the file holds no text")
+        raise FinetuneError(f"{path}: expected a .txt, .jsonl or .json file, got {suffix!r}")
+
+
+def _json_array(path: Path, raw: str) -> Iterator[tuple[int, Any]]:
+    """The elements of a top-level JSON array, each with the line it starts on."""
+    decoder = json.JSONDecoder()
+    i = len(raw) - len(raw.lstrip())
+    if not raw[i:i + 1] == "[":
+        raise FinetuneError(f"{path}: a .json data file must hold one array of records "
+                            "(use .jsonl for one record per line)")
+    i += 1
+    while True:
+        while i < len(raw) and raw[i] in " \t\r\n,":
+            i += 1
+        if i >= len(raw):
+            raise FinetuneError(f"{path}: the JSON array is not closed with ]")
+        if raw[i] == "]":
+            return
+        line = raw.count("\n", 0, i) + 1
+        try:
+            value, i = decoder.raw_decode(raw, i)
+        except json.JSONDecodeError as exc:
+            raise FinetuneError(f"{path}:{exc.lineno}: not valid JSON ({exc.msg})") from exc
+        yield line, value
+
+
+def load_samples(path: Path, data_format: str | None = None) -> list[Sample]:
+    """Read every record of a data file as a :class:`Sample`.
+
+    The format is ``data_format`` (a key of :data:`DATA_FORMATS`) or detected from the
+    file's first record.
+
+    Raises:
+        DataError: one line per bad record (``file:line: field: why``).
+        FinetuneError: if the file is missing, unreadable, empty, or of an unknown format.
+    """
+    if data_format is not None and data_format not in DATA_FORMATS:
+        raise FinetuneError(f"--data-format {data_format!r}: expected one of "
+                            f"{', '.join(DATA_FORMATS)}")
+    if not path.is_file():
+        raise FinetuneError(f"--data {path}: no such file")
+    fmt: DataFormat | None = DATA_FORMATS[data_format] if data_format else None
+    samples: list[Sample] = []
+    problems: list[str] = []
+    bad = 0
+    for lineno, record in _records(path):
+        try:
+            if isinstance(record, RecordError):
+                raise record
+            if not isinstance(record, dict):
+                raise RecordError("(record)",
+                                  f"expected a JSON object, got {type(record).__name__}")
+            if fmt is None:
+                fmt = detect_format(record)
+                if fmt is None:
+                    raise FinetuneError(
+                        f"{path}:{lineno}: the record matches no data format (keys: "
+                        f"{', '.join(sorted(record)) or 'none'}); expected one of: "
+                        + "; ".join(f"{f.name}: {f.signature}" for f in DATA_FORMATS.values())
+                    )
+            samples.append(replace(fmt.parse(record), line=lineno))
+        except RecordError as exc:
+            bad += 1
+            if len(problems) < MAX_REPORTED:
+                shown = f"{fmt.name} " if fmt is not None and exc.field != "(line)" else ""
+                problems.append(f"{path}:{lineno}: {shown}field {exc.field}: {exc.message}")
+    if problems:
+        raise DataError(problems, bad)
+    if not samples:
+        raise FinetuneError(f"--data {path}: the file holds no records")
+    return samples
+
+
+def load_texts(path: Path) -> list[str]:
+    """Read plain-text documents (``.txt`` lines or ``{"text": ...}`` records).
+
+    Raises:
+        FinetuneError: if the file is missing, malformed, or holds conversations.
+    """
+    samples = load_samples(path)
+    texts = [s.text for s in samples if s.text is not None]
+    if len(texts) != len(samples):
+        raise FinetuneError(f"--data {path}: holds conversations, not plain text")
     return texts
+
+
+def load_examples(
+    path: Path, tokenizer: Any, *, data_format: str | None = None, train_on_prompt: bool = False
+) -> list[Example]:
+    """Read and tokenise a data file: text fully trained, conversations on the replies only.
+
+    Raises:
+        DataError: one line per bad record.
+        FinetuneError: for a missing or malformed file, or a tokenizer without chat template.
+    """
+    return tokenize_samples(path, load_samples(path, data_format), tokenizer,
+                            train_on_prompt=train_on_prompt)
+
+
+def tokenize_samples(
+    path: Path, samples: Sequence[Sample], tokenizer: Any, *, train_on_prompt: bool = False
+) -> list[Example]:
+    """Tokenise samples read from ``path`` (named in errors); see :func:`load_examples`."""
+    from moe_experts.finetune.chat import render_conversation
+
+    examples = []
+    problems = []
+    for sample in samples:
+        if sample.text is not None:
+            ids = encode_text(tokenizer, sample.text)
+            examples.append(Example(tuple(ids), (True,) * len(ids)))
+            continue
+        try:
+            ids, train = render_conversation(tokenizer, sample.messages or (),
+                                             train_on_prompt=train_on_prompt)
+        except RecordError as exc:
+            problems.append(f"{path}:{sample.line}: field {exc.field}: {exc.message}")
+            continue
+        examples.append(Example(tuple(ids), tuple(train)))
+    if problems:
+        raise DataError(problems[:MAX_REPORTED], len(problems))
+    return examples
+
+
+@dataclass(frozen=True)
+class Batch:
+    """Model inputs for one step: ``input_ids``, ``labels`` and ``position_ids``, all ``[B, L]``."""
+
+    input_ids: torch.Tensor
+    labels: torch.Tensor  # IGNORE_INDEX where no loss is taken
+    position_ids: torch.Tensor  # restart at 0 per example: the attention boundaries
+
+    def select(self, start: int, stop: int) -> Batch:
+        """Rows ``start:stop`` (one rank's share of the global batch)."""
+        return Batch(self.input_ids[start:stop], self.labels[start:stop],
+                     self.position_ids[start:stop])
+
+    def model_inputs(self) -> dict[str, Any]:
+        """Keyword arguments for a Hugging Face causal LM's forward.
+
+        ``use_cache=False`` matters: transformers derives the block-diagonal mask from
+        restarting ``position_ids`` only when no KV cache is in play.
+        """
+        return {"input_ids": self.input_ids, "position_ids": self.position_ids,
+                "use_cache": False}
+
+    @property
+    def num_targets(self) -> int:
+        """How many tokens carry loss."""
+        return int((self.labels != IGNORE_INDEX).sum())
+
+
+def causal_lm_loss(
+    logits: torch.Tensor, labels: torch.Tensor, num_targets: float | None = None
+) -> torch.Tensor:
+    """Cross-entropy summed over the targets (``labels != -100``) and divided by their number.
+
+    Args:
+        logits: ``[B, L, V]``.
+        labels: ``[B, L]``, already aligned (label ``t`` is token ``t+1``).
+        num_targets: the divisor; default the targets in ``labels``. Data-parallel ranks pass
+            ``global targets / world size`` so that the average of their gradients is the
+            gradient of the global mean, whatever each rank's share of masked tokens.
+
+    Returns:
+        A scalar; 0 (still with a graph) when there is no target.
+    """
+    flat = logits.float().reshape(-1, logits.shape[-1])
+    total = torch.nn.functional.cross_entropy(flat, labels.reshape(-1), reduction="sum",
+                                              ignore_index=IGNORE_INDEX)
+    if num_targets is None:
+        num_targets = int((labels != IGNORE_INDEX).sum())
+    return total / max(num_targets, 1)
 
 
 @dataclass(frozen=True)
 class PackedBatches:
-    """Documents tokenised, concatenated and cut into rows of ``seq_len + 1`` tokens.
+    """Examples concatenated and cut into rows of ``seq_len + 1`` tokens.
 
     Batch ``step`` is a pure function of (seed, step): rows are drawn from a permutation per
     epoch seeded by ``seed + epoch``, so a resumed run sees exactly the batches it would have.
     """
 
-    rows: torch.Tensor  # [N, seq_len + 1] int64
+    rows: torch.Tensor  # [N, seq_len + 1] int64 token ids
     batch_size: int
     seed: int
+    targets: torch.Tensor | None = None  # [N, seq_len + 1] bool: token is a loss target
+    positions: torch.Tensor | None = None  # [N, seq_len + 1] int64 position in its example
+
+    @classmethod
+    def from_examples(
+        cls, examples: Sequence[Example], *, seq_len: int, batch_size: int, seed: int
+    ) -> PackedBatches:
+        """Pack tokenised examples; refuses data too small for one row or without any target."""
+        ids: list[int] = []
+        train: list[bool] = []
+        pos: list[int] = []
+        for ex in examples:
+            ids.extend(ex.ids)
+            train.extend(ex.train)
+            pos.extend(range(len(ex.ids)))
+        width = seq_len + 1
+        n_rows = len(ids) // width
+        if n_rows < 1:
+            raise FinetuneError(
+                f"the data has {len(ids)} tokens, fewer than one row of --seq-len "
+                f"{seq_len} + 1; use more data or a smaller --seq-len"
+            )
+        if not any(train[1:n_rows * width]):
+            raise FinetuneError("the data has no tokens to train on (every token is prompt); "
+                                "check the data or pass --train-on-prompt")
+
+        def rows(values: list[Any], dtype: torch.dtype) -> torch.Tensor:
+            return torch.tensor(values[: n_rows * width], dtype=dtype).view(n_rows, width)
+
+        return cls(rows(ids, torch.long), batch_size, seed, rows(train, torch.bool),
+                   rows(pos, torch.long))
 
     @classmethod
     def build(
@@ -93,21 +353,14 @@ class PackedBatches:
         batch_size: int,
         seed: int,
     ) -> PackedBatches:
-        """Tokenise ``texts`` and pack them; refuses a corpus too small for one row."""
-        stream: list[int] = []
+        """Tokenise plain ``texts`` with ``encode`` and pack them (every token trained)."""
+        examples = []
         for text in texts:
-            stream.extend(encode(text))
-        n_rows = len(stream) // (seq_len + 1)
-        if n_rows < 1:
-            raise FinetuneError(
-                f"the corpus has {len(stream)} tokens, fewer than one row of --seq-len "
-                f"{seq_len} + 1; use a larger corpus or a smaller --seq-len"
-            )
-        rows = torch.tensor(stream[: n_rows * (seq_len + 1)], dtype=torch.long)
-        return cls(rows.view(n_rows, seq_len + 1), batch_size, seed)
+            ids = encode(text)
+            examples.append(Example(tuple(ids), (True,) * len(ids)))
+        return cls.from_examples(examples, seq_len=seq_len, batch_size=batch_size, seed=seed)
 
-    def batch(self, step: int) -> torch.Tensor:
-        """Return the global batch ``[batch_size, seq_len + 1]`` for optimizer step ``step``."""
+    def _indices(self, step: int) -> list[int]:
         n = self.rows.shape[0]
         perms: dict[int, torch.Tensor] = {}
         idx = []
@@ -117,4 +370,25 @@ class PackedBatches:
                 perms[epoch] = torch.randperm(n, generator=torch.Generator().manual_seed(
                     self.seed + epoch))
             idx.append(int(perms[epoch][pos]))
-        return self.rows[idx]
+        return idx
+
+    def batch(self, step: int) -> torch.Tensor:
+        """The global token rows ``[batch_size, seq_len + 1]`` of optimizer step ``step``."""
+        return self.rows[self._indices(step)]
+
+    def model_batch(self, step: int) -> Batch:
+        """The global :class:`Batch` ``[batch_size, seq_len]`` for optimizer step ``step``."""
+        idx = self._indices(step)
+        rows = self.rows[idx]
+        if self.targets is not None:
+            targets = self.targets[idx]
+        else:
+            targets = torch.ones_like(rows, dtype=torch.bool)
+        if self.positions is not None:
+            positions = self.positions[idx]
+        else:
+            positions = torch.arange(rows.shape[1]).expand_as(rows)
+        # Label t is token t+1; no loss where t+1 is not a target or starts another example.
+        keep = targets[:, 1:] & (positions[:, 1:] != 0)
+        labels = torch.where(keep, rows[:, 1:], torch.full_like(rows[:, 1:], IGNORE_INDEX))
+        return Batch(rows[:, :-1], labels, positions[:, :-1].contiguous())

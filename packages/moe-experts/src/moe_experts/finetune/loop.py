@@ -15,7 +15,13 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from moe_experts.finetune.data import PackedBatches, default_corpus_path, load_texts
+from moe_experts.finetune.data import (
+    PackedBatches,
+    causal_lm_loss,
+    default_corpus_path,
+    load_samples,
+    tokenize_samples,
+)
 from moe_experts.finetune.errors import FinetuneError
 from moe_experts.finetune.models import load_model
 
@@ -39,6 +45,8 @@ class FinetuneArgs:
 
     model: str = "tiny-qwen3-moe"
     data: Path | None = None  # None: the corpus shipped in the package
+    data_format: str | None = None  # a key of formats.DATA_FORMATS; None: detected per file
+    train_on_prompt: bool = False  # chat/instruction data: loss on every token, not replies only
     config: Path | None = None  # a YAML file with a models.<role>.lora block
     role: str = "moe"
     steps: int = 60
@@ -153,7 +161,8 @@ def run_finetune(args: FinetuneArgs) -> FinetuneSummary:
             f"{world} ranks"
         )
     lora = _lora_config(args)
-    texts = load_texts(args.data or default_corpus_path())
+    data_path = args.data or default_corpus_path()
+    samples = load_samples(data_path, args.data_format)  # bad records fail before the model loads
     if rank == 0:
         loaded = load_model(args.model)
     if world > 1:
@@ -175,8 +184,10 @@ def run_finetune(args: FinetuneArgs) -> FinetuneSummary:
         result = rebind_parameters(result, model)
     params = result.parameters()
     optimizer = torch.optim.AdamW(params, lr=args.lr, weight_decay=0.0)
-    batches = PackedBatches.build(texts, loaded.encode, seq_len=args.seq_len,
-                                  batch_size=args.batch_size, seed=args.seed)
+    examples = tokenize_samples(data_path, samples, loaded.tokenizer,
+                                train_on_prompt=args.train_on_prompt)
+    batches = PackedBatches.from_examples(examples, seq_len=args.seq_len,
+                                          batch_size=args.batch_size, seed=args.seed)
 
     first_step = 0
     if args.resume is not None:
@@ -214,11 +225,11 @@ def run_finetune(args: FinetuneArgs) -> FinetuneSummary:
     start = time.perf_counter()
     model.train()
     for step in range(first_step, args.steps):
-        rows = batches.batch(step)[rank * per_rank:(rank + 1) * per_rank]
-        inputs, labels = rows[:, :-1], rows[:, 1:]
-        logits = model(input_ids=inputs).logits
-        loss = nn.functional.cross_entropy(logits.float().reshape(-1, logits.shape[-1]),
-                                           labels.reshape(-1))
+        global_batch = batches.model_batch(step)
+        batch = global_batch.select(rank * per_rank, (rank + 1) * per_rank)
+        logits = model(**batch.model_inputs()).logits
+        # Normalised by the global target count: ranks hold different numbers of masked tokens.
+        loss = causal_lm_loss(logits, batch.labels, global_batch.num_targets / world)
         loss.backward()
         sync_replicated_lora_gradients(experts.named_optimizer_parameters)
         grad_norm = _clip(params, args.max_grad_norm)

@@ -12,8 +12,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from moe_experts.finetune.data import ByteTokenizer
+from moe_experts.finetune.data import ByteTokenizer, encode_text
 from moe_experts.finetune.errors import FinetuneError
+from moe_experts.finetune.tokenizer import save_byte_tokenizer
 
 __all__ = ["BUILTIN_MODELS", "LoadedModel", "builtin_model_dir", "load_model"]
 
@@ -51,6 +52,7 @@ class LoadedModel:
     encode: Any  # Callable[[str], list[int]]
     source: Path
     builtin: bool
+    tokenizer: Any = None  # the Hugging Face tokenizer (chat template, decode, generation)
 
 
 def _cache_root() -> Path:
@@ -70,6 +72,8 @@ def builtin_model_dir(name: str) -> Path:
 
     target = _cache_root() / name
     if (target / "config.json").is_file():
+        if not (target / "tokenizer.json").is_file():  # a cache written before 0.3
+            save_byte_tokenizer(target)
         return target
     spec = dict(BUILTIN_MODELS[name])
     config = AutoConfig.for_model(spec.pop("model_type"), **spec)
@@ -80,6 +84,7 @@ def builtin_model_dir(name: str) -> Path:
     tmp = Path(tempfile.mkdtemp(prefix=f".{name}-", dir=target.parent))
     try:
         model.save_pretrained(tmp)
+        save_byte_tokenizer(tmp)
         try:
             tmp.rename(target)
         except OSError:
@@ -118,18 +123,14 @@ def load_model(model: str, *, dtype: torch.dtype = torch.float32) -> LoadedModel
         find_architecture(lm)
     except UnsupportedModelError as exc:
         raise FinetuneError(f"--model {model}: {exc}") from exc
-    if builtin:
-        encode = ByteTokenizer().encode
-    else:
-        try:
-            tok = AutoTokenizer.from_pretrained(source)
-        except (OSError, ValueError, KeyError) as exc:
-            raise FinetuneError(
-                f"--model {model}: the directory has no tokenizer transformers can load ({exc})"
-            ) from exc
+    try:
+        tok = AutoTokenizer.from_pretrained(source)
+    except (OSError, ValueError, KeyError) as exc:
+        raise FinetuneError(
+            f"--model {model}: the directory has no tokenizer transformers can load ({exc})"
+        ) from exc
 
-        def encode(text: str) -> list[int]:
-            ids = tok(text)["input_ids"]
-            return ids + ([tok.eos_token_id] if tok.eos_token_id is not None else [])
+    def encode(text: str) -> list[int]:
+        return encode_text(tok, text)
 
-    return LoadedModel(lm, encode, source, builtin)
+    return LoadedModel(lm, encode, source, builtin, tok)

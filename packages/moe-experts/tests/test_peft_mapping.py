@@ -13,6 +13,8 @@ import torch
 from torch import nn
 
 import kt_kernel as kk
+from moe_experts import AdaptError
+from moe_experts import peft_mapping as pm
 
 peft = pytest.importorskip("peft")
 transformers = pytest.importorskip("transformers")
@@ -90,7 +92,7 @@ def test_fused_peft_adapter_matches_kernel(impl: str) -> None:
     weights = kk.ExpertWeights.from_fused(
         spec, block.base_experts.gate_up_proj, block.base_experts.down_proj
     )
-    lora = kk.lora_from_peft(
+    lora = pm.lora_from_peft(
         spec,
         {k: v.detach() for k, v in _peft_tensors(wrappers).items()},
         rank=R,
@@ -105,7 +107,7 @@ def test_fused_peft_adapter_matches_kernel(impl: str) -> None:
     torch.testing.assert_close(y.reshape_as(y_peft), y_peft.detach(), rtol=1e-5, atol=1e-5)
     # dx through the experts only (the router's own path is excluded by no_grad above), so
     # compare LoRA gradients: ours, stacked the PEFT way, must equal PEFT's.
-    grads = kk.lora_to_peft(
+    grads = pm.lora_to_peft(
         kk.LoraBuffers.from_tensors(
             spec, R, ALPHA, "fused", {n: nn.Parameter(t.grad) for n, t in lora.named_parameters()}
         )
@@ -118,7 +120,7 @@ def test_kernel_adapter_exports_into_peft() -> None:
     model, block, wrappers = _peft_fused()
     spec = kk.ExpertSpec(E, H, I)
     ours = kk.LoraBuffers(spec, R, ALPHA, "fused", init=lambda n, t: t.normal_(0, 0.5))
-    exported = kk.lora_to_peft(ours)
+    exported = pm.lora_to_peft(ours)
     with torch.no_grad():
         for key, p in _peft_tensors(wrappers).items():
             assert exported[key].shape == p.shape, key
@@ -137,43 +139,43 @@ def test_kernel_adapter_exports_into_peft() -> None:
 def test_lora_b_is_rank_major_in_peft() -> None:
     # Pins the exact stacking: PEFT column j*E + e of lora_B is B[e, :, j].
     b = torch.arange(E * 4 * R, dtype=torch.float32).reshape(E, 4, R)
-    stacked = kk.stack_lora_b(b)
+    stacked = pm.stack_lora_b(b)
     for e in range(E):
         for j in range(R):
             assert torch.equal(stacked[:, j * E + e], b[e, :, j])
     a = torch.arange(E * R * 5, dtype=torch.float32).reshape(E, R, 5)
-    assert torch.equal(kk.stack_lora_a(a)[2 * R + 1], a[2, 1])
+    assert torch.equal(pm.stack_lora_a(a)[2 * R + 1], a[2, 1])
 
 
 @pytest.mark.parametrize("layout", ["fused", "split"])
 def test_round_trip_bitwise(layout: str) -> None:
     spec = kk.ExpertSpec(E, H, I)
     ours = kk.LoraBuffers(spec, R, ALPHA, layout, init=lambda n, t: t.normal_())
-    tensors = kk.lora_to_peft(ours)
-    assert tuple(tensors) == kk.peft_keys(spec, layout)
-    back = kk.lora_from_peft(spec, tensors, rank=R, alpha=ALPHA, layout=layout)
+    tensors = pm.lora_to_peft(ours)
+    assert tuple(tensors) == pm.peft_keys(spec, layout)
+    back = pm.lora_from_peft(spec, tensors, rank=R, alpha=ALPHA, layout=layout)
     for (n, a), (_, b) in zip(ours.named_parameters(), back.named_parameters(), strict=False):
         assert torch.equal(a, b), n
-    again = kk.lora_to_peft(back)
+    again = pm.lora_to_peft(back)
     assert all(torch.equal(tensors[k], again[k]) for k in tensors)
     if layout == "fused":
         _, _, wrappers = _peft_fused()
         real = {k: v.detach().clone() for k, v in _peft_tensors(wrappers).items()}
-        rt = kk.lora_to_peft(kk.lora_from_peft(spec, real, rank=R, alpha=ALPHA, layout="fused"))
+        rt = pm.lora_to_peft(pm.lora_from_peft(spec, real, rank=R, alpha=ALPHA, layout="fused"))
         assert all(torch.equal(real[k], rt[k]) for k in real)
 
 
 def test_bad_peft_keys_are_named() -> None:
     spec = kk.ExpertSpec(E, H, I)
-    tensors = kk.lora_to_peft(kk.LoraBuffers(spec, R, ALPHA, "fused"))
+    tensors = pm.lora_to_peft(kk.LoraBuffers(spec, R, ALPHA, "fused"))
     tensors.pop("down_proj.lora_B.weight")
     tensors["down_proj.lora_C.weight"] = torch.zeros(1)
     with pytest.raises(
-        kk.KernelInputError,
+        AdaptError,
         match=r"missing \['down_proj.lora_B.weight'\], "
         r"unexpected \['down_proj.lora_C.weight'\]",
     ):
-        kk.lora_from_peft(spec, tensors, rank=R, alpha=ALPHA, layout="fused")
+        pm.lora_from_peft(spec, tensors, rank=R, alpha=ALPHA, layout="fused")
 
 
 class _SplitExperts(nn.Module):
@@ -223,7 +225,7 @@ def test_split_peft_adapter_matches_kernel() -> None:
         for p in ("gate_proj", "up_proj", "down_proj")
         for ab in "AB"
     }
-    lora = kk.lora_from_peft(spec, tensors, rank=R, alpha=ALPHA, layout="split")
+    lora = pm.lora_from_peft(spec, tensors, rank=R, alpha=ALPHA, layout="split")
     y = kk.moe_experts_forward(x, ids, w, weights, lora, backend="native")
     y.sum().backward()
     torch.testing.assert_close(y, y_peft.detach(), rtol=1e-5, atol=1e-5)

@@ -1,4 +1,7 @@
-"""One-to-one conversion between :class:`LoraBuffers` and PEFT's adapter tensors.
+"""One-to-one conversion between kt-kernel's :class:`LoraBuffers` and PEFT's adapter tensors.
+
+The one place that owns PEFT's stacked layout (moved here from kt-kernel, which knows tensors,
+not PEFT).
 
 Fused layout (PEFT ``target_parameters=["gate_up_proj", "down_proj"]`` on transformers 5.x
 fused experts, ``peft.tuners.lora.layer.ParamWrapper``). transformers stores
@@ -29,9 +32,8 @@ from collections.abc import Mapping
 
 import torch
 
-from kt_kernel.errors import KernelInputError
-from kt_kernel.lora import LoraBuffers, LoraLayout, lora_shapes
-from kt_kernel.spec import ExpertSpec
+from kt_kernel import ExpertSpec, LoraBuffers, LoraLayout, lora_shapes
+from moe_experts.errors import AdaptError
 
 __all__ = [
     "copy_lora_from_peft",
@@ -81,7 +83,7 @@ def peft_keys(spec: ExpertSpec, layout: LoraLayout) -> tuple[str, ...]:
             for p, _ in _SPLIT_PROJ
             for m in ("A", "B")
         )
-    raise KernelInputError(f"layout must be 'split' or 'fused', got {layout!r}")
+    raise AdaptError(f"layout must be 'split' or 'fused', got {layout!r}")
 
 
 def lora_to_peft(buffers: LoraBuffers) -> dict[str, torch.Tensor]:
@@ -119,9 +121,9 @@ def _check_keys(spec: ExpertSpec, layout: LoraLayout, tensors: Mapping[str, torc
     missing = sorted(expected - set(tensors))
     unknown = sorted(set(tensors) - expected)
     if missing or unknown:
-        raise KernelInputError(
+        raise AdaptError(
             f"PEFT tensors for layout {layout!r} must have exactly the keys of "
-            f"kt_kernel.peft_keys(spec, {layout!r}); missing {missing[:6]}"
+            f"moe_experts.peft_mapping.peft_keys(spec, {layout!r}); missing {missing[:6]}"
             f"{'...' if len(missing) > 6 else ''}, unexpected {unknown[:6]}"
             f"{'...' if len(unknown) > 6 else ''}"
         )
@@ -147,7 +149,7 @@ def _logical_from_peft(
             )
     for name, shape in lora_shapes(spec, rank, layout).items():
         if tuple(logical[name].shape) != shape:
-            raise KernelInputError(
+            raise AdaptError(
                 f"PEFT tensors give {name} shape {list(logical[name].shape)}, expected "
                 f"{list(shape)} for rank {rank}; check rank and num_experts"
             )
@@ -158,7 +160,7 @@ def copy_lora_from_peft(buffers: LoraBuffers, tensors: Mapping[str, torch.Tensor
     """Copy PEFT tensors (keys as :func:`peft_keys`) into ``buffers`` in place, under no_grad.
 
     Raises:
-        KernelInputError: missing/unexpected keys or wrong shapes (named in the message).
+        AdaptError: missing/unexpected keys or wrong shapes (named in the message).
     """
     logical = _logical_from_peft(buffers.spec, buffers.rank, buffers.layout, tensors)
     with torch.no_grad():
@@ -184,7 +186,7 @@ def lora_from_peft(
         dtype: parameter dtype; defaults to the dtype of the first tensor.
 
     Raises:
-        KernelInputError: missing/unexpected keys or wrong shapes.
+        AdaptError: missing/unexpected keys or wrong shapes.
     """
     first = next(iter(tensors.values()), None)
     if dtype is None:

@@ -1,0 +1,329 @@
+"""Weight formats of the frozen expert base: one typed strategy per storage format.
+
+A projection (``gate_up`` or ``down``) is logically ``W [E, N, K]`` (``N`` output rows, ``K``
+input columns; gate_up is ``[E, 2I, H]``, down ``[E, H, I]``). A :class:`WeightFormat` stores
+it as a tuple of tensors, its *parts*, each with the same leading dims as ``W`` (for one
+expert none, for a bank ``E``): :class:`Dense` keeps ``(W,)``, :class:`Int8PerChannel`
+``(q int8 [..., N, K], scale fp32 [..., N])``.
+
+A new format is one class here (or in its own module) registered with
+:func:`register_format`, plus one native tile loader registered in C++ under the same
+:attr:`WeightFormat.name` (see ``csrc/formats.h``). The op, its autograd Function and
+:class:`~kt_kernel.ExpertWeights` are format-agnostic.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Protocol, runtime_checkable
+
+import torch
+
+from kt_kernel.errors import KernelDTypeError, KernelInputError
+
+__all__ = [
+    "FORMATS",
+    "Dense",
+    "Int8PerChannel",
+    "Parts",
+    "StackedFormat",
+    "WeightFormat",
+    "check_parts",
+    "dequantize_per_channel",
+    "quantize_per_channel",
+    "register_format",
+    "resolve_format",
+]
+
+Parts = tuple[torch.Tensor, ...]
+
+# Compute dtypes of tiled (dequantise-on-the-fly) formats: the tiles feed fp32/bf16 GEMMs.
+TILED_COMPUTE_DTYPES: tuple[torch.dtype, ...] = (torch.float32, torch.bfloat16)
+
+
+@runtime_checkable
+class WeightFormat(Protocol):
+    """How one projection's frozen weights are stored and how the native op reads them.
+
+    Attributes:
+        name: key of the native tile loader registered in C++ (``csrc/formats.h``).
+        weight_dtype: short storage name reported to users (``"bfloat16"``, ``"int8"``, ...).
+        compute_dtype: dtype of ``x``, the activations, the LoRA compute and the tiles.
+        tile_rows: rows per (expert, row tile) task of the native op.
+    """
+
+    name: str
+    weight_dtype: str
+    compute_dtype: torch.dtype
+    tile_rows: int
+
+    def quantize(self, w: torch.Tensor) -> Parts:
+        """Parts of ``w [..., N, K]`` (floating point); the parts keep the leading dims."""
+        ...
+
+    def dequantize(self, parts: Parts, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """``W [..., N, K]`` formed in fp32 and rounded once to ``dtype``.
+
+        ``dtype`` defaults to :attr:`compute_dtype`, and then the result is bitwise the tiles
+        the native loader writes (the oracle's weights); ``torch.float32`` gives the exact
+        quantised values (for error reports).
+        """
+        ...
+
+    def part_specs(self, n: int, k: int) -> tuple[tuple[str, tuple[int, ...], torch.dtype], ...]:
+        """``(part name, per-expert shape, dtype)`` of each part of an ``[N, K]`` projection."""
+        ...
+
+    def expert(self, parts: Parts, e: int) -> Parts:
+        """Expert ``e``'s slice of a bank's parts (views, no copy)."""
+        ...
+
+    def nbytes(self, parts: Parts) -> int:
+        """Bytes held by ``parts``."""
+        ...
+
+    def row_steps(self, parts: Parts) -> torch.Tensor:
+        """``[..., N]`` fp32: the largest quantisation step in each output row (0 if dense)."""
+        ...
+
+    def native_args(self, parts: Parts) -> Parts:
+        """The tensors the native loader receives, in its order (contiguous, expert dim 0)."""
+        ...
+
+
+def check_parts(
+    fmt: WeightFormat, parts: object, leading: tuple[int, ...], n: int, k: int, what: str
+) -> Parts:
+    """Raise :class:`KernelInputError` naming ``what`` unless ``parts`` match ``fmt.part_specs``.
+
+    Args:
+        fmt: the format.
+        parts: candidate tuple of tensors.
+        leading: the leading dims, ``(E,)`` for a bank.
+        n: output rows ``N``.
+        k: input columns ``K``.
+        what: projection name for the message (``"gate_up"``/``"down"``).
+
+    Returns:
+        ``parts`` as a tuple.
+    """
+    specs = fmt.part_specs(n, k)
+    if not isinstance(parts, tuple | list) or len(parts) != len(specs):
+        raise KernelInputError(
+            f"{what} must be {len(specs)} tensors {[s[0] for s in specs]} for format "
+            f"{fmt.name!r}, got {type(parts).__name__}"
+        )
+    for t, (pname, shape, dtype) in zip(parts, specs, strict=True):
+        if not isinstance(t, torch.Tensor):
+            raise KernelInputError(f"{what}.{pname} must be a torch.Tensor, got {type(t)}")
+        if tuple(t.shape) != (*leading, *shape) or t.dtype != dtype:
+            raise KernelInputError(
+                f"{what}.{pname} must be {dtype} {[*leading, *shape]} for format "
+                f"{fmt.name!r}, got {t.dtype} {list(t.shape)}"
+            )
+    return tuple(parts)
+
+
+class StackedFormat:
+    """Shared plumbing for formats whose parts all carry the expert dim first."""
+
+    name: str
+    weight_dtype: str
+    compute_dtype: torch.dtype
+    tile_rows: int
+
+    def expert(self, parts: Parts, e: int) -> Parts:
+        """Expert ``e``'s slice of every part."""
+        return tuple(p[e] for p in parts)
+
+    def nbytes(self, parts: Parts) -> int:
+        """Sum of the parts' bytes."""
+        return sum(p.nbytes for p in parts)
+
+    def native_args(self, parts: Parts) -> Parts:
+        """The parts themselves, contiguous."""
+        return tuple(p.contiguous() for p in parts)
+
+    def __eq__(self, other: object) -> bool:
+        """Same class and same options."""
+        return type(other) is type(self) and vars(other) == vars(self)
+
+    def __hash__(self) -> int:
+        """Hash of the class and options."""
+        return hash((type(self).__name__, tuple(sorted(map(str, vars(self).items())))))
+
+    def __repr__(self) -> str:
+        """Class name and compute dtype."""
+        return f"{type(self).__name__}(compute_dtype={self.compute_dtype})"
+
+
+class Dense(StackedFormat):
+    """Unquantised storage in the compute dtype (fp32, bf16, or fp64 for gradcheck).
+
+    The native op's GEMMs read this storage directly (no tile copy).
+    """
+
+    name = "dense"
+    # Rows per task: small enough to spread a hot expert over threads, large enough that each
+    # single-threaded GEMM stays near peak.
+    tile_rows = 256
+
+    def __init__(self, dtype: torch.dtype = torch.float32) -> None:
+        """Store in ``dtype`` (``torch.float32``, ``torch.bfloat16`` or ``torch.float64``)."""
+        if dtype not in (torch.float32, torch.bfloat16, torch.float64):
+            raise KernelDTypeError(
+                f"Dense dtype must be torch.float32, torch.bfloat16 or torch.float64, got {dtype}"
+            )
+        self.compute_dtype = dtype
+        self.weight_dtype = str(dtype).removeprefix("torch.")
+
+    def quantize(self, w: torch.Tensor) -> Parts:
+        """``(w cast to the dtype,)``."""
+        return (w.detach().to(self.compute_dtype).contiguous(),)
+
+    def dequantize(self, parts: Parts, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The stored tensor itself (detached), cast to ``dtype`` if given."""
+        return parts[0].detach().to(dtype or self.compute_dtype)
+
+    def part_specs(self, n: int, k: int) -> tuple[tuple[str, tuple[int, ...], torch.dtype], ...]:
+        """One part ``weight [N, K]``."""
+        return (("weight", (n, k), self.compute_dtype),)
+
+    def row_steps(self, parts: Parts) -> torch.Tensor:
+        """Zeros: nothing is quantised."""
+        return torch.zeros(parts[0].shape[:-1], dtype=torch.float32)
+
+
+_QMAX = 127
+
+
+def quantize_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric per-output-channel INT8 quantisation of ``w [..., N, K]``.
+
+    ``scale[..., n] = max_k |w[..., n, k]| / 127`` (fp32) and
+    ``q = clamp(round(w / scale), -127, 127)`` (round half to even). An all-zero channel gets
+    scale 0 and q 0, so it dequantises exactly.
+
+    Args:
+        w: floating-point ``[..., N, K]`` (the last dim is the input, reduced per channel).
+
+    Returns:
+        ``(q, scale)``: ``q`` int8 ``[..., N, K]``, ``scale`` float32 ``[..., N]``.
+
+    Raises:
+        KernelDTypeError: ``w`` is not floating point.
+        KernelInputError: ``w`` has fewer than 2 dims or holds a non-finite value.
+    """
+    if not isinstance(w, torch.Tensor) or not w.dtype.is_floating_point:
+        got = w.dtype if isinstance(w, torch.Tensor) else type(w).__name__
+        raise KernelDTypeError(f"w must be a floating-point tensor to quantise, got {got}")
+    if w.dim() < 2:
+        raise KernelInputError(f"w must be [..., N, K] with at least 2 dims, got {list(w.shape)}")
+    w32 = w.detach().to(torch.float32)
+    scale = w32.abs().amax(dim=-1) / _QMAX
+    if not bool(torch.isfinite(scale).all()):  # amax propagates NaN and inf: one small check
+        raise KernelInputError("w holds NaN or inf; INT8 quantisation needs finite weights")
+    safe = torch.where(scale > 0, scale, torch.ones_like(scale))
+    q = torch.round(w32 / safe.unsqueeze(-1)).clamp_(-_QMAX, _QMAX).to(torch.int8)
+    return q.contiguous(), scale.contiguous()
+
+
+def dequantize_per_channel(
+    q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """``q [..., N, K] * scale [..., N, None]`` formed in fp32, then rounded once to ``dtype``.
+
+    The native tile loader computes exactly this, so the result is the oracle's weights.
+    """
+    return (q.to(torch.float32) * scale.unsqueeze(-1)).to(dtype)
+
+
+def _check_tiled_compute(fmt: str, dtype: torch.dtype) -> torch.dtype:
+    if dtype not in TILED_COMPUTE_DTYPES:
+        raise KernelDTypeError(
+            f"with weight_dtype={fmt!r}, dtype (the compute dtype) must be torch.float32 or "
+            f"torch.bfloat16, got {dtype}"
+        )
+    return dtype
+
+
+class Int8PerChannel(StackedFormat):
+    """Weight-only INT8: symmetric per output channel, fp32 scales; tiles dequantised in C++."""
+
+    name = "int8"
+    weight_dtype = "int8"
+    # Each task dequantises every weight tile of its expert once, so tiles twice the dense
+    # format's halve that work at large T.
+    tile_rows = 512
+
+    def __init__(self, compute_dtype: torch.dtype = torch.bfloat16) -> None:
+        """Compute in ``compute_dtype`` (``torch.bfloat16`` or ``torch.float32``)."""
+        self.compute_dtype = _check_tiled_compute("int8", compute_dtype)
+
+    def quantize(self, w: torch.Tensor) -> Parts:
+        """``(q int8 [..., N, K], scale fp32 [..., N])`` by :func:`quantize_per_channel`."""
+        return quantize_per_channel(w)
+
+    def dequantize(self, parts: Parts, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """``q * scale`` in fp32, rounded once to ``dtype`` (default: the compute dtype)."""
+        return dequantize_per_channel(parts[0], parts[1], dtype or self.compute_dtype)
+
+    def part_specs(self, n: int, k: int) -> tuple[tuple[str, tuple[int, ...], torch.dtype], ...]:
+        """``q int8 [N, K]`` and ``scale fp32 [N]``."""
+        return (("q", (n, k), torch.int8), ("scale", (n,), torch.float32))
+
+    def row_steps(self, parts: Parts) -> torch.Tensor:
+        """The per-channel scales (one step per output row)."""
+        return parts[1].to(torch.float32)
+
+
+# shorthand -> factory(compute dtype). The factory raises KernelDTypeError for a compute
+# dtype the format cannot use.
+FORMATS: dict[str, Callable[[torch.dtype], WeightFormat]] = {"int8": Int8PerChannel}
+
+
+def register_format(shorthand: str, factory: Callable[[torch.dtype], WeightFormat]) -> None:
+    """Make ``weight_dtype=shorthand`` build ``factory(compute_dtype)``.
+
+    Raises:
+        KernelInputError: ``shorthand`` is already registered to another factory.
+    """
+    known = FORMATS.get(shorthand)
+    if known is not None and known is not factory:
+        raise KernelInputError(f"weight format {shorthand!r} is already registered ({known})")
+    FORMATS[shorthand] = factory
+
+
+def resolve_format(
+    weight_dtype: str | WeightFormat | None,
+    compute_dtype: torch.dtype | None,
+    source_dtype: torch.dtype,
+) -> WeightFormat:
+    """The format for ``from_fused``'s ``weight_dtype`` and ``dtype`` arguments.
+
+    Args:
+        weight_dtype: a shorthand from :data:`FORMATS`, a :class:`WeightFormat`, or ``None``
+            for dense storage in ``compute_dtype``.
+        compute_dtype: the resolved ``dtype`` argument, ``None`` when not given.
+        source_dtype: the dtype of the weights being stored (the default's basis).
+
+    Raises:
+        KernelDTypeError: an unknown shorthand or an unusable compute dtype.
+    """
+    if weight_dtype is None:
+        return Dense(compute_dtype or source_dtype)
+    if isinstance(weight_dtype, WeightFormat):
+        if compute_dtype is not None and compute_dtype != weight_dtype.compute_dtype:
+            raise KernelDTypeError(
+                f"dtype {compute_dtype} disagrees with the format's compute dtype "
+                f"{weight_dtype.compute_dtype}; pass one of them"
+            )
+        return weight_dtype
+    factory = FORMATS.get(weight_dtype) if isinstance(weight_dtype, str) else None
+    if factory is None:
+        raise KernelDTypeError(
+            f"weight_dtype must be one of {sorted(FORMATS)}, a WeightFormat or None, got "
+            f"{weight_dtype!r}; pass a float storage format through dtype instead"
+        )
+    default = torch.float32 if source_dtype == torch.float32 else torch.bfloat16
+    return factory(compute_dtype or default)

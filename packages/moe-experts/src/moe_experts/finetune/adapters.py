@@ -1,0 +1,85 @@
+"""Loading a trained adapter the way users do: transformers for the base, PEFT for the adapter."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from moe_experts.finetune.errors import FinetuneError
+
+__all__ = ["LoadedAdapter", "load_with_adapter", "resolve_adapter"]
+
+
+def resolve_adapter(ckpt: Path) -> Path:
+    """The checkpoint directory for ``ckpt``: a checkpoint root (its ``latest``) or one checkpoint.
+
+    Raises:
+        FinetuneError: if ``ckpt`` holds no checkpoint with a PEFT adapter.
+    """
+    import lora_checkpoint
+
+    try:
+        resolved = lora_checkpoint.resolve_checkpoint(ckpt)
+    except (lora_checkpoint.CheckpointError, OSError) as exc:
+        raise FinetuneError(f"{ckpt}: not a checkpoint or checkpoint root ({exc})") from exc
+    if not (resolved / lora_checkpoint.ADAPTER_CONFIG).is_file():
+        raise FinetuneError(f"{resolved}: no {lora_checkpoint.ADAPTER_CONFIG}; not a checkpoint "
+                            "written by moe-experts finetune")
+    return resolved
+
+
+def _base_source(model: str | None, ckpt: Path) -> Path:
+    from moe_experts.finetune.models import BUILTIN_MODELS, builtin_model_dir
+
+    if model is None:
+        config = json.loads((ckpt / "adapter_config.json").read_text())
+        model = config.get("base_model_name_or_path")
+        if not model:
+            raise FinetuneError(f"{ckpt}: adapter_config.json names no base model; pass --model")
+    if model in BUILTIN_MODELS:
+        return builtin_model_dir(model)
+    source = Path(model)
+    if not (source / "config.json").is_file():
+        raise FinetuneError(f"--model {model}: not a built-in model ({', '.join(BUILTIN_MODELS)}) "
+                            "and not a local Hugging Face model directory (no config.json there)")
+    return source
+
+
+@dataclass
+class LoadedAdapter:
+    """A ``PeftModel`` over its base, the base's tokenizer, and where each came from."""
+
+    model: Any  # peft.PeftModel
+    tokenizer: Any
+    base: Path
+    checkpoint: Path
+
+
+def load_with_adapter(model: str | None, ckpt: Path) -> LoadedAdapter:
+    """``AutoModelForCausalLM.from_pretrained(base)`` + ``PeftModel.from_pretrained(..., ckpt)``.
+
+    Args:
+        model: built-in model name or local directory; None: the base the adapter names.
+        ckpt: checkpoint root or one checkpoint directory.
+
+    Raises:
+        FinetuneError: if peft is missing or the base or adapter cannot be loaded.
+    """
+    try:
+        from peft import PeftModel
+    except ImportError as exc:
+        raise FinetuneError("peft is not installed; install moe-experts[train]") from exc
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    resolved = resolve_adapter(ckpt)
+    base_dir = _base_source(model, resolved)
+    try:
+        base = AutoModelForCausalLM.from_pretrained(base_dir)
+        tokenizer = AutoTokenizer.from_pretrained(base_dir)
+        peft_model = PeftModel.from_pretrained(base, resolved)
+    except (OSError, ValueError, KeyError, RuntimeError) as exc:
+        raise FinetuneError(
+            f"could not load {base_dir} with the adapter {resolved}: {exc}") from exc
+    return LoadedAdapter(peft_model.eval(), tokenizer, base_dir, resolved)

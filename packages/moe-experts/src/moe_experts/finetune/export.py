@@ -1,0 +1,169 @@
+"""``moe-experts export``: a checkpoint as a PEFT adapter, vLLM per-expert LoRA, or a merged model.
+
+Every format is produced from the adapter as PEFT itself loads it onto the base model, so what
+is exported is what ``PeftModel.from_pretrained`` would run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+from moe_experts.finetune.errors import FinetuneError
+
+__all__ = ["EXPORT_FORMATS", "VLLM_MODULES", "build_parser", "export", "export_main",
+           "vllm_tensors"]
+
+EXPORT_FORMATS = ("peft", "vllm", "merged")
+# transformers' fused expert parameters and the per-expert projections vLLM names them by.
+_FUSED = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
+# The module names vLLM's LoRA loader accepts for the supported MoE families by default:
+# attention and (shared or routed) expert projections. Routers and lm_head are refused there.
+VLLM_MODULES = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
+                          "down_proj"})
+
+
+def build_parser(prog: str = "moe-experts export") -> argparse.ArgumentParser:
+    """The flags of the export command."""
+    p = argparse.ArgumentParser(prog=prog, description="Export a trained adapter.")
+    p.add_argument("checkpoint", type=Path,
+                   help="a checkpoint root (its latest checkpoint) or one checkpoint directory")
+    p.add_argument("--format", choices=EXPORT_FORMATS, required=True,
+                   help="peft: the PEFT adapter directory; vllm: per-expert 2-D LoRA keys; "
+                        "merged: the base model with every LoRA merged in")
+    p.add_argument("--output", type=Path, required=True, help="directory to create")
+    p.add_argument("--model", default=None,
+                   help="built-in model name or local directory (default: the adapter's base)")
+    p.add_argument("--max-shard-size", default="2GB",
+                   help="merged: the largest safetensors shard (save_pretrained's max_shard_size)")
+    p.add_argument("--debug", action="store_true", help="show tracebacks on errors")
+    return p
+
+
+def _owner(name: str) -> str:
+    """The module a (possibly nested) PEFT ParamWrapper adapts, without PEFT's prefix."""
+    while name.endswith(".base_layer"):
+        name = name.removesuffix(".base_layer")
+    return name.removeprefix("base_model.model.")
+
+
+def vllm_tensors(peft_model: Any) -> tuple[dict[str, Any], list[str], list[str]]:
+    """Per-module 2-D LoRA tensors from a loaded PEFT model, experts split per expert.
+
+    Fused experts ``gate_up_proj [E, 2I, H]`` / ``down_proj [E, H, I]`` become
+    ``<experts>.{e}.{gate_proj,up_proj,down_proj}.lora_{A,B}.weight`` with A ``[r, in]`` and
+    B ``[out, r]``; gate and up share A and take the first and second ``I`` rows of B. B carries
+    any scaling that differs from the adapter config's ``lora_alpha / r``.
+
+    Returns:
+        ``(tensors, target_modules, skipped)``: keys under ``base_model.model.``, the module
+        names for ``target_modules``, and adapted modules vLLM cannot load (routers,
+        ``lm_head``), left out.
+    """
+    import torch
+    from peft.tuners.lora.layer import LoraLayer, ParamWrapper
+
+    from moe_experts.peft_mapping import unstack_lora_a, unstack_lora_b
+
+    cfg = peft_model.peft_config["default"]
+    default_scale = (cfg.lora_alpha / cfg.r**0.5) if cfg.use_rslora else cfg.lora_alpha / cfg.r
+    out: dict[str, torch.Tensor] = {}
+    targets: set[str] = set()
+    skipped: list[str] = []
+    for name, module in peft_model.named_modules():
+        if not isinstance(module, LoraLayer) or "default" not in module.lora_A:
+            continue
+        a = module.lora_A["default"].weight.detach()
+        b = module.lora_B["default"].weight.detach() * (module.scaling["default"] / default_scale)
+        if isinstance(module, ParamWrapper):
+            param = module.get_base_layer().get_parameter(module.parameter_name)
+            owner = _owner(name)
+            if param.ndim != 3 or module.parameter_name not in _FUSED:
+                skipped.append(f"{owner}.{module.parameter_name}")
+                continue
+            n_exp = param.shape[0]
+            a_e, b_e = unstack_lora_a(a, n_exp), unstack_lora_b(b, n_exp)
+            projections = _FUSED[module.parameter_name]
+            rows = b_e.shape[1] // len(projections)
+            for e in range(n_exp):
+                for k, proj in enumerate(projections):
+                    key = f"base_model.model.{owner}.{e}.{proj}"
+                    out[f"{key}.lora_A.weight"] = a_e[e].contiguous().clone()
+                    out[f"{key}.lora_B.weight"] = b_e[e, k * rows:(k + 1) * rows].contiguous()
+                    targets.add(proj)
+        else:
+            owner = name.removeprefix("base_model.model.")
+            if owner.rsplit(".", 1)[-1] not in VLLM_MODULES:
+                skipped.append(owner)
+                continue
+            out[f"base_model.model.{owner}.lora_A.weight"] = a.contiguous().clone()
+            out[f"base_model.model.{owner}.lora_B.weight"] = b.contiguous().clone()
+            targets.add(owner.rsplit(".", 1)[-1])
+    return out, sorted(targets), skipped
+
+
+def export(
+    checkpoint: Path, fmt: str, output: Path, *, model: str | None = None,
+    max_shard_size: str = "2GB",
+) -> list[str]:
+    """Write ``checkpoint`` to ``output`` in format ``fmt``; returns notes for the user.
+
+    Raises:
+        FinetuneError: for an unknown format, an existing output, or a bad checkpoint.
+    """
+    import lora_checkpoint
+    from moe_experts.finetune.adapters import load_with_adapter, resolve_adapter
+
+    if fmt not in EXPORT_FORMATS:
+        raise FinetuneError(f"--format {fmt!r}: expected one of {', '.join(EXPORT_FORMATS)}")
+    if output.exists() and any(output.iterdir()):
+        raise FinetuneError(f"--output {output}: exists and is not empty; choose a new directory")
+    notes: list[str] = []
+    if fmt == "peft":
+        src = resolve_adapter(checkpoint)
+        output.mkdir(parents=True, exist_ok=True)
+        for name in (lora_checkpoint.ADAPTER_CONFIG, lora_checkpoint.ADAPTER_MODEL):
+            shutil.copy2(src / name, output / name)
+        return notes
+    loaded = load_with_adapter(model, checkpoint)
+    if fmt == "merged":
+        merged = loaded.model.merge_and_unload()
+        merged.save_pretrained(output, max_shard_size=max_shard_size)
+        loaded.tokenizer.save_pretrained(output)
+        return notes
+    from safetensors.torch import save_file
+
+    tensors, targets, skipped = vllm_tensors(loaded.model)
+    cfg = json.loads((loaded.checkpoint / lora_checkpoint.ADAPTER_CONFIG).read_text())
+    cfg.update({"target_modules": targets, "target_parameters": None,
+                "base_model_name_or_path": str(loaded.base)})
+    output.mkdir(parents=True, exist_ok=True)
+    save_file(tensors, str(output / "adapter_model.safetensors"), metadata={"format": "pt"})
+    (output / "adapter_config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    if skipped:
+        notes.append("vLLM's LoRA loader takes no LoRA on these adapted modules, left out of "
+                     "the export: " + ", ".join(skipped) + " (--format merged keeps them)")
+    return notes
+
+
+def export_main(argv: Sequence[str] | None = None) -> int:
+    """The ``moe-experts export`` command; returns the exit code."""
+    from moe_experts.finetune.cli import report_error
+
+    ns = build_parser().parse_args(argv)
+    try:
+        from transformers.utils import logging as hf_logging
+
+        hf_logging.disable_progress_bar()
+        notes = export(ns.checkpoint, ns.format, ns.output, model=ns.model,
+                       max_shard_size=ns.max_shard_size)
+    except FinetuneError as exc:
+        return report_error(exc, debug=ns.debug)
+    for note in notes:
+        print(f"note: {note}")
+    print(f"exported {ns.format}: {ns.output}")
+    return 0

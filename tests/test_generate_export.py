@@ -1,0 +1,156 @@
+"""``generate`` and ``export`` on a real fine-tuned checkpoint, checked with transformers + PEFT."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+PROMPT = "What is the opposite of hot?"
+
+
+def _moe_experts(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
+    script = str(Path(sys.executable).with_name("moe-experts"))
+    return subprocess.run([script, *args], env=env, capture_output=True, text=True, timeout=240,
+                          check=False)
+
+
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory: pytest.TempPathFactory, model_cache: Path) -> dict:
+    """One short chat fine-tune on the shipped dataset, shared by the tests of this module."""
+    import os
+
+    from moe_experts.finetune.data import chat_demo_path
+
+    env = dict(os.environ, MOE_EXPERTS_CACHE=str(model_cache), HF_HUB_OFFLINE="1",
+               OMP_NUM_THREADS="1")
+    out = tmp_path_factory.mktemp("run")
+    proc = _moe_experts(["finetune", "--data", str(chat_demo_path()), "--steps", "20",
+                         "--output", str(out), "--no-progress"], env)
+    assert proc.returncode == 0, proc.stderr
+    return {"env": env, "root": out / "checkpoints", "base": model_cache / "tiny-qwen3-moe",
+            "tmp": tmp_path_factory.mktemp("exports")}
+
+
+def _peft(base: Path, adapter: Path):
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    return PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base), adapter).eval()
+
+
+IDS = torch.tensor([[256, *PROMPT.encode()]])
+
+
+@pytest.mark.timeout(300)
+def test_generate_greedy_matches_peft_argmax(trained: dict) -> None:
+    from transformers import AutoTokenizer
+
+    proc = _moe_experts(["generate", "--adapter", str(trained["root"]), "--prompt", PROMPT,
+                         "--max-new-tokens", "12"], trained["env"])
+    assert proc.returncode == 0, proc.stderr
+    model = _peft(trained["base"], trained["root"] / "step-00000020")
+    tok = AutoTokenizer.from_pretrained(trained["base"])
+    text = tok.apply_chat_template([{"role": "user", "content": PROMPT}],
+                                   add_generation_prompt=True, tokenize=False)
+    ids = tok(text, add_special_tokens=False)["input_ids"]
+    new: list[int] = []
+    with torch.no_grad():
+        for _ in range(12):
+            nxt = int(model(input_ids=torch.tensor([ids + new])).logits[0, -1].argmax())
+            if nxt == tok.eos_token_id:
+                break
+            new.append(nxt)
+    expected = tok.decode(new, skip_special_tokens=True)
+    assert proc.stdout.rstrip("\n") == expected
+
+
+@pytest.mark.timeout(300)
+def test_generate_bad_adapter_is_one_error_line(trained: dict, tmp_path: Path) -> None:
+    proc = _moe_experts(["generate", "--adapter", str(tmp_path), "--prompt", "x"], trained["env"])
+    assert proc.returncode == 1
+    assert proc.stderr.startswith("error: ")
+    assert "Traceback" not in proc.stderr
+
+
+@pytest.mark.timeout(300)
+def test_export_peft_loads_with_peft(trained: dict) -> None:
+    out = trained["tmp"] / "peft"
+    proc = _moe_experts(["export", str(trained["root"]), "--format", "peft", "--output", str(out)],
+                        trained["env"])
+    assert proc.returncode == 0, proc.stderr
+    with torch.no_grad():
+        exported = _peft(trained["base"], out)(input_ids=IDS).logits
+        original = _peft(trained["base"], trained["root"] / "step-00000020")(input_ids=IDS).logits
+    assert torch.equal(exported, original)
+
+
+@pytest.mark.timeout(300)
+def test_export_merged_is_base_plus_adapter(trained: dict) -> None:
+    from transformers import AutoModelForCausalLM
+
+    out = trained["tmp"] / "merged"
+    proc = _moe_experts(["export", str(trained["root"]), "--format", "merged", "--output",
+                         str(out), "--max-shard-size", "200KB"], trained["env"])
+    assert proc.returncode == 0, proc.stderr
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert len(set(index["weight_map"].values())) > 1  # really sharded
+    merged = AutoModelForCausalLM.from_pretrained(out).eval()
+    peft_model = _peft(trained["base"], trained["root"] / "step-00000020")
+    with torch.no_grad():
+        torch.testing.assert_close(merged(input_ids=IDS).logits,
+                                   peft_model(input_ids=IDS).logits, rtol=1e-4, atol=1e-5)
+        base = AutoModelForCausalLM.from_pretrained(trained["base"])(input_ids=IDS).logits
+    assert not torch.allclose(merged(input_ids=IDS).logits, base, atol=1e-3)
+
+
+@pytest.mark.timeout(300)
+def test_export_vllm_per_expert_equals_peft_merge_deltas(trained: dict) -> None:
+    from safetensors.torch import load_file
+    from transformers import AutoModelForCausalLM
+
+    out = trained["tmp"] / "vllm"
+    proc = _moe_experts(["export", str(trained["root"]), "--format", "vllm", "--output", str(out)],
+                        trained["env"])
+    assert proc.returncode == 0, proc.stderr
+    # The router and lm_head LoRA that vLLM refuses are named, not dropped silently.
+    assert "model.layers.0.mlp.gate.weight" in proc.stdout
+    assert "lm_head" in proc.stdout
+    cfg = json.loads((out / "adapter_config.json").read_text())
+    tensors = load_file(out / "adapter_model.safetensors")
+    pattern = re.compile(r"base_model\.model\.model\.layers\.\d+\.(self_attn\.[qkvo]_proj|"
+                         r"mlp\.experts\.\d+\.(gate|up|down)_proj)\.lora_[AB]\.weight$")
+    assert all(pattern.match(k) for k in tensors), sorted(tensors)[:5]
+    assert sorted(cfg["target_modules"]) == ["down_proj", "gate_proj", "k_proj", "o_proj",
+                                              "q_proj", "up_proj", "v_proj"]
+    scaling = cfg["lora_alpha"] / cfg["r"]
+
+    base = AutoModelForCausalLM.from_pretrained(trained["base"])
+    merged = _peft(trained["base"], trained["root"] / "step-00000020").merge_and_unload()
+    n_layers, n_experts = base.config.num_hidden_layers, base.config.num_experts
+    inter = base.config.moe_intermediate_size
+    checked = 0
+    for layer in range(n_layers):
+        b_exp = base.model.layers[layer].mlp.experts
+        m_exp = merged.model.layers[layer].mlp.experts
+        for e in range(n_experts):
+            deltas = {
+                "gate_proj": (m_exp.gate_up_proj[e] - b_exp.gate_up_proj[e])[:inter],
+                "up_proj": (m_exp.gate_up_proj[e] - b_exp.gate_up_proj[e])[inter:],
+                "down_proj": m_exp.down_proj[e] - b_exp.down_proj[e],
+            }
+            for proj, delta in deltas.items():
+                key = f"base_model.model.model.layers.{layer}.mlp.experts.{e}.{proj}"
+                a, b = tensors[f"{key}.lora_A.weight"], tensors[f"{key}.lora_B.weight"]
+                assert a.shape == (cfg["r"], delta.shape[1])  # A [r, in]
+                assert b.shape == (delta.shape[0], cfg["r"])  # B [out, r]
+                torch.testing.assert_close(scaling * b @ a, delta.detach(), rtol=1e-4,
+                                           atol=1e-6)
+                checked += 1
+    assert checked == n_layers * n_experts * 3
+    assert any(float(tensors[k].abs().max()) > 0 for k in tensors if ".lora_B." in k)
