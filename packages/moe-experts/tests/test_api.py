@@ -7,6 +7,7 @@ def test_all_is_curated() -> None:
     assert sorted(moe_experts.__all__) == sorted(
         [
             "ARCHITECTURES", "AdaptError", "ExpertPlaceholder", "KernelExperts",
+            "LoadError", "load_pretrained",
             "MoEArchitecture", "MoEBlockSite", "PlaceholderAccessError",
             "UnsupportedModelError", "WrapError", "WrapReport", "__version__", "adapt",
             "adapt_model", "experts_sites", "find_architecture", "is_placeholder",

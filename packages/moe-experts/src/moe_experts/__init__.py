@@ -27,11 +27,13 @@ if TYPE_CHECKING:
     )
     from moe_experts.errors import (
         AdaptError,
+        LoadError,
         PlaceholderAccessError,
         UnsupportedModelError,
         WrapError,
     )
     from moe_experts.kernel_experts import KernelExperts
+    from moe_experts.loading import load_pretrained
     from moe_experts.placeholders import (
         ExpertPlaceholder,
         is_placeholder,
@@ -46,6 +48,7 @@ _WHERE = {
     "AdaptError": "errors",
     "ExpertPlaceholder": "placeholders",
     "KernelExperts": "kernel_experts",
+    "LoadError": "errors",
     "MoEArchitecture": "architectures",
     "MoEBlockSite": "architectures",
     "PlaceholderAccessError": "errors",
@@ -58,6 +61,7 @@ _WHERE = {
     "find_architecture": "architectures",
     "is_placeholder": "placeholders",
     "iter_moe_blocks": "architectures",
+    "load_pretrained": "loading",
     "make_placeholder": "placeholders",
     "named_placeholders": "placeholders",
     "peft_key_prefix": "adaptation",
@@ -70,6 +74,7 @@ __all__ = [
     "AdaptError",
     "ExpertPlaceholder",
     "KernelExperts",
+    "LoadError",
     "MoEArchitecture",
     "MoEBlockSite",
     "PlaceholderAccessError",
@@ -83,6 +88,7 @@ __all__ = [
     "find_architecture",
     "is_placeholder",
     "iter_moe_blocks",
+    "load_pretrained",
     "make_placeholder",
     "named_placeholders",
     "peft_key_prefix",

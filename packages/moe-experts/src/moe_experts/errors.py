@@ -2,7 +2,13 @@
 
 from __future__ import annotations
 
-__all__ = ["AdaptError", "PlaceholderAccessError", "UnsupportedModelError", "WrapError"]
+__all__ = [
+    "AdaptError",
+    "LoadError",
+    "PlaceholderAccessError",
+    "UnsupportedModelError",
+    "WrapError",
+]
 
 
 class UnsupportedModelError(ValueError):
@@ -19,3 +25,7 @@ class AdaptError(ValueError):
 
 class PlaceholderAccessError(RuntimeError):
     """Code tried to read the values of a zero-storage expert placeholder."""
+
+
+class LoadError(ValueError):
+    """A checkpoint cannot be streamed (missing file or key, mis-shaped tensor); names them."""

@@ -124,6 +124,8 @@ class KernelExperts(nn.Module):
     def _run(
         self, hidden: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, use_lora: bool
     ) -> torch.Tensor:
+        if hidden.device != self.expert_weights.device:
+            return _on_kernel_device(self, hidden, ids, w, use_lora)
         x = hidden.to(self.expert_weights.dtype)
         if self._peft is not None and use_lora:
             views = {}
@@ -186,3 +188,29 @@ class KernelExperts(nn.Module):
             f"{self.spec}, weight_dtype={self.expert_weights.weight_dtype}, "
             f"policy={self.policy!r}, peft={self.adopted_peft}"
         )
+
+
+def _on_kernel_device(
+    experts: KernelExperts,
+    hidden: torch.Tensor,
+    ids: torch.Tensor,
+    w: torch.Tensor,
+    use_lora: bool,
+) -> torch.Tensor:
+    """Dense layers on an accelerator, experts on the CPU kernel: copy over and back.
+
+    ``Tensor.to`` is differentiable, so autograd carries ``dx`` and ``d topk_weights`` back to
+    the caller's device. The device-to-host copies are asynchronous into pinned memory and then
+    waited for once; the result goes back from pinned memory without blocking the host.
+    """
+    kernel_device = experts.expert_weights.device
+    pinned = hidden.device.type == "cuda"
+    x_c = hidden.to(kernel_device, non_blocking=pinned)
+    ids_c = ids.to(kernel_device, non_blocking=pinned)
+    w_c = w.to(kernel_device, non_blocking=pinned)
+    if pinned:
+        torch.cuda.current_stream(hidden.device).synchronize()
+    y = experts._run(x_c, ids_c, w_c, use_lora)
+    if pinned:
+        y = y.pin_memory()
+    return y.to(hidden.device, non_blocking=pinned)

@@ -18,6 +18,7 @@ from moe_experts.architectures import (
 )
 from moe_experts.errors import WrapError
 from moe_experts.kernel_experts import KernelExperts, Policy, _KernelCall, _PeftAdoption
+from moe_experts.memory import release_file_views, trim_host_heap
 from moe_experts.placeholders import named_placeholders
 
 __all__ = ["WeightDType", "WrapReport", "experts_sites", "wrap"]
@@ -270,11 +271,16 @@ def wrap(
         else:
             setattr(site.block, arch.experts_attr, kernel)
         wrapped.append(site.experts_name)
-        del gate_up, down, base
+        del gate_up, down, base, outer  # the last block's experts must be gone before the trim
     if not wrapped and not already:
         raise WrapError(
             f"{type(model).__name__} ({arch.family}) has no {arch.block_class} blocks to wrap"
         )
+    if wrapped:
+        # Dense views of the checkpoint's file mapping would keep the freed experts' pages of
+        # the same shards resident; then hand the freed heap back to the OS.
+        release_file_views(model)
+        trim_host_heap()
     return WrapReport(
         family=arch.family,
         wrapped_blocks=tuple(wrapped),

@@ -1,0 +1,166 @@
+"""Checkpoint loading: ``load_pretrained`` (streaming) vs ``from_pretrained`` + ``wrap``.
+
+A Qwen3-30B-A3B-shaped model (H=2048, I=768, E=128, k=8, vocab 32000; ``--layers`` decoder
+layers, 4 by default; ``--quick``: 1 layer, E=16) with random bf16 weights is saved once as
+sharded safetensors with per-expert keys (as hub checkpoints ship them). Each variant then
+loads it in its own child process (peak RSS is a per-process high-water mark):
+
+* ``from_pretrained+wrap``: ``AutoModelForCausalLM.from_pretrained(dtype=bf16)`` + ``wrap``;
+* ``load_pretrained``: ``moe_experts.load_pretrained(weight_dtype="bf16")``.
+
+Reported: load seconds, peak and final RSS above the process's post-import baseline, the peak
+over the final footprint, and resident bytes per component (kernel experts, dense weights)
+against the arithmetic. Writes ``bench_load.json`` and ``bench_load.md`` under ``--out``.
+
+Usage: ``python bench_load.py --out DIR [--quick] [--layers N] [--keep DIR]``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+VARIANTS = ("from_pretrained+wrap", "load_pretrained")
+SHAPE = {"hidden_size": 2048, "moe_intermediate_size": 768, "num_experts": 128,
+         "num_experts_per_tok": 8, "intermediate_size": 6144, "num_attention_heads": 32,
+         "num_key_value_heads": 4, "head_dim": 128, "vocab_size": 32000,
+         "max_position_embeddings": 4096, "initializer_range": 0.02}
+QUICK = {**SHAPE, "num_experts": 16}
+
+
+def _rss_mib() -> float:
+    with open("/proc/self/smaps_rollup") as f:
+        for line in f:
+            if line.startswith("Rss:"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError("no Rss in /proc/self/smaps_rollup")
+
+
+def _peak_mib() -> float:
+    # VmHWM, not getrusage: ru_maxrss carries the parent's high-water mark across fork+exec
+    # (the parent held the whole model while saving the checkpoint).
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+def _reset_peak() -> None:
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")  # resets VmHWM to the current RSS (Linux >= 4.0)
+    except OSError:
+        pass  # then the peak includes the warm-up, which is small
+
+
+def _config(quick: bool, layers: int):
+    from moe_experts.testing import tiny_config
+
+    return tiny_config("qwen3_moe", **(QUICK if quick else SHAPE), num_hidden_layers=layers)
+
+
+def save(path: Path, quick: bool, layers: int) -> None:
+    """Write the random checkpoint (per-expert keys, 1 GB shards)."""
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(_config(quick, layers), dtype=torch.bfloat16)
+    model.save_pretrained(path, max_shard_size="1GB")
+
+
+def run_variant(variant: str, path: Path) -> dict:
+    """Load ``path`` the ``variant`` way in this process and account for its memory."""
+    import warnings
+
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    import moe_experts
+    from moe_experts import is_placeholder
+    from moe_experts.testing import tiny_config
+
+    warnings.filterwarnings("ignore")
+    # Warm-up: every lazy import and one-off allocation lands before the baseline.
+    moe_experts.wrap(AutoModelForCausalLM.from_config(tiny_config("qwen3_moe")))
+    _reset_peak()
+    base = _rss_mib()
+    start = time.perf_counter()
+    if variant == "load_pretrained":
+        model = moe_experts.load_pretrained(path, weight_dtype="bf16", dtype=torch.bfloat16)
+    else:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
+        moe_experts.wrap(model, weight_dtype="bf16")
+    seconds = time.perf_counter() - start
+    final = _rss_mib()
+    cfg = model.config
+    kernel = sum(k.expert_weights.nbytes for _, k in moe_experts.experts_sites(model))
+    dense = sum(p.nbytes for p in [*model.parameters(), *model.buffers()] if not is_placeholder(p))
+    arithmetic = (cfg.num_hidden_layers * cfg.num_experts * 3 * cfg.hidden_size
+                  * cfg.moe_intermediate_size * 2)
+    return {"variant": variant, "seconds": seconds, "base_mib": base,
+            "peak_mib": _peak_mib() - base, "final_mib": final - base,
+            "kernel_mib": kernel / 2**20, "kernel_arithmetic_mib": arithmetic / 2**20,
+            "dense_mib": dense / 2**20}
+
+
+def main() -> None:
+    """Save once, run each variant in a child process, write JSON and a markdown table."""
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--out", type=Path, required=True)
+    ap.add_argument("--quick", action="store_true")
+    ap.add_argument("--layers", type=int, default=None, help="decoder layers (default 4; 1 quick)")
+    ap.add_argument("--keep", type=Path, default=None, help="reuse/keep the checkpoint here")
+    ap.add_argument("--child", nargs=2, metavar=("VARIANT", "PATH"), help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.child:
+        print(json.dumps(run_variant(args.child[0], Path(args.child[1]))))
+        return
+    layers = args.layers or (1 if args.quick else 4)
+    args.out.mkdir(parents=True, exist_ok=True)
+    tmp = None if args.keep else tempfile.TemporaryDirectory(prefix="bench-load-")
+    path = args.keep or Path(tmp.name)  # type: ignore[union-attr]
+    if not (path / "config.json").is_file():
+        save(path, args.quick, layers)
+    rows = []
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+    for variant in VARIANTS:
+        out = subprocess.run([sys.executable, __file__, "--out", str(args.out), "--child",
+                              variant, str(path)], capture_output=True, text=True, env=env,
+                             check=False)
+        if out.returncode:
+            sys.exit(f"{variant} failed:\n{out.stderr[-3000:]}")
+        rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
+    if tmp is not None:
+        tmp.cleanup()
+    ref = rows[0]
+    for r in rows:
+        r["peak_over_final"] = r["peak_mib"] / r["final_mib"]
+        r["peak_vs_from_pretrained"] = ref["peak_mib"] / r["peak_mib"]
+    meta = {"layers": layers, "quick": args.quick, "shape": QUICK if args.quick else SHAPE,
+            "targets": {"peak_over_final": 1.15, "peak_vs_from_pretrained": 2.0}}
+    (args.out / "bench_load.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    lines = ["| variant | load s | peak MiB | final MiB | peak/final | x less peak than "
+             "from_pretrained+wrap | kernel MiB (arith.) | dense MiB |",
+             "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        lines.append(
+            f"| {r['variant']} | {r['seconds']:.1f} | {r['peak_mib']:.0f} | {r['final_mib']:.0f} "
+            f"| {r['peak_over_final']:.2f} | {r['peak_vs_from_pretrained']:.2f} | "
+            f"{r['kernel_mib']:.0f} ({r['kernel_arithmetic_mib']:.0f}) | {r['dense_mib']:.0f} |"
+        )
+    table = "\n".join([f"Qwen3-30B-A3B-shaped, {layers} layer(s), bf16 (RSS above the "
+                       "post-import baseline)", "", *lines])
+    (args.out / "bench_load.md").write_text(table + "\n")
+    print(table)
+
+
+if __name__ == "__main__":
+    main()

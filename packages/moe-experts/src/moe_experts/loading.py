@@ -1,0 +1,458 @@
+"""``load_pretrained``: stream a sharded safetensors checkpoint straight into kt-kernel storage.
+
+``from_pretrained`` + :func:`moe_experts.wrap` materialises every expert in the model dtype
+before ``wrap`` copies it, so the load peak is at least the whole model plus the kernel copy.
+Here the model is built with its *parameters* on the meta device (buffers, such as rotary
+tables, are computed as usual), non-expert weights are read from the checkpoint one tensor at a
+time, and the experts are assembled one MoE block at a time: the block's expert tensors are read
+(per-expert 2-D keys or fused 3-D ones), cast to the model dtype exactly as ``from_pretrained``
+would, and handed to :class:`kt_kernel.ExpertWeights` the way ``wrap`` does it. The only
+transient beyond the final footprint is one block's experts in the model dtype, and the result is
+bitwise the same as ``from_pretrained(path, dtype=dtype)`` + ``wrap(model, weight_dtype=...)``.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+import kt_kernel
+from moe_experts.architectures import MoEBlockSite, find_architecture, iter_moe_blocks
+from moe_experts.errors import LoadError
+from moe_experts.kernel_experts import KernelExperts, Policy
+from moe_experts.memory import trim_host_heap
+from moe_experts.wrapping import _DTYPES, WeightDType, _check_activation, _expert_spec
+
+__all__ = ["load_pretrained"]
+
+_INDEX = "model.safetensors.index.json"
+_SINGLE = "model.safetensors"
+_PER_EXPERT = re.compile(r"^(\d+)\.(.+)$")
+
+
+@contextmanager
+def _parameters_on_meta() -> Iterator[None]:
+    """Create every ``nn.Parameter`` on the meta device; buffers stay real (rotary tables)."""
+    original = nn.Module.register_parameter
+
+    def register(module: nn.Module, name: str, param: nn.Parameter | None) -> None:
+        if param is not None and param.device.type != "meta":
+            # Freshly created by torch.empty and never touched: no page was ever resident.
+            param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
+        original(module, name, param)
+
+    nn.Module.register_parameter = register  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        nn.Module.register_parameter = original  # type: ignore[method-assign]
+
+
+def _weight_map(path: Path) -> dict[str, Path]:
+    """``{checkpoint key: shard file}`` from the index, or from the single-file checkpoint."""
+    index = path / _INDEX
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise LoadError(
+                f"{index} is not a safetensors index (a JSON object with a 'weight_map'): {exc}"
+            ) from exc
+        out = {str(k): path / str(v) for k, v in weight_map.items()}
+        missing = sorted({str(f) for f in out.values() if not f.is_file()})
+        if missing:
+            raise LoadError(f"{index} names shard files that do not exist: {missing}")
+        return out
+    single = path / _SINGLE
+    if single.is_file():
+        from safetensors import safe_open
+
+        with safe_open(str(single), framework="pt") as f:
+            return dict.fromkeys(f.keys(), single)
+    raise LoadError(
+        f"{path} holds neither {_INDEX} nor {_SINGLE}; load_pretrained reads local safetensors "
+        "checkpoints (save them with save_pretrained or download them first)"
+    )
+
+
+@dataclass
+class _ExpertKeys:
+    """Where one experts module's weights are in the checkpoint."""
+
+    fused: dict[str, str] = field(default_factory=dict)  # "gate_up" | "down" -> key
+    # (expert, "gate" | "up" | "down") -> key
+    per_expert: dict[tuple[int, str], str] = field(default_factory=dict)
+
+
+class _KeyMapper:
+    """Checkpoint key -> model key, with transformers' own renamings and expert converters."""
+
+    def __init__(self, model: nn.Module, sites: list[MoEBlockSite]) -> None:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import WeightConverter, WeightRenaming
+
+        transforms = get_model_conversion_mapping(model)
+        self._renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+        self._converters = [t for t in transforms if isinstance(t, WeightConverter)]
+        self._sites = {s.experts_name + ".": s for s in sites}
+
+    def rename(self, key: str) -> str:
+        """Apply every renaming (e.g. Mixtral's ``block_sparse_moe`` -> ``mlp``)."""
+        from transformers.core_model_loading import rename_source_key
+
+        return rename_source_key(key, self._renamings, [])[0]
+
+    def _role(self, site: MoEBlockSite, renamed: str, proj: str) -> str | None:
+        """``"gate"``/``"up"``/``"down"`` of a per-expert key, from transformers' converters."""
+        arch = site.arch
+        for conv in self._converters:
+            _, pattern = conv.rename_source_key(renamed)
+            if pattern is None:
+                continue
+            target = conv.target_patterns[0]
+            if target.endswith(arch.down_param):
+                return "down"
+            if target.endswith(arch.gate_up_param):
+                return ("gate", "up")[conv.source_patterns.index(pattern)]
+        return None
+
+    def expert_key(self, key: str) -> tuple[MoEBlockSite, tuple[int, str] | str] | None:
+        """``(site, (expert, role))`` / ``(site, "gate_up"|"down")`` for an expert key, else None.
+
+        Raises:
+            LoadError: a key under an experts module that is neither layout.
+        """
+        renamed = self.rename(key)
+        for prefix, site in self._sites.items():
+            if not renamed.startswith(prefix):
+                continue
+            rest = renamed[len(prefix) :]
+            if rest == site.arch.gate_up_param:
+                return site, "gate_up"
+            if rest == site.arch.down_param:
+                return site, "down"
+            match = _PER_EXPERT.match(rest)
+            role = self._role(site, renamed, match.group(2)) if match else None
+            if match is None or role is None:
+                raise LoadError(
+                    f"checkpoint key {key!r} is under {site.experts_name} but is neither a fused "
+                    f"{site.arch.gate_up_param}/{site.arch.down_param} tensor nor a per-expert "
+                    "gate/up/down weight this family's transformers converter knows"
+                )
+            return site, (int(match.group(1)), role)
+        return None
+
+
+# safetensors dtype names -> torch dtypes (the ones a checkpoint of these families uses).
+_ST_DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64,
+    "F32": torch.float32,
+    "F16": torch.float16,
+    "BF16": torch.bfloat16,
+    "I64": torch.int64,
+    "I32": torch.int32,
+    "I16": torch.int16,
+    "I8": torch.int8,
+    "U8": torch.uint8,
+    "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn,
+    "F8_E5M2": torch.float8_e5m2,
+}
+
+
+class _Shards:
+    """Reads single tensors from safetensors files with plain reads into owned memory.
+
+    Not a memory map: the pages of a mapped shard count as resident while it is mapped (a
+    block's experts would stay resident once read), whereas ``readinto`` leaves them in the
+    page cache only and every tensor owns aligned memory.
+    """
+
+    def __init__(self) -> None:
+        self._headers: dict[Path, tuple[dict[str, Any], int]] = {}
+
+    def _header(self, file: Path) -> tuple[dict[str, Any], int]:
+        if file not in self._headers:
+            try:
+                with file.open("rb") as f:
+                    size = int.from_bytes(f.read(8), "little")
+                    header = json.loads(f.read(size))
+                if not isinstance(header, dict):
+                    raise ValueError("the header is not a JSON object")
+            except (OSError, ValueError) as exc:
+                raise LoadError(f"cannot read {file} as safetensors: {exc}") from exc
+            header.pop("__metadata__", None)
+            self._headers[file] = (header, 8 + size)
+        return self._headers[file]
+
+    def info(self, file: Path, key: str) -> tuple[tuple[int, ...], torch.dtype, int, int]:
+        """``(shape, dtype, start, end)`` of ``key`` in ``file`` (absolute byte offsets)."""
+        header, base = self._header(file)
+        entry = header.get(key)
+        if not isinstance(entry, dict):
+            raise LoadError(f"{file.name} has no tensor {key!r} although the index names it")
+        dtype = _ST_DTYPES.get(entry.get("dtype", ""))
+        if dtype is None:
+            raise LoadError(f"{file.name}: tensor {key!r} has unsupported dtype {entry['dtype']}")
+        start, end = entry["data_offsets"]
+        return tuple(entry["shape"]), dtype, base + start, base + end
+
+    def read(self, file: Path, key: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
+        """The tensor ``key`` in owned memory; with ``shape``, a mismatch is a LoadError."""
+        have, dtype, start, end = self.info(file, key)
+        if shape is not None:
+            _expect(have, shape, key, file)
+        out = torch.empty(have, dtype=dtype)
+        buf = out.view(-1).view(torch.uint8).numpy() if out.numel() else None
+        if end - start != out.numel() * out.element_size():
+            raise LoadError(f"{file.name}: tensor {key!r} has a corrupt byte range")
+        if buf is not None:
+            with file.open("rb") as f:
+                f.seek(start)
+                if f.readinto(buf) != end - start:
+                    raise LoadError(f"{file.name} is truncated inside tensor {key!r}")
+        return out
+
+
+def _expect(have: tuple[int, ...], shape: tuple[int, ...], key: str, file: Path) -> None:
+    if tuple(have) != tuple(shape):
+        raise LoadError(
+            f"{file.name}: tensor {key!r} has shape {list(have)}, the model expects "
+            f"{list(shape)}; the checkpoint does not match its config.json"
+        )
+
+
+def _assemble(
+    site: MoEBlockSite,
+    keys: _ExpertKeys,
+    where: dict[str, Path],
+    shards: _Shards,
+    meta: tuple[torch.Tensor, torch.Tensor],
+    storage: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """One block's ``gate_up [E, 2I, H]`` and ``down [E, H, I]`` in the ``storage`` dtype.
+
+    Each tensor is first cast to the model dtype (what ``from_pretrained`` holds), then to
+    ``storage`` (what ``wrap`` copies it to), so the values are exactly those of that path.
+    """
+    gu_meta, dn_meta = meta
+    e, two_i = gu_meta.shape[:2]
+    inter = two_i // 2
+    name = site.experts_name
+    if keys.fused and keys.per_expert:
+        raise LoadError(
+            f"{name}: the checkpoint holds both fused ({sorted(keys.fused.values())[0]!r}) "
+            "and per-expert keys; it must use one layout per experts module"
+        )
+    gate_up = torch.empty(gu_meta.shape, dtype=storage)
+    down = torch.empty(dn_meta.shape, dtype=storage)
+    if keys.fused:
+        for part, dst in (("gate_up", gate_up), ("down", down)):
+            key = keys.fused.get(part)
+            if key is None:
+                raise LoadError(f"{name}: the checkpoint has no fused {part} tensor for it")
+            t = shards.read(where[key], key, tuple(dst.shape))
+            dst.copy_(t.to(gu_meta.dtype))
+            del t
+        return gate_up, down
+    for x in range(e):
+        for role, dst in (
+            ("gate", gate_up[x, :inter]),
+            ("up", gate_up[x, inter:]),
+            ("down", down[x]),
+        ):
+            key = keys.per_expert.get((x, role))
+            if key is None:
+                raise LoadError(
+                    f"{name}: the checkpoint has no {role} weight for expert {x} (expected "
+                    f"a key like '{name}.{x}.<{role} proj>.weight'); it holds "
+                    f"{len(keys.per_expert)} of the {3 * e} per-expert tensors"
+                )
+            t = shards.read(where[key], key, tuple(dst.shape))
+            dst.copy_(t.to(gu_meta.dtype))
+            del t
+    return gate_up, down
+
+
+def _adopt_dense(
+    spec: kt_kernel.ExpertSpec, gate_up: torch.Tensor, down: torch.Tensor
+) -> kt_kernel.ExpertWeights:
+    """Dense :class:`kt_kernel.ExpertWeights` over already-filled storage, without a copy."""
+    from_parts = getattr(kt_kernel.ExpertWeights, "from_parts", None)
+    if from_parts is not None:  # kt-kernel with pluggable weight formats
+        from kt_kernel.formats import Dense
+
+        return from_parts(spec, Dense(gate_up.dtype), (gate_up,), (down,))
+    return kt_kernel.ExpertWeights(spec, gate_up, down)
+
+
+def _like(meta: torch.Tensor) -> torch.Tensor:
+    """A CPU tensor description of ``meta`` for the placeholder (no storage is touched)."""
+    return torch.empty(1, dtype=meta.dtype).expand(meta.shape)
+
+
+def _set_tensor(model: nn.Module, name: str, value: torch.Tensor) -> None:
+    module_name, _, leaf = name.rpartition(".")
+    module = model.get_submodule(module_name)
+    if leaf in module._parameters:
+        old = module._parameters[leaf]
+        module._parameters[leaf] = nn.Parameter(value, requires_grad=old.requires_grad)
+    else:
+        module._buffers[leaf] = value
+
+
+def _target_dtype(
+    model: nn.Module, name: str, current: torch.dtype, dtype: torch.dtype
+) -> torch.dtype:
+    """The dtype ``from_pretrained`` gives ``name``: fp32 for keep-in-fp32 modules, else current."""
+    strict = getattr(model, "_keep_in_fp32_modules_strict", None) or ()
+    loose = getattr(model, "_keep_in_fp32_modules", None) or ()
+    keep = list(strict) if dtype in (torch.float16, torch.bfloat16) else []
+    if dtype == torch.float16:
+        keep += list(loose)
+    if any(re.search(rf"(^|\.){re.escape(p)}($|\.)", name) for p in keep):
+        return torch.float32
+    return current
+
+
+def load_pretrained(
+    path: str | Path,
+    *,
+    weight_dtype: WeightDType = "bf16",
+    dtype: torch.dtype = torch.bfloat16,
+    dense_device: str | torch.device = "cpu",
+    policy: Policy = "save",
+) -> nn.Module:
+    """Build a causal LM from a local checkpoint with its experts streamed onto kt-kernel.
+
+    Equivalent to ``AutoModelForCausalLM.from_pretrained(path, dtype=dtype)`` followed by
+    :func:`moe_experts.wrap` ``(model, weight_dtype=weight_dtype, policy=policy)``, bitwise, but
+    without ever holding the model's experts in ``dtype``: at most one MoE block's experts are
+    resident beyond the final footprint. Checkpoint experts may be per-expert 2-D keys (as hub
+    checkpoints ship them, e.g. ``mlp.experts.{e}.gate_proj.weight``) or fused 3-D tensors.
+
+    Args:
+        path: a local directory with ``config.json`` and ``model.safetensors`` or a sharded
+            ``model.safetensors.index.json``.
+        weight_dtype: kernel storage, ``"bf16"``, ``"fp32"`` or ``"int8"`` (as in ``wrap``).
+        dtype: the model dtype (dense weights, and what ``from_pretrained`` would give experts).
+        dense_device: device of the dense (non-expert) weights, e.g. ``"cuda:0"``; the experts
+            stay on the CPU kernel and hidden states cross over and back (autograd too).
+        policy: kt-kernel activation policy, ``"save"`` or ``"recompute"``.
+
+    Returns:
+        The model in eval mode, every supported MoE block's experts on the kernel.
+
+    Raises:
+        LoadError: missing files, a missing or mis-shaped tensor (naming the key and file).
+        UnsupportedModelError: the checkpoint is not a supported MoE family.
+        WrapError: bad ``weight_dtype``/``policy`` or an unsupported activation.
+    """
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from moe_experts.errors import WrapError
+
+    if weight_dtype not in _DTYPES:
+        raise WrapError(f"weight_dtype must be one of {sorted(_DTYPES)}, got {weight_dtype!r}")
+    if policy not in ("save", "recompute"):
+        raise WrapError(f"policy must be 'save' or 'recompute', got {policy!r}")
+    try:
+        dense_device = torch.device(dense_device)
+        torch.empty(0, device=dense_device)
+    except (RuntimeError, AssertionError) as exc:  # torch's "not compiled with CUDA" is one
+        raise LoadError(
+            f"dense_device={str(dense_device)!r} is not usable here ({exc}); pass 'cpu' or an "
+            "available accelerator such as 'cuda:0'"
+        ) from exc
+    path = Path(path)
+    if not (path / "config.json").is_file():
+        raise LoadError(f"{path} has no config.json; pass a save_pretrained directory")
+    where = _weight_map(path)
+    config = AutoConfig.from_pretrained(path)
+    with _parameters_on_meta():
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    arch = find_architecture(model)
+    _check_activation(model, arch)
+    sites = list(iter_moe_blocks(model, arch))
+    mapper = _KeyMapper(model, sites)
+
+    # Sort every checkpoint key: expert tensors per block, the rest by model name.
+    expert_keys: dict[str, _ExpertKeys] = {s.experts_name: _ExpertKeys() for s in sites}
+    dense: dict[str, str] = {}
+    for key in where:
+        hit = mapper.expert_key(key)
+        if hit is None:
+            dense[mapper.rename(key)] = key
+            continue
+        site, slot = hit
+        keys = expert_keys[site.experts_name]
+        if isinstance(slot, str):
+            keys.fused[slot] = key
+        else:
+            keys.per_expert[slot] = key
+
+    # Experts first, one block at a time, so the meta experts never need storage. Dense
+    # formats are filled in place (the transient is one expert); int8 quantises a block.
+    shards = _Shards()
+    quantised = weight_dtype == "int8"
+    for site in sites:
+        experts = getattr(site.block, arch.experts_attr)
+        meta = (getattr(experts, arch.gate_up_param), getattr(experts, arch.down_param))
+        storage = meta[0].dtype if quantised else _DTYPES[weight_dtype]
+        keys = expert_keys[site.experts_name]
+        gate_up, down = _assemble(site, keys, where, shards, meta, storage)
+        spec = _expert_spec(site, gate_up, down)
+        if quantised:
+            weights = kt_kernel.ExpertWeights.from_fused(
+                spec, gate_up, down, dtype=_DTYPES[weight_dtype], weight_dtype="int8"
+            )
+        else:
+            weights = _adopt_dense(spec, gate_up, down)
+        kernel = KernelExperts(
+            weights,
+            gate_up_like=_like(meta[0]),
+            down_like=_like(meta[1]),
+            gate_up_name=arch.gate_up_param,
+            down_name=arch.down_param,
+            label=site.experts_name,
+            policy=policy,
+        )
+        setattr(site.block, arch.experts_attr, kernel)
+        del gate_up, down, weights, experts, meta
+
+    state = dict(model.named_parameters(remove_duplicate=False))
+    state.update(model.named_buffers(remove_duplicate=False))
+    unexpected = sorted(k for k in dense if k not in state)
+    if unexpected:
+        raise LoadError(
+            f"{path}: checkpoint keys the {type(model).__name__} does not have: "
+            f"{unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}"
+        )
+    # Shard by shard, in file order.
+    for name, key in sorted(dense.items(), key=lambda kv: str(where[kv[1]])):
+        current = state[name]
+        t = shards.read(where[key], key, tuple(current.shape))
+        target = _target_dtype(model, name, current.dtype, dtype)
+        _set_tensor(model, name, t.to(target) if t.dtype.is_floating_point else t)
+        del t
+    model.tie_weights()
+    missing = sorted(n for n, p in model.named_parameters() if p.device.type == "meta")
+    if missing:
+        raise LoadError(
+            f"{path}: the checkpoint has no tensor for {missing[:5]}"
+            f"{' ...' if len(missing) > 5 else ''}; it was saved from a different model"
+        )
+    trim_host_heap()
+    if dense_device.type != "cpu":
+        # Placeholders move as metadata; the kernel's storage is no module state and stays on
+        # the CPU, where KernelExperts copies hidden states to and back.
+        model.to(dense_device)
+    return model.eval()

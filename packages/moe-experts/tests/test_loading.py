@@ -1,0 +1,222 @@
+"""load_pretrained: streamed experts bitwise equal to from_pretrained + wrap, clear errors."""
+
+from __future__ import annotations
+
+import json
+import warnings
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import save_file
+from transformers import AutoModelForCausalLM
+
+from moe_experts import KernelExperts, LoadError, is_placeholder, load_pretrained, wrap
+from moe_experts.testing import tiny_config
+
+from .conftest import FAMILIES, token_batch
+
+LAYOUTS = ("per_expert", "fused")
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], Path]:
+    """Each family saved twice, sharded small: hub-style per-expert keys and fused 3-D keys."""
+    out = {}
+    for family in FAMILIES:
+        torch.manual_seed(1234)
+        model = AutoModelForCausalLM.from_config(tiny_config(family))
+        for layout in LAYOUTS:
+            path = tmp_path_factory.mktemp(f"ckpt-{family}-{layout}")
+            model.save_pretrained(
+                path, max_shard_size="16KB", save_original_format=layout == "per_expert"
+            )
+            out[(family, layout)] = path
+    return out
+
+
+def _reference(path: Path, dtype: torch.dtype, weight_dtype: str):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+    wrap(model, weight_dtype=weight_dtype)  # type: ignore[arg-type]
+    with torch.no_grad():
+        for p in model.parameters():
+            if not is_placeholder(p):
+                # from_pretrained leaves uncast weights as views of the file mapping, at
+                # addresses only 16-byte aligned; BLAS rounds differently there, so own them.
+                p.data = p.data.clone()
+    return model
+
+
+def _kernels(model) -> dict[str, KernelExperts]:
+    return {n: m for n, m in model.named_modules() if isinstance(m, KernelExperts)}
+
+
+def test_checkpoints_really_use_both_layouts(checkpoints) -> None:
+    for (_, layout), path in checkpoints.items():
+        index = json.loads((path / "model.safetensors.index.json").read_text())
+        keys = list(index["weight_map"])
+        assert len(set(index["weight_map"].values())) > 2  # really sharded
+        per_expert = any(".experts.0." in k for k in keys)
+        assert per_expert == (layout == "per_expert")
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize(
+    ("dtype", "weight_dtype"), [(torch.float32, "fp32"), (torch.bfloat16, "bf16")]
+)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_bitwise_equal_to_from_pretrained_and_wrap(
+    checkpoints, family: str, layout: str, dtype: torch.dtype, weight_dtype: str
+) -> None:
+    path = checkpoints[(family, layout)]
+    ref = _reference(path, dtype, weight_dtype)
+    got = load_pretrained(path, weight_dtype=weight_dtype, dtype=dtype)  # type: ignore[arg-type]
+    ref_sd, got_sd = ref.state_dict(), got.state_dict()
+    assert list(got_sd) == list(ref_sd)
+    for name, want in ref_sd.items():
+        have = got_sd[name]
+        assert have.dtype == want.dtype, name
+        if is_placeholder(want):
+            assert is_placeholder(have), name
+            assert have.shape == want.shape, name
+        else:
+            assert torch.equal(have, want), name
+    for (name, want), (_, have) in zip(
+        ref.named_buffers(), got.named_buffers(), strict=True
+    ):  # non-persistent buffers too (rotary tables)
+        assert torch.equal(have, want), name
+    ref_k, got_k = _kernels(ref), _kernels(got)
+    assert ref_k
+    assert list(got_k) == list(ref_k)
+    for name, want in ref_k.items():
+        have = got_k[name].expert_weights
+        assert have.weight_dtype == want.expert_weights.weight_dtype
+        assert torch.equal(have.gate_up, want.expert_weights.gate_up), name
+        assert torch.equal(have.down, want.expert_weights.down), name
+    ids = token_batch()
+    with torch.no_grad():
+        assert torch.equal(got(ids).logits, ref(ids).logits)
+    assert not got.training
+
+
+def test_int8_equal_to_wrap(checkpoints) -> None:
+    path = checkpoints[("qwen3_moe", "per_expert")]
+    ref = _reference(path, torch.bfloat16, "int8")
+    got = load_pretrained(path, weight_dtype="int8", dtype=torch.bfloat16)
+    for name, want in _kernels(ref).items():
+        have = _kernels(got)[name].expert_weights
+        assert have.is_quantized
+        assert torch.equal(have.gate_up, want.expert_weights.gate_up), name
+        assert torch.equal(have.down, want.expert_weights.down), name
+    ids = token_batch()
+    with torch.no_grad():
+        assert torch.equal(got(ids).logits, ref(ids).logits)
+
+
+def test_weights_do_not_alias_the_files(checkpoints, tmp_path: Path) -> None:
+    import shutil
+
+    src = checkpoints[("olmoe", "per_expert")]
+    path = tmp_path / "copy"
+    shutil.copytree(src, path)
+    got = load_pretrained(path, weight_dtype="fp32", dtype=torch.float32)
+    for shard in path.glob("*.safetensors"):
+        # Overwritten in place: a tensor still backed by a file mapping would change with it.
+        with shard.open("r+b") as f:
+            f.write(b"\0" * shard.stat().st_size)
+    ids = token_batch()
+    ref = _reference(src, torch.float32, "fp32")
+    with torch.no_grad():
+        assert torch.equal(got(ids).logits, ref(ids).logits)
+
+
+def _rewrite_shard(path: Path, key: str, new: torch.Tensor | None) -> Path:
+    """Replace (or with ``None`` drop) ``key`` in its shard; return the shard file."""
+    index_file = path / "model.safetensors.index.json"
+    index = json.loads(index_file.read_text())
+    shard = path / index["weight_map"][key]
+    with safe_open(str(shard), framework="pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open is no dict)
+    if new is None:
+        del tensors[key]
+        del index["weight_map"][key]
+        index_file.write_text(json.dumps(index))
+    else:
+        tensors[key] = new
+    save_file(tensors, str(shard), metadata={"format": "pt"})
+    return shard
+
+
+@pytest.fixture
+def ckpt_copy(checkpoints, tmp_path: Path):
+    import shutil
+
+    def make(family: str, layout: str) -> Path:
+        path = tmp_path / f"{family}-{layout}"
+        shutil.copytree(checkpoints[(family, layout)], path)
+        return path
+
+    return make
+
+
+def test_missing_expert_key_is_named(ckpt_copy) -> None:
+    path = ckpt_copy("mixtral", "per_expert")
+    _rewrite_shard(path, "model.layers.1.block_sparse_moe.experts.2.w3.weight", None)
+    expected = r"model\.layers\.1\.mlp\.experts: .*no up weight for expert 2"
+    with pytest.raises(LoadError, match=expected):
+        load_pretrained(path, weight_dtype="fp32", dtype=torch.float32)
+
+
+def test_wrong_expert_shape_names_key_and_file(ckpt_copy) -> None:
+    path = ckpt_copy("qwen3_moe", "per_expert")
+    key = "model.layers.0.mlp.experts.3.down_proj.weight"
+    shard = _rewrite_shard(path, key, torch.zeros(5, 7))
+    with pytest.raises(LoadError, match=rf"{shard.name}: tensor '{key}' has shape \[5, 7\]"):
+        load_pretrained(path, weight_dtype="fp32", dtype=torch.float32)
+
+
+def test_wrong_fused_and_dense_shapes(ckpt_copy) -> None:
+    path = ckpt_copy("qwen2_moe", "fused")
+    _rewrite_shard(path, "model.layers.1.mlp.experts.down_proj", torch.zeros(4, 32, 3))
+    with pytest.raises(LoadError, match=r"experts\.down_proj' has shape \[4, 32, 3\]"):
+        load_pretrained(path, weight_dtype="fp32", dtype=torch.float32)
+    path = ckpt_copy("olmoe", "per_expert")
+    _rewrite_shard(path, "model.norm.weight", torch.zeros(3))
+    with pytest.raises(LoadError, match=r"'model\.norm\.weight' has shape \[3\]"):
+        load_pretrained(path, weight_dtype="fp32", dtype=torch.float32)
+
+
+def test_missing_dense_key_and_files(ckpt_copy, tmp_path: Path) -> None:
+    path = ckpt_copy("olmoe", "per_expert")
+    _rewrite_shard(path, "model.layers.1.self_attn.q_proj.weight", None)
+    with pytest.raises(LoadError, match=r"no tensor for \['model\.layers\.1\.self_attn\.q_proj"):
+        load_pretrained(path)
+    with pytest.raises(LoadError, match=r"no config\.json"):
+        load_pretrained(tmp_path)
+    path = ckpt_copy("olmoe", "fused")
+    (path / "model.safetensors.index.json").unlink()
+    with pytest.raises(LoadError, match=r"neither model\.safetensors\.index\.json nor"):
+        load_pretrained(path)
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without a GPU")
+def test_unusable_dense_device_is_a_load_error(checkpoints) -> None:
+    with pytest.raises(LoadError, match="dense_device='cuda' is not usable here"):
+        load_pretrained(checkpoints[("olmoe", "fused")], dense_device="cuda")
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_dense_on_cuda_experts_on_cpu(checkpoints) -> None:
+    path = checkpoints[("qwen3_moe", "per_expert")]
+    ref = load_pretrained(path, weight_dtype="fp32", dtype=torch.float32)
+    got = load_pretrained(path, weight_dtype="fp32", dtype=torch.float32, dense_device="cuda")
+    assert got.lm_head.weight.device.type == "cuda"
+    ids = token_batch()
+    with torch.no_grad():
+        want = ref(ids).logits
+        have = got(ids.cuda()).logits
+    torch.testing.assert_close(have.cpu(), want, rtol=1e-4, atol=1e-4)
