@@ -6,7 +6,10 @@ import moe_experts
 def test_all_is_curated() -> None:
     assert sorted(moe_experts.__all__) == sorted(
         [
-            "ARCHITECTURES", "AdaptError", "ExpertPlaceholder", "KernelExperts",
+            "ARCHITECTURES", "AdaptError", "BlockCheck", "BlockCoverage", "GradientCheckError",
+            "MoECoverage", "check_gradients", "coverage_report", "coverage_summary",
+            "SelfCheckError", "UNSUPPORTED_FAMILIES",
+            "ExpertPlaceholder", "KernelExperts",
             "MoEArchitecture", "MoEBlockSite", "PlaceholderAccessError",
             "UnsupportedModelError", "WrapError", "WrapReport", "__version__", "adapt",
             "adapt_model", "experts_sites", "find_architecture", "is_placeholder",

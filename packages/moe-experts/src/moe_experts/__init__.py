@@ -10,14 +10,24 @@ from moe_experts._version import __version__
 from moe_experts.adaptation import adapt, adapt_model, peft_key_prefix, router_targets
 from moe_experts.architectures import (
     ARCHITECTURES,
+    UNSUPPORTED_FAMILIES,
     MoEArchitecture,
     MoEBlockSite,
     find_architecture,
     iter_moe_blocks,
 )
+from moe_experts.coverage import (
+    BlockCoverage,
+    MoECoverage,
+    check_gradients,
+    coverage_report,
+    coverage_summary,
+)
 from moe_experts.errors import (
     AdaptError,
+    GradientCheckError,
     PlaceholderAccessError,
+    SelfCheckError,
     UnsupportedModelError,
     WrapError,
 )
@@ -28,22 +38,32 @@ from moe_experts.placeholders import (
     make_placeholder,
     named_placeholders,
 )
+from moe_experts.self_check import BlockCheck
 from moe_experts.wrapping import WrapReport, experts_sites, wrap
 
 __all__ = [
     "ARCHITECTURES",
+    "UNSUPPORTED_FAMILIES",
     "AdaptError",
+    "BlockCheck",
+    "BlockCoverage",
     "ExpertPlaceholder",
+    "GradientCheckError",
     "KernelExperts",
     "MoEArchitecture",
     "MoEBlockSite",
+    "MoECoverage",
     "PlaceholderAccessError",
+    "SelfCheckError",
     "UnsupportedModelError",
     "WrapError",
     "WrapReport",
     "__version__",
     "adapt",
     "adapt_model",
+    "check_gradients",
+    "coverage_report",
+    "coverage_summary",
     "experts_sites",
     "find_architecture",
     "is_placeholder",

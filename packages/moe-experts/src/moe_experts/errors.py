@@ -2,7 +2,14 @@
 
 from __future__ import annotations
 
-__all__ = ["AdaptError", "PlaceholderAccessError", "UnsupportedModelError", "WrapError"]
+__all__ = [
+    "AdaptError",
+    "GradientCheckError",
+    "PlaceholderAccessError",
+    "SelfCheckError",
+    "UnsupportedModelError",
+    "WrapError",
+]
 
 
 class UnsupportedModelError(ValueError):
@@ -11,6 +18,14 @@ class UnsupportedModelError(ValueError):
 
 class WrapError(ValueError):
     """A model cannot be wrapped (bad argument, unexpected expert shapes or activation)."""
+
+
+class SelfCheckError(WrapError):
+    """``wrap``'s self-check found the kernel disagreeing with the original experts module."""
+
+
+class GradientCheckError(RuntimeError):
+    """Trainable parameters received no gradient, a non-finite one, or an all-zero one."""
 
 
 class AdaptError(ValueError):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import sys
 import time
 from dataclasses import asdict, dataclass, field
 from datetime import timedelta
@@ -53,6 +54,9 @@ class FinetuneArgs:
     weight_dtype: str = "fp32"
     max_grad_norm: float = 1.0
     progress: bool = True
+    # After the first backward: a parameter without a finite, non-zero gradient stops the run
+    # (True: only a warning).
+    gradient_check_warn_only: bool = False
 
 
 @dataclass
@@ -167,6 +171,8 @@ def run_finetune(args: FinetuneArgs) -> FinetuneSummary:
     dense = enable_lora_training(model, lora)
     experts = moe_experts.adapt(model, lora)
     result = dense.merge(experts)
+    if rank == 0:
+        print(moe_experts.coverage_summary(model, result), file=sys.stderr)
     if world > 1:
         kept_out = {p for _, p in experts.named_optimizer_parameters}
         kept_out |= {model.get_parameter(n) for n in experts.placeholders}
@@ -221,6 +227,11 @@ def run_finetune(args: FinetuneArgs) -> FinetuneSummary:
                                            labels.reshape(-1))
         loss.backward()
         sync_replicated_lora_gradients(experts.named_optimizer_parameters)
+        if step == first_step:
+            try:
+                moe_experts.check_gradients(result, warn_only=args.gradient_check_warn_only)
+            except moe_experts.GradientCheckError as exc:
+                raise FinetuneError(str(exc)) from exc
         grad_norm = _clip(params, args.max_grad_norm)
         optimizer.step()
         optimizer.zero_grad(set_to_none=True)
