@@ -10,9 +10,9 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, PreTrainedModel
+from transformers import PreTrainedModel
 
-from moe_experts.testing import TINY_FAMILIES, tiny_config
+from moe_experts.testing import TINY_FAMILIES, tiny_model
 
 FAMILIES = TINY_FAMILIES
 
@@ -25,26 +25,30 @@ def _fixed_seeds() -> None:
 
 
 @pytest.fixture(scope="session")
-def saved_models(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+def saved_models(
+    tmp_path_factory: pytest.TempPathFactory,
+) -> dict[str, tuple[type[PreTrainedModel], Path]]:
     """Build each tiny model once with random weights and save_pretrained it to a temp dir."""
     out = {}
     for family in FAMILIES:
         torch.manual_seed(1234)
-        model = AutoModelForCausalLM.from_config(tiny_config(family))
+        model = tiny_model(family)
         path = tmp_path_factory.mktemp(f"tiny-{family}")
         model.save_pretrained(path)
-        out[family] = path
+        out[family] = (type(model), path)
     return out
 
 
 @pytest.fixture(scope="session")
-def loaded_models(saved_models: dict[str, Path]) -> dict[str, PreTrainedModel]:
+def loaded_models(
+    saved_models: dict[str, tuple[type[PreTrainedModel], Path]],
+) -> dict[str, PreTrainedModel]:
     """Load every saved model back through from_pretrained (the real loading code)."""
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         return {
-            f: AutoModelForCausalLM.from_pretrained(p, dtype=torch.float32).eval()
-            for f, p in saved_models.items()
+            f: cls.from_pretrained(p, dtype=torch.float32).eval()
+            for f, (cls, p) in saved_models.items()
         }
 
 

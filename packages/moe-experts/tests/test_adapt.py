@@ -12,9 +12,12 @@ from .conftest import FAMILIES, token_batch
 from .peft_twin import peft_twin, to_peft_layout
 
 CFG = LoraConfig(enable=True, rank=2, alpha=4, init_seed=11)
-# Routers through lora-core (LoRAParameter), experts through adapt: one config for both.
-ROUTER_CFG = LoraConfig(enable=True, rank=2, alpha=4, init_seed=11, target_modules=[],
-                        target_parameters=["mlp.gate.weight"])
+
+
+def _router_cfg(model) -> LoraConfig:
+    # Routers through lora-core (LoRAParameter), experts through adapt: one config for both.
+    return LoraConfig(enable=True, rank=2, alpha=4, init_seed=11, target_modules=[],
+                      target_parameters=list(router_targets(model)))
 
 
 def _perturb_b(result, scale: float = 0.2) -> None:
@@ -28,9 +31,10 @@ def _perturb_b(result, scale: float = 0.2) -> None:
 
 def _pair(fresh, family):
     ours = fresh(family)
+    cfg = _router_cfg(ours)
     wrap(ours, weight_dtype="fp32")
-    routers = enable_lora_training(ours, ROUTER_CFG)  # freezes everything else
-    result = routers.merge(adapt(ours, ROUTER_CFG))
+    routers = enable_lora_training(ours, cfg)  # freezes everything else
+    result = routers.merge(adapt(ours, cfg))
     _perturb_b(result)
     theirs, pairs = peft_twin(fresh(family), result)
     for p in theirs.parameters():
@@ -50,12 +54,15 @@ def test_loss_logits_and_gradients_equal_peft(fresh, family: str) -> None:
     torch.testing.assert_close(out_a.loss, out_b.loss, rtol=1e-6, atol=1e-6)
     out_a.loss.backward()
     out_b.loss.backward()
-    routers = [n for n in result.parameter_names if ".mlp.gate.lora_" in n]
-    assert len(routers) == 2 * sum(isinstance(m, LoRAParameter) for m in ours.modules()) > 0
+    gates = [n for n, m in ours.named_modules() if isinstance(m, LoRAParameter)]
+    routers = [n for n in result.parameter_names if n.rsplit(".lora_", 1)[0] in gates]
+    assert len(routers) == 2 * len(gates) > 0
     for fqn, p in result.named_optimizer_parameters:
         assert p.grad is not None, fqn
-        assert p.grad.abs().sum() > 0, fqn
         want = pairs[fqn].grad
+        # PhiMoE's sparsemixer router has no gradient path in eval mode (PEFT agrees: zero).
+        if not (fqn in routers and family == "phimoe"):
+            assert p.grad.abs().sum() > 0, fqn
         got = to_peft_layout(p.grad, result.peft_exports[fqn].layout)
         # Router LoRA is trained only through d topk_weights returned by the kernel.
         torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-6, msg=fqn)

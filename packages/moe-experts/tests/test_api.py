@@ -8,6 +8,9 @@ def test_all_is_curated() -> None:
         [
             "ARCHITECTURES", "AdaptError", "ExpertPlaceholder", "KernelExperts",
             "LoadError", "load_pretrained",
+            "BlockCheck", "BlockCoverage", "GradientCheckError",
+            "MoECoverage", "check_gradients", "coverage_report", "coverage_summary",
+            "SelfCheckError", "UNSUPPORTED_FAMILIES",
             "MoEArchitecture", "MoEBlockSite", "PlaceholderAccessError",
             "UnsupportedModelError", "WrapError", "WrapReport", "__version__", "adapt",
             "adapt_model", "experts_sites", "find_architecture", "is_placeholder",

@@ -1,4 +1,4 @@
-"""Architecture registry: every family resolves, unknown models fail with the list."""
+"""Architecture registry: every family resolves, unknown and refused models fail by name."""
 
 import dataclasses
 
@@ -6,13 +6,27 @@ import pytest
 import torch
 from transformers import LlamaConfig, LlamaForCausalLM
 
-from moe_experts import ARCHITECTURES, UnsupportedModelError, find_architecture, iter_moe_blocks
+from moe_experts import (
+    ARCHITECTURES,
+    UNSUPPORTED_FAMILIES,
+    UnsupportedModelError,
+    find_architecture,
+    iter_moe_blocks,
+)
+from moe_experts.testing import TINY_CONFIGS
 
 from .conftest import FAMILIES
 
 
-def test_registry_covers_the_five_families() -> None:
-    assert set(ARCHITECTURES) == {"qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3", "olmoe"}
+def test_registry_rows_have_tiny_configs_and_are_frozen() -> None:
+    # The issue's list of families users fine-tune; every row has a tiny config, so the
+    # parametrised suites (test_wrap, test_adapt) run it.
+    required = {"qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3", "olmoe", "qwen3_5_moe",
+                "qwen3_next", "qwen3_vl_moe", "glm4_moe", "glm4v_moe", "deepseek_v2",
+                "ernie4_5_moe", "minimax", "hunyuan_v1_moe", "dots1", "phimoe", "granitemoe"}
+    assert required <= set(ARCHITECTURES)
+    assert set(TINY_CONFIGS) == set(ARCHITECTURES) == set(FAMILIES)
+    assert not set(ARCHITECTURES) & set(UNSUPPORTED_FAMILIES)
     spec = ARCHITECTURES["mixtral"]
     with pytest.raises(dataclasses.FrozenInstanceError):
         spec.family = "x"  # type: ignore[misc]
@@ -24,19 +38,22 @@ def test_blocks_found_with_router_and_shared_experts(fresh, family: str) -> None
     arch = find_architecture(model)
     assert arch.family == family
     sites = list(iter_moe_blocks(model, arch))
-    n_layers = model.config.num_hidden_layers
-    dense = getattr(model.config, "first_k_dense_replace", 0)
-    assert [s.name for s in sites] == [f"model.layers.{i}.mlp" for i in range(dense, n_layers)]
+    assert sites
+    named = dict(model.named_parameters())
     for site in sites:
         experts = getattr(site.block, arch.experts_attr)
-        e = getattr(model.config, arch.num_experts_config)
-        i = getattr(model.config, arch.intermediate_config)
-        h = model.config.hidden_size
-        assert tuple(getattr(experts, arch.gate_up_param).shape) == (e, 2 * i, h)
-        assert tuple(getattr(experts, arch.down_param).shape) == (e, h, i)
-        assert isinstance(getattr(site.block, arch.router_attr), torch.nn.Module)
+        gate_up = getattr(experts, arch.gate_up_param)
+        e, two_i, h = gate_up.shape
+        assert h == model.config.get_text_config().hidden_size
+        assert tuple(getattr(experts, arch.down_param).shape) == (e, h, two_i // 2)
+        router = site.block.get_submodule(arch.router_attr).get_parameter(arch.router_param)
+        # The router's [E, H] weight is where router LoRA goes (router_targets).
+        assert tuple(router.shape) == (e, h)
+        assert named[f"{site.name}.{arch.router_attr}.{arch.router_param}"] is router
         for attr in arch.shared_expert_attrs:
             assert isinstance(getattr(site.block, attr), torch.nn.Module)
+        if arch.shared_expert_gate_attr:
+            assert isinstance(getattr(site.block, arch.shared_expert_gate_attr), torch.nn.Linear)
 
 
 def test_unsupported_model_lists_families() -> None:
@@ -48,3 +65,12 @@ def test_unsupported_model_lists_families() -> None:
     assert "llama" in msg
     for family in ARCHITECTURES:
         assert family in msg
+
+
+@pytest.mark.parametrize("model_type", ["llama4", "gpt_oss", "aria", "longcat_flash"])
+def test_refused_families_say_why(model_type: str) -> None:
+    model = torch.nn.Module()
+    model.config = type("Cfg", (), {"model_type": model_type})()
+    with pytest.raises(UnsupportedModelError, match=model_type) as info:
+        find_architecture(model)
+    assert UNSUPPORTED_FAMILIES[model_type] in str(info.value)

@@ -83,7 +83,7 @@ def _single_process_reference(model_dir: Path) -> dict[str, torch.Tensor]:
 @pytest.mark.multiprocess
 @pytest.mark.timeout(240)
 def test_two_ranks_fsdp2_identical_parameters(saved_models, tmp_path: Path) -> None:
-    model_dir = saved_models["qwen3_moe"]
+    model_dir = saved_models["qwen3_moe"][1]
     _launch(model_dir, tmp_path)
     info = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(WORLD)]
     params = [torch.load(tmp_path / f"params_rank{r}.pt") for r in range(WORLD)]

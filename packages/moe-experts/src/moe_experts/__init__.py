@@ -20,15 +20,25 @@ if TYPE_CHECKING:
     from moe_experts.adaptation import adapt, adapt_model, peft_key_prefix, router_targets
     from moe_experts.architectures import (
         ARCHITECTURES,
+        UNSUPPORTED_FAMILIES,
         MoEArchitecture,
         MoEBlockSite,
         find_architecture,
         iter_moe_blocks,
     )
+    from moe_experts.coverage import (
+        BlockCoverage,
+        MoECoverage,
+        check_gradients,
+        coverage_report,
+        coverage_summary,
+    )
     from moe_experts.errors import (
         AdaptError,
+        GradientCheckError,
         LoadError,
         PlaceholderAccessError,
+        SelfCheckError,
         UnsupportedModelError,
         WrapError,
     )
@@ -40,23 +50,33 @@ if TYPE_CHECKING:
         make_placeholder,
         named_placeholders,
     )
+    from moe_experts.self_check import BlockCheck
     from moe_experts.wrapping import WrapReport, experts_sites, wrap
 
 # public name -> the module that defines it
 _WHERE = {
     "ARCHITECTURES": "architectures",
     "AdaptError": "errors",
+    "BlockCheck": "self_check",
+    "BlockCoverage": "coverage",
     "ExpertPlaceholder": "placeholders",
+    "GradientCheckError": "errors",
     "KernelExperts": "kernel_experts",
     "LoadError": "errors",
     "MoEArchitecture": "architectures",
     "MoEBlockSite": "architectures",
+    "MoECoverage": "coverage",
     "PlaceholderAccessError": "errors",
+    "SelfCheckError": "errors",
+    "UNSUPPORTED_FAMILIES": "architectures",
     "UnsupportedModelError": "errors",
     "WrapError": "errors",
     "WrapReport": "wrapping",
     "adapt": "adaptation",
     "adapt_model": "adaptation",
+    "check_gradients": "coverage",
+    "coverage_report": "coverage",
+    "coverage_summary": "coverage",
     "experts_sites": "wrapping",
     "find_architecture": "architectures",
     "is_placeholder": "placeholders",
@@ -71,19 +91,28 @@ _WHERE = {
 
 __all__ = [
     "ARCHITECTURES",
+    "UNSUPPORTED_FAMILIES",
     "AdaptError",
+    "BlockCheck",
+    "BlockCoverage",
     "ExpertPlaceholder",
+    "GradientCheckError",
     "KernelExperts",
     "LoadError",
     "MoEArchitecture",
     "MoEBlockSite",
+    "MoECoverage",
     "PlaceholderAccessError",
+    "SelfCheckError",
     "UnsupportedModelError",
     "WrapError",
     "WrapReport",
     "__version__",
     "adapt",
     "adapt_model",
+    "check_gradients",
+    "coverage_report",
+    "coverage_summary",
     "experts_sites",
     "find_architecture",
     "is_placeholder",

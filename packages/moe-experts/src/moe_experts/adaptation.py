@@ -20,6 +20,7 @@ from lora_core.contracts import (
 from moe_experts.architectures import MoEBlockSite, find_architecture, iter_moe_blocks
 from moe_experts.errors import AdaptError
 from moe_experts.kernel_experts import KernelExperts
+from moe_experts.lora_experts import LoraExperts
 from moe_experts.placeholders import named_placeholders
 from moe_experts.wrapping import WeightDType, experts_sites, wrap
 
@@ -100,8 +101,47 @@ def _own_lora(
     return False, lora
 
 
+def _lora_experts(
+    site: MoEBlockSite, kernel: KernelExperts, config: LoraConfig, n: int, width: int | None
+) -> LoraExperts | None:
+    """Create (or find) the block's extra LoRA experts; ``None`` when ``n == 0``."""
+    width = kernel.spec.intermediate_size if width is None else width
+    have = kernel.lora_experts
+    if have is not None:
+        if (have.num_experts, have.intermediate_size) != (n, width):
+            raise AdaptError(
+                f"{site.experts_name} already has {have.num_experts} LoRA experts of width "
+                f"{have.intermediate_size}; adapt was called with lora_experts={n}, "
+                f"lora_expert_intermediate={width}. Use the same values, or rebuild the model"
+            )
+        return have
+    if n == 0:
+        return None
+    dtype = getattr(kernel, kernel.gate_up_name).dtype
+    kernel.lora_experts = LoraExperts(
+        n, kernel.spec.hidden_size, width, dtype=dtype, seed=config.init_seed,
+        name=f"{_strip_peft_root(site.experts_name)}.lora_experts",
+    )
+    return kernel.lora_experts
+
+
+def _check_lora_expert_args(n: object, width: object) -> None:
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise AdaptError(f"lora_experts must be an int >= 0 (0: none), got {n!r}")
+    if width is not None and (isinstance(width, bool) or not isinstance(width, int) or width < 1):
+        raise AdaptError(
+            f"lora_expert_intermediate must be a positive int (default: the routed experts' "
+            f"intermediate size), got {width!r}"
+        )
+
+
 def adapt(
-    model: nn.Module, config: LoraConfig, *, layout: LoraLayout = "fused"
+    model: nn.Module,
+    config: LoraConfig,
+    *,
+    layout: LoraLayout = "fused",
+    lora_experts: int = 0,
+    lora_expert_intermediate: int | None = None,
 ) -> AdaptationResult:
     """Put LoRA on the gate, up and down projections of every wrapped expert bank.
 
@@ -121,6 +161,12 @@ def adapt(
         model: a model wrapped by :func:`moe_experts.wrap`.
         config: the LoRA config (rank, alpha, init_seed, exclude_modules).
         layout: ``"fused"`` or ``"split"``.
+        lora_experts: N extra trainable SwiGLU "LoRA experts" per targeted block
+            (:class:`~moe_experts.lora_experts.LoraExperts`: ``le_gate``/``le_up``
+            ``[N, J, H]``, zero-initialised ``le_down`` ``[N, H, J]``) whose mean is added to
+            the block's routed output; named ``<experts>.lora_experts.le_*``, ``REPLICATED``,
+            saved by lora-checkpoint but not PEFT-loadable (no PEFT export). 0: none.
+        lora_expert_intermediate: J, default the routed experts' intermediate size.
 
     Returns:
         An :class:`~lora_core.contracts.AdaptationResult`: names
@@ -137,6 +183,7 @@ def adapt(
         )
     if layout not in ("fused", "split"):
         raise AdaptError(f"layout must be 'fused' or 'split', got {layout!r}")
+    _check_lora_expert_args(lora_experts, lora_expert_intermediate)
     sites = experts_sites(model)
     if not sites:
         raise AdaptError(
@@ -158,6 +205,11 @@ def adapt(
     for site, kernel in sites:
         if not _targeted(site, config):
             continue
+        extra = _lora_experts(site, kernel, config, lora_experts, lora_expert_intermediate)
+        if extra is not None:
+            extra.requires_grad_(True)
+            fqns = {id(p): n for n, p in model.named_parameters()}
+            params += [(fqns[id(p)], p) for p in extra.parameters()]
         arch = site.arch
         leaf = site.name.rsplit(".", 1)[-1]
         rel = f"{leaf}.{arch.experts_attr}" if site.name else arch.experts_attr
@@ -220,7 +272,7 @@ def router_targets(model: nn.Module) -> tuple[str, ...]:
     """
     arch = find_architecture(model)
     names = {
-        f"{site.name.rpartition('.')[2]}.{arch.router_attr}.weight"
+        f"{site.name.rpartition('.')[2]}.{arch.router_attr}.{arch.router_param}"
         for site in iter_moe_blocks(model, arch)
     }
     return tuple(sorted(names))
@@ -248,6 +300,8 @@ def adapt_model(
     dense_config: LoraConfig | None = None,
     weight_dtype: WeightDType = "bf16",
     layout: LoraLayout = "fused",
+    lora_experts: int = 0,
+    lora_expert_intermediate: int | None = None,
 ) -> AdaptationResult:
     """Wrap (if needed), put dense LoRA on attention/routers and expert LoRA on the experts.
 
@@ -270,6 +324,8 @@ def adapt_model(
             disabled config adds no dense LoRA.
         weight_dtype: kernel storage dtype when the model still needs wrapping.
         layout: expert LoRA layout (see :func:`adapt`).
+        lora_experts: extra LoRA experts per block (see :func:`adapt`).
+        lora_expert_intermediate: their width (see :func:`adapt`).
 
     Returns:
         The merged :class:`~lora_core.contracts.AdaptationResult`.
@@ -280,7 +336,8 @@ def adapt_model(
     if dense_cfg.enable:
         dense_cfg = _dense_part(model, dense_cfg)
     dense = enable_lora_training(model, dense_cfg)
-    experts = adapt(model, config, layout=layout)
+    experts = adapt(model, config, layout=layout, lora_experts=lora_experts,
+                    lora_expert_intermediate=lora_expert_intermediate)
     if dense.lora_config is not None and dense.lora_config != config:
         # merge() refuses two different configs; the expert config is the one recorded.
         dense = AdaptationResult.create(

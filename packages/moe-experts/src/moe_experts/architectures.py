@@ -12,7 +12,7 @@ from __future__ import annotations
 import importlib
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 from torch import nn
 
@@ -20,6 +20,7 @@ from moe_experts.errors import UnsupportedModelError
 
 __all__ = [
     "ARCHITECTURES",
+    "UNSUPPORTED_FAMILIES",
     "MoEArchitecture",
     "MoEBlockSite",
     "find_architecture",
@@ -33,17 +34,20 @@ class MoEArchitecture:
 
     Attributes:
         family: registry key, e.g. ``"qwen3_moe"``.
-        model_types: ``config.model_type`` values this spec serves.
+        model_types: ``config.model_type`` values this spec serves (a multimodal family lists
+            its top-level type and its text model's type).
         modeling_module: the transformers module defining the classes below.
         block_class: class name of the sparse MoE block (the module that owns router + experts).
         experts_attr: attribute of the block holding the routed experts module.
         router_attr: attribute of the block holding the router (gets dense LoRA, not ours).
-        shared_expert_attrs: attributes of the block with always-on dense experts (and their
-            gate); they stay ordinary modules that ``lora_core.enable_lora_training`` can target.
+        router_param: the router's 2-D weight ``[E, H]`` relative to ``router_attr``
+            (``"weight"``, or ``"wg.weight"`` where the router wraps an ``nn.Linear``).
+        shared_expert_attrs: attributes of the block with always-on dense experts; they stay
+            ordinary modules that ``lora_core.enable_lora_training`` can target.
+        shared_expert_gate_attr: attribute of the block with the shared experts' sigmoid gate.
         gate_up_param: fused ``[E, 2I, H]`` parameter name inside the experts module.
         down_param: ``[E, H, I]`` parameter name inside the experts module.
-        num_experts_config: config attribute giving E.
-        intermediate_config: config attribute giving the routed expert width I.
+        router: one line on the routing function, for the documentation table.
     """
 
     family: str
@@ -52,11 +56,12 @@ class MoEArchitecture:
     block_class: str
     experts_attr: str = "experts"
     router_attr: str = "gate"
+    router_param: str = "weight"
     shared_expert_attrs: tuple[str, ...] = ()
+    shared_expert_gate_attr: str | None = None
     gate_up_param: str = "gate_up_proj"
     down_param: str = "down_proj"
-    num_experts_config: str = "num_experts"
-    intermediate_config: str = "moe_intermediate_size"
+    router: str = "softmax top-k"
     # Only fused 3D experts exist in transformers 5.x for these families; per-expert Linear
     # (transformers 4.x) would be a second layout.
     layout: Literal["fused_3d"] = "fused_3d"
@@ -77,46 +82,101 @@ class MoEArchitecture:
             ) from exc
 
 
+def _spec(family: str, block_class: str, *, text: bool = False, **fields: Any) -> MoEArchitecture:
+    """A spec for ``transformers.models.<family>.modeling_<family>.<block_class>``."""
+    types = (family, f"{family}_text") if text else (family,)
+    return MoEArchitecture(
+        family=family,
+        model_types=fields.pop("model_types", types),
+        modeling_module=f"transformers.models.{family}.modeling_{family}",
+        block_class=block_class,
+        **fields,
+    )
+
+
+_SHARED = {"shared_expert_attrs": ("shared_experts",)}
+_QWEN_SHARED = {"shared_expert_attrs": ("shared_expert",),
+                "shared_expert_gate_attr": "shared_expert_gate"}
+_GROUPED = "sigmoid, grouped top-k, bias, scaling"
+
+# One row per family; every row is run by the shared parametrised test suite
+# (tests/test_adapt.py, test_wrap.py, test_architectures.py) through moe_experts.testing.
 ARCHITECTURES: dict[str, MoEArchitecture] = {
     spec.family: spec
     for spec in (
-        MoEArchitecture(
-            family="qwen3_moe",
-            model_types=("qwen3_moe",),
-            modeling_module="transformers.models.qwen3_moe.modeling_qwen3_moe",
-            block_class="Qwen3MoeSparseMoeBlock",
-        ),
-        MoEArchitecture(
-            family="qwen2_moe",
-            model_types=("qwen2_moe",),
-            modeling_module="transformers.models.qwen2_moe.modeling_qwen2_moe",
-            block_class="Qwen2MoeSparseMoeBlock",
-            shared_expert_attrs=("shared_expert", "shared_expert_gate"),
-        ),
-        MoEArchitecture(
-            family="mixtral",
-            model_types=("mixtral",),
-            modeling_module="transformers.models.mixtral.modeling_mixtral",
-            block_class="MixtralSparseMoeBlock",
-            num_experts_config="num_local_experts",
-            intermediate_config="intermediate_size",
-        ),
-        MoEArchitecture(
-            family="deepseek_v3",
-            model_types=("deepseek_v3",),
-            modeling_module="transformers.models.deepseek_v3.modeling_deepseek_v3",
-            block_class="DeepseekV3MoE",
-            shared_expert_attrs=("shared_experts",),
-            num_experts_config="n_routed_experts",
-        ),
-        MoEArchitecture(
-            family="olmoe",
-            model_types=("olmoe",),
-            modeling_module="transformers.models.olmoe.modeling_olmoe",
-            block_class="OlmoeSparseMoeBlock",
-            intermediate_config="intermediate_size",
-        ),
+        _spec("qwen3_moe", "Qwen3MoeSparseMoeBlock", router="softmax top-k (norm_topk_prob)"),
+        _spec("qwen2_moe", "Qwen2MoeSparseMoeBlock", **_QWEN_SHARED),
+        _spec("qwen3_5_moe", "Qwen3_5MoeSparseMoeBlock", text=True,
+              router="softmax top-k, renormalised", **_QWEN_SHARED),
+        _spec("qwen3_next", "Qwen3NextSparseMoeBlock", router="softmax top-k (norm_topk_prob)",
+              **_QWEN_SHARED),
+        _spec("qwen3_vl_moe", "Qwen3VLMoeTextSparseMoeBlock", text=True,
+              router="softmax top-k, renormalised"),
+        _spec("mixtral", "MixtralSparseMoeBlock", router="softmax top-k, renormalised"),
+        _spec("minimax", "MiniMaxSparseMoeBlock", router="softmax top-k, renormalised"),
+        _spec("minimax_m2", "MiniMaxM2SparseMoeBlock", router="sigmoid top-k, bias"),
+        _spec("phimoe", "PhimoeSparseMoeBlock", router_attr="router", router="sparsemixer top-2"),
+        _spec("olmoe", "OlmoeSparseMoeBlock"),
+        _spec("flex_olmo", "FlexOlmoSparseMoeBlock"),
+        _spec("deepseek_v2", "DeepseekV2Moe", router="softmax (group-limited) top-k, scaling",
+              **_SHARED),
+        _spec("deepseek_v3", "DeepseekV3MoE", router=_GROUPED, **_SHARED),
+        _spec("deepseek_v32", "DeepseekV32MoE", router=_GROUPED, **_SHARED),
+        _spec("glm4_moe", "Glm4MoeMoE", router=_GROUPED, **_SHARED),
+        _spec("glm4_moe_lite", "Glm4MoeLiteMoE", router=_GROUPED, **_SHARED),
+        _spec("glm4v_moe", "Glm4vMoeTextMoE", text=True, router=_GROUPED, **_SHARED),
+        _spec("dots1", "Dots1MoE", router=_GROUPED, **_SHARED),
+        _spec("exaone_moe", "ExaoneMoeSparseMoEBlock", router=_GROUPED, **_SHARED),
+        _spec("solar_open", "SolarOpenMoE", router=_GROUPED, **_SHARED),
+        _spec("mimo_v2_flash", "MiMoV2FlashMoE", router=_GROUPED),
+        _spec("hy_v3", "HYV3MoE", router="sigmoid top-k, bias", **_SHARED),
+        _spec("laguna", "LagunaSparseMoeBlock", router="sigmoid top-k, bias", **_SHARED),
+        _spec("afmoe", "AfmoeSparseMoeBlock", router_attr="router", router_param="gate.weight",
+              router="sigmoid top-k, bias", **_SHARED),
+        _spec("ernie4_5_moe", "Ernie4_5_MoeSparseMoeBlock", router="softmax top-k, bias",
+              **_SHARED),
+        _spec("hunyuan_v1_moe", "HunYuanMoEV1Moe", router_param="wg.weight",
+              shared_expert_attrs=("shared_mlp",), router="softmax top-k, renormalised"),
+        _spec("granitemoe", "GraniteMoeMoE", router_attr="router", router="top-k logits, softmax"),
+        _spec("granitemoeshared", "GraniteMoeSharedMoE", router_attr="router",
+              router="top-k logits, softmax"),
+        _spec("granitemoe_swa", "GraniteMoeSWAMoE", router_attr="router",
+              router="top-k logits, softmax"),
+        _spec("cohere2_moe", "Cohere2MoeSparseMoeBlock", **_SHARED),
+        _spec("mellum", "MellumSparseMoeBlock"),
+        _spec("kolibri1", "Kolibri1SparseMoeBlock", **_SHARED),
+        _spec("lfm2_moe", "Lfm2MoeSparseMoeBlock", router="sigmoid top-k, bias"),
     )
+}
+
+# Families transformers ships whose experts kt-kernel cannot compute (yet): refused by name.
+UNSUPPORTED_FAMILIES: dict[str, str] = {
+    "gpt_oss": "clamped SwiGLU (alpha, limit) with gate_up/down biases, experts stored "
+    "transposed [E, H, 2I] with gate/up interleaved; kt-kernel's ExpertSpec has no "
+    "clamped_swiglu activation or expert biases yet",
+    "openai_privacy_filter": "GPT-OSS experts (clamped SwiGLU with biases, [E, H, 2I]); "
+    "kt-kernel has no clamped_swiglu activation or expert biases yet",
+    "gemma4": "gated GELU-tanh experts; kt-kernel has no gelu_tanh_gated activation yet",
+    "diffusion_gemma": "gated GELU-tanh experts; kt-kernel has no gelu_tanh_gated activation yet",
+    "deepseek_v4": "SwiGLU clamped at swiglu_limit; kt-kernel has no swiglu_limit activation yet",
+    "glm5_next": "SwiGLU clamped at swiglu_limit; kt-kernel has no swiglu_limit activation yet",
+    "hy_v4": "SwiGLU clamped at swiglu_limit; kt-kernel has no swiglu_limit activation yet",
+    "hy_v4_vl": "SwiGLU clamped at swiglu_limit; kt-kernel has no swiglu_limit activation yet",
+    "step3p7": "SwiGLU clamped after the activation; kt-kernel has no such activation",
+    "minimax_m3_vl": "clamped SwiGLU (alpha, limit); kt-kernel has no clamped_swiglu yet",
+    "llama4": "Llama 4 multiplies the *input* of its top-1 expert by the sigmoid routing "
+    "weight (expert(w * x), not w * expert(x)) and stores experts transposed [E, H, 2I]; "
+    "kt-kernel applies routing weights to expert outputs",
+    "aria": "experts stored transposed ([E, H, 2I] and [E, I, H]); kt-kernel's layout is "
+    "[E, 2I, H] / [E, H, I]",
+    "longcat_flash": "routes tokens to zero (identity) experts beside the SwiGLU experts; "
+    "kt-kernel computes SwiGLU experts only",
+    "muse_spark": "applies an RMSNorm inside every expert after down_proj; kt-kernel has no "
+    "per-expert output norm",
+    "inkling": "soft-capped SwiGLU experts; kt-kernel has no such activation",
+    "inkling2": "soft-capped SwiGLU experts; kt-kernel has no such activation",
+    "inkling2_loop": "soft-capped SwiGLU experts; kt-kernel has no such activation",
+    "beam": "custom gated activation in the experts; kt-kernel computes SwiGLU only",
 }
 
 
@@ -154,6 +214,11 @@ def find_architecture(model: nn.Module) -> MoEArchitecture:
         UnsupportedModelError: no spec matches; the message lists the supported families.
     """
     model_type = _model_type(model)
+    if model_type in UNSUPPORTED_FAMILIES:
+        raise UnsupportedModelError(
+            f"model_type={model_type!r} is not supported by moe-experts: "
+            f"{UNSUPPORTED_FAMILIES[model_type]}"
+        )
     for spec in ARCHITECTURES.values():
         if model_type in spec.model_types:
             return spec

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 __all__ = [
     "AdaptError",
+    "GradientCheckError",
     "LoadError",
     "PlaceholderAccessError",
+    "SelfCheckError",
     "UnsupportedModelError",
     "WrapError",
 ]
@@ -17,6 +19,14 @@ class UnsupportedModelError(ValueError):
 
 class WrapError(ValueError):
     """A model cannot be wrapped (bad argument, unexpected expert shapes or activation)."""
+
+
+class SelfCheckError(WrapError):
+    """``wrap``'s self-check found the kernel disagreeing with the original experts module."""
+
+
+class GradientCheckError(RuntimeError):
+    """Trainable parameters received no gradient, a non-finite one, or an all-zero one."""
 
 
 class AdaptError(ValueError):

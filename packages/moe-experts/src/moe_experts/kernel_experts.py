@@ -18,6 +18,7 @@ from torch import nn
 
 import kt_kernel
 from moe_experts import peft_mapping
+from moe_experts.lora_experts import LoraExperts
 from moe_experts.placeholders import make_placeholder
 
 __all__ = ["KernelExperts", "Policy"]
@@ -89,6 +90,9 @@ class KernelExperts(nn.Module):
         )
         self.register_parameter(down_name, make_placeholder(down_like, f"{label}.{down_name}"))
         self.lora: kt_kernel.LoraBuffers | None = None
+        # Extra dense "LoRA experts" (moe_experts.adapt(lora_experts=N)), child module
+        # ``lora_experts``; their mean output is added to the routed experts' output.
+        self.lora_experts: LoraExperts | None = None
         self._peft: _PeftAdoption | None = None
 
     @property
@@ -145,6 +149,8 @@ class KernelExperts(nn.Module):
             y = kt_kernel.moe_experts_forward(
                 x, ids, w, self.expert_weights, lora, policy=self.policy
             )
+        if use_lora and self.lora_experts is not None:
+            return y.to(hidden.dtype) + self.lora_experts(hidden)
         return y.to(hidden.dtype)
 
     def forward(

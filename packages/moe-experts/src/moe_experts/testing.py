@@ -1,20 +1,20 @@
 """Tiny, locally built configs of every supported family, for tests, demos and benchmarks.
 
 Nothing is downloaded: each config is constructed in code with random-initialised weights.
+One row of :data:`TINY_CONFIGS` per family of :data:`moe_experts.ARCHITECTURES`; the shared
+parametrised test suite runs every row.
 """
 
 from __future__ import annotations
 
 from typing import Any
 
-from transformers import PretrainedConfig
+from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 
 from moe_experts.architectures import ARCHITECTURES
 from moe_experts.errors import UnsupportedModelError
 
-__all__ = ["TINY_FAMILIES", "tiny_config"]
-
-TINY_FAMILIES: tuple[str, ...] = tuple(ARCHITECTURES)
+__all__ = ["TINY_CONFIGS", "TINY_FAMILIES", "tiny_config", "tiny_model"]
 
 _COMMON: dict[str, Any] = {
     "vocab_size": 96,
@@ -22,6 +22,7 @@ _COMMON: dict[str, Any] = {
     "num_hidden_layers": 2,
     "num_attention_heads": 4,
     "num_key_value_heads": 2,
+    "head_dim": 8,
     "max_position_embeddings": 64,
     "num_experts_per_tok": 2,
     "hidden_act": "silu",
@@ -29,55 +30,136 @@ _COMMON: dict[str, Any] = {
     # implementations never flip a routing choice and comparisons stay meaningful.
     "initializer_range": 0.2,
     "tie_word_embeddings": False,
+    # Several families default these ids far outside a 96-token vocabulary.
+    "pad_token_id": 1,
+    "bos_token_id": 0,
+    "eos_token_id": 1,
+}
+# Multi-head latent attention (DeepSeek-V2/V3 style) at the smallest legal sizes.
+_MLA: dict[str, Any] = {
+    "q_lora_rank": 16, "kv_lora_rank": 16, "qk_rope_head_dim": 4, "qk_nope_head_dim": 4,
+    "v_head_dim": 8, "num_key_value_heads": 4, "head_dim": 4,
+}
+# Grouped sigmoid routing with one leading dense layer (DeepSeek-V3, GLM-4.5, dots1 style).
+_GROUPED: dict[str, Any] = {
+    "intermediate_size": 48, "moe_intermediate_size": 16, "n_routed_experts": 8,
+    "num_local_experts": 8, "n_shared_experts": 1, "n_group": 2, "topk_group": 1,
+    "first_k_dense_replace": 1, "num_hidden_layers": 3, "routed_scaling_factor": 2.5,
+}
+_QWEN_LINEAR: dict[str, Any] = {
+    # One linear-attention (gated delta net) and one full-attention layer.
+    "layer_types": ["linear_attention", "full_attention"], "linear_conv_kernel_dim": 2,
+    "linear_key_head_dim": 8, "linear_value_head_dim": 8, "linear_num_key_heads": 2,
+    "linear_num_value_heads": 4, "intermediate_size": 64, "moe_intermediate_size": 16,
+    "num_experts": 8, "shared_expert_intermediate_size": 24, "norm_topk_prob": True,
+}
+
+# family -> (model_type to build, config fields). A ``text_config`` field builds the
+# multimodal model with that text config and a minimal vision tower (text-only batches).
+TINY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
+    "qwen3_moe": ("qwen3_moe", {"intermediate_size": 64, "moe_intermediate_size": 16,
+                                "num_experts": 8, "norm_topk_prob": True}),
+    "qwen2_moe": ("qwen2_moe", {"intermediate_size": 64, "moe_intermediate_size": 16,
+                                "num_experts": 4, "shared_expert_intermediate_size": 24,
+                                "norm_topk_prob": False}),
+    "qwen3_5_moe": ("qwen3_5_moe_text", _QWEN_LINEAR),
+    "qwen3_next": ("qwen3_next", _QWEN_LINEAR),
+    "qwen3_vl_moe": ("qwen3_vl_moe", {
+        "intermediate_size": 64, "moe_intermediate_size": 16, "num_experts": 8,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                            "mrope_section": [1, 1, 2]},
+        "vision_config": {"depth": 1, "hidden_size": 16, "intermediate_size": 16,
+                          "num_heads": 2, "out_hidden_size": 32,
+                          "deepstack_visual_indexes": []}}),
+    "mixtral": ("mixtral", {"intermediate_size": 16, "num_local_experts": 4}),
+    "minimax": ("minimax", {"intermediate_size": 16, "num_local_experts": 4}),
+    "minimax_m2": ("minimax_m2", {"intermediate_size": 16, "num_local_experts": 4}),
+    "phimoe": ("phimoe", {"intermediate_size": 16, "num_local_experts": 4}),
+    "olmoe": ("olmoe", {"intermediate_size": 16, "num_experts": 8, "norm_topk_prob": False}),
+    "flex_olmo": ("flex_olmo", {"intermediate_size": 16, "num_experts": 4}),
+    "deepseek_v2": ("deepseek_v2", {**_GROUPED, **_MLA, "head_dim": None, "n_group": None,
+                                    "topk_group": None, "topk_method": "greedy",
+                                    "routed_scaling_factor": 1.0}),
+    "deepseek_v3": ("deepseek_v3", {**_GROUPED, **_MLA, "head_dim": None,
+                                    "rope_interleave": True}),
+    "deepseek_v32": ("deepseek_v32", {**_GROUPED, **_MLA, "head_dim": None}),
+    "glm4_moe": ("glm4_moe", _GROUPED),
+    "glm4_moe_lite": ("glm4_moe_lite", {**_GROUPED, **_MLA}),
+    "glm4v_moe": ("glm4v_moe", {
+        **_GROUPED, "head_dim": 16,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0,
+                            "mrope_section": [1, 1, 2], "partial_rotary_factor": 0.5},
+        "vision_config": {"depth": 1, "hidden_size": 16, "intermediate_size": 16,
+                          "num_heads": 2, "out_hidden_size": 32}}),
+    "dots1": ("dots1", _GROUPED),
+    "exaone_moe": ("exaone_moe", {**_GROUPED, "num_experts": 8}),
+    "solar_open": ("solar_open", _GROUPED),
+    "mimo_v2_flash": ("mimo_v2_flash", _GROUPED),
+    "hy_v3": ("hy_v3", _GROUPED),
+    "laguna": ("laguna", {**_GROUPED, "num_experts": 8}),
+    "afmoe": ("afmoe", {**_GROUPED, "num_experts": 8}),
+    "ernie4_5_moe": ("ernie4_5_moe", {"intermediate_size": 48, "moe_intermediate_size": 16,
+                                      "num_experts": 8, "moe_num_shared_experts": 1}),
+    "hunyuan_v1_moe": ("hunyuan_v1_moe", {"intermediate_size": 16, "num_experts": 4,
+                                          "moe_topk": 2}),
+    "granitemoe": ("granitemoe", {"intermediate_size": 16, "num_local_experts": 4}),
+    "granitemoeshared": ("granitemoeshared", {"intermediate_size": 16, "num_local_experts": 4,
+                                              "shared_intermediate_size": 24}),
+    "granitemoe_swa": ("granitemoe_swa", {"intermediate_size": 16, "num_local_experts": 4}),
+    "cohere2_moe": ("cohere2_moe", {"intermediate_size": 16, "num_experts": 4,
+                                    "num_shared_experts": 1}),
+    "mellum": ("mellum", {"intermediate_size": 16, "moe_intermediate_size": 16,
+                          "num_experts": 4}),
+    "kolibri1": ("kolibri1", {"intermediate_size": 16, "moe_intermediate_size": 16,
+                              "num_experts": 4}),
+    "lfm2_moe": ("lfm2_moe", {"intermediate_size": 48, "moe_intermediate_size": 16,
+                              "num_experts": 4, "layer_types": ["conv", "full_attention"],
+                              "num_dense_layers": 0}),
 }
 
 
 def tiny_config(family: str, **overrides: Any) -> PretrainedConfig:
-    """Return a tiny config (H=32, 2 layers, 4-8 experts) of ``family``.
+    """Return a tiny config (H=32, 2-3 layers, 4-8 experts) of ``family``.
 
     Args:
         family: a key of :data:`moe_experts.ARCHITECTURES`.
-        **overrides: config fields to change (e.g. ``hidden_size=1024``).
+        **overrides: config fields to change (e.g. ``hidden_size=1024``); for multimodal
+            families they apply to the text config.
 
     Returns:
-        A transformers config ready for ``AutoModelForCausalLM.from_config``.
+        A transformers config ready for :func:`tiny_model` (or ``AutoModelForCausalLM``
+        for text-only families).
 
     Raises:
         UnsupportedModelError: unknown ``family``.
     """
-    if family == "qwen3_moe":
-        from transformers import Qwen3MoeConfig
+    if family not in TINY_CONFIGS:
+        raise UnsupportedModelError(
+            f"tiny_config has no family {family!r}; choose one of {list(TINY_FAMILIES)}"
+        )
+    model_type, fields = TINY_CONFIGS[family]
+    kw = {k: v for k, v in {**_COMMON, **fields, **overrides}.items() if v is not None}
+    if "vision_config" in kw:
+        text = {k: v for k, v in kw.items() if k not in ("vision_config", "top")}
+        top = dict(kw.get("top", {}))
+        return AutoConfig.for_model(
+            model_type, text_config=text, vision_config=kw["vision_config"], **top
+        )
+    return AutoConfig.for_model(model_type, **kw)
 
-        kw = {**_COMMON, "head_dim": 8, "intermediate_size": 64, "moe_intermediate_size": 16,
-              "num_experts": 8, "norm_topk_prob": True}
-        return Qwen3MoeConfig(**{**kw, **overrides})
-    if family == "qwen2_moe":
-        from transformers import Qwen2MoeConfig
 
-        kw = {**_COMMON, "intermediate_size": 64, "moe_intermediate_size": 16, "num_experts": 4,
-              "shared_expert_intermediate_size": 24, "norm_topk_prob": False}
-        return Qwen2MoeConfig(**{**kw, **overrides})
-    if family == "mixtral":
-        from transformers import MixtralConfig
+def tiny_model(family: str, **overrides: Any) -> PreTrainedModel:
+    """Build a randomly initialised tiny model of ``family`` with a language-model head.
 
-        kw = {**_COMMON, "head_dim": 8, "intermediate_size": 16, "num_local_experts": 4}
-        return MixtralConfig(**{**kw, **overrides})
-    if family == "deepseek_v3":
-        from transformers import DeepseekV3Config
+    Raises:
+        UnsupportedModelError: unknown ``family``.
+    """
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
 
-        kw = {**_COMMON, "intermediate_size": 48, "moe_intermediate_size": 16,
-              "n_routed_experts": 8, "n_shared_experts": 1, "n_group": 2, "topk_group": 1,
-              "first_k_dense_replace": 1, "num_hidden_layers": 3, "q_lora_rank": 16,
-              "kv_lora_rank": 16, "qk_rope_head_dim": 4, "qk_nope_head_dim": 4,
-              "v_head_dim": 8, "num_key_value_heads": 4, "routed_scaling_factor": 2.5,
-              "rope_interleave": True}
-        return DeepseekV3Config(**{**kw, **overrides})
-    if family == "olmoe":
-        from transformers import OlmoeConfig
+    config = tiny_config(family, **overrides)
+    if hasattr(config, "vision_config"):
+        return AutoModelForImageTextToText.from_config(config)
+    return AutoModelForCausalLM.from_config(config)
 
-        kw = {**_COMMON, "intermediate_size": 16, "num_experts": 8, "norm_topk_prob": False,
-              "eos_token_id": 1, "pad_token_id": 1}
-        return OlmoeConfig(**{**kw, **overrides})
-    raise UnsupportedModelError(
-        f"tiny_config has no family {family!r}; choose one of {list(TINY_FAMILIES)}"
-    )
+
+TINY_FAMILIES: tuple[str, ...] = tuple(ARCHITECTURES)

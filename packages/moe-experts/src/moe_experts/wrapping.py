@@ -11,7 +11,6 @@ from torch import nn
 import kt_kernel
 from moe_experts import peft_mapping
 from moe_experts.architectures import (
-    MoEArchitecture,
     MoEBlockSite,
     find_architecture,
     iter_moe_blocks,
@@ -20,6 +19,8 @@ from moe_experts.errors import WrapError
 from moe_experts.kernel_experts import KernelExperts, Policy, _KernelCall, _PeftAdoption
 from moe_experts.memory import release_file_views, trim_host_heap
 from moe_experts.placeholders import named_placeholders
+from moe_experts.self_check import BlockCheck, expert_activation
+from moe_experts.self_check import self_check as self_check_block
 
 __all__ = ["WeightDType", "WrapReport", "experts_sites", "wrap"]
 
@@ -52,6 +53,8 @@ class WrapReport:
         adopted_peft: experts modules whose PEFT ``target_parameters`` LoRA was adopted.
         quantization: for ``weight_dtype="int8"``, ``(experts module, report)`` per wrapped
             block: each projection's max abs and relative Frobenius quantisation error.
+        self_checks: the wrap-time comparison of kernel and original module per wrapped
+            block (empty with ``self_check=False``).
     """
 
     family: str
@@ -63,6 +66,7 @@ class WrapReport:
     weight_dtype: str
     adopted_peft: tuple[str, ...] = ()
     quantization: tuple[tuple[str, kt_kernel.QuantizationReport], ...] = ()
+    self_checks: tuple[BlockCheck, ...] = ()
 
 
 def _peft_param_wrapper_type() -> type[nn.Module] | None:
@@ -98,17 +102,8 @@ def experts_sites(model: nn.Module) -> list[tuple[MoEBlockSite, KernelExperts]]:
     return out
 
 
-def _check_activation(model: nn.Module, arch: MoEArchitecture) -> None:
-    act = getattr(getattr(model, "config", None), "hidden_act", "silu")
-    if act != "silu":
-        raise WrapError(
-            f"{arch.family} model has hidden_act={act!r}; kt-kernel implements SwiGLU experts "
-            "only (hidden_act='silu')"
-        )
-
-
 def _expert_spec(
-    site: MoEBlockSite, gate_up: torch.Tensor, down: torch.Tensor
+    site: MoEBlockSite, base: nn.Module, gate_up: torch.Tensor, down: torch.Tensor
 ) -> kt_kernel.ExpertSpec:
     arch = site.arch
     if gate_up.dim() != 3 or down.dim() != 3:
@@ -122,7 +117,12 @@ def _expert_spec(
             f"{site.experts_name}: gate_up_proj {list(gate_up.shape)} and down_proj "
             f"{list(down.shape)} are not [E, 2I, H] and [E, H, I] for the same E, I, H"
         )
-    return kt_kernel.ExpertSpec(num_experts=e, hidden_size=h, intermediate_size=two_i // 2)
+    return kt_kernel.ExpertSpec(
+        num_experts=e,
+        hidden_size=h,
+        intermediate_size=two_i // 2,
+        activation=expert_activation(base, site.experts_name),
+    )
 
 
 def _adopt(
@@ -190,7 +190,11 @@ def _adopt(
 
 
 def wrap(
-    model: nn.Module, *, weight_dtype: WeightDType = "bf16", policy: Policy = "save"
+    model: nn.Module,
+    *,
+    weight_dtype: WeightDType = "bf16",
+    policy: Policy = "save",
+    self_check: bool = True,
 ) -> WrapReport:
     """Run every MoE block's routed experts on kt-kernel, in place.
 
@@ -210,20 +214,26 @@ def wrap(
             0.50x); activations are cast to the compute dtype inside the experts and the
             output is cast back.
         policy: kt-kernel activation policy, ``"save"`` or ``"recompute"``.
+        self_check: run each block's original experts module and the kernel on the same
+            8 random tokens before the original weights are freed and refuse a disagreement
+            (``SelfCheckError`` naming the block and the error). Turn it off only for a model
+            verified another way; it costs one small forward per block.
 
     Returns:
         A :class:`WrapReport`, including how many bytes left the module tree.
 
     Raises:
         UnsupportedModelError: the model is not a supported family (lists the supported).
-        WrapError: bad ``weight_dtype``/``policy``, unexpected expert shapes or activation.
+        WrapError: bad ``weight_dtype``/``policy``, unexpected expert shapes, or an
+            activation kt-kernel does not implement (read from the experts module).
+        SelfCheckError: the kernel disagrees with the original experts module.
     """
     if weight_dtype not in _DTYPES:
         raise WrapError(f"weight_dtype must be one of {sorted(_DTYPES)}, got {weight_dtype!r}")
     if policy not in ("save", "recompute"):
         raise WrapError(f"policy must be 'save' or 'recompute', got {policy!r}")
     arch = find_architecture(model)
-    _check_activation(model, arch)
+    checks: list[BlockCheck] = []
     wrapped: list[str] = []
     already: list[str] = []
     adopted: list[str] = []
@@ -243,7 +253,7 @@ def wrap(
                 f"{arch.gate_up_param!r} and {arch.down_param!r}; per-expert nn.Linear experts "
                 "(transformers 4.x) are not supported by this spec"
             )
-        spec = _expert_spec(site, gate_up, down)
+        spec = _expert_spec(site, base, gate_up, down)
         weights = kt_kernel.ExpertWeights.from_fused(
             spec,
             gate_up,
@@ -262,6 +272,9 @@ def wrap(
             label=site.experts_name,
             policy=policy,
         )
+        if self_check:
+            # Before this block is replaced: a refused block keeps its original module.
+            checks.append(self_check_block(site.experts_name, base, kernel, weight_dtype))
         moved += gate_up.nbytes + down.nbytes
         kernel_bytes += weights.nbytes
         if wrappers:
@@ -291,4 +304,5 @@ def wrap(
         weight_dtype=weight_dtype,
         adopted_peft=tuple(adopted),
         quantization=tuple(reports),
+        self_checks=tuple(checks),
     )

@@ -68,6 +68,9 @@ class FinetuneArgs:
     batch_size: int = 8  # global per optimizer step, across ranks and accumulation
     grad_accum: int = 1  # micro-batches per optimizer step (memory, not the batch's size)
     max_grad_norm: float = 1.0
+    # After the first backward a trainable parameter without a finite, non-zero gradient stops
+    # the run (silently untrained experts or routers are the commonest MoE-LoRA failure).
+    warn_missing_gradients: bool = False
     seed: int = 0
     eval_every: int | None = None  # None: evaluate at the end only (when there is eval data)
     output: Path = Path("finetune-output")
@@ -151,6 +154,10 @@ OPTIONS: tuple[Option, ...] = (
            check=_at_least(1), aliases=("--gradient-accumulation-steps",)),
     Option("max_grad_norm", "--max-grad-norm", "training", "max_grad_norm", float,
            "clip the global gradient norm to this", check=_positive),
+    Option("warn_missing_gradients", "--warn-missing-gradients", "training",
+           "warn_missing_gradients", bool,
+           "only warn (instead of stopping) when a trainable parameter gets no finite, "
+           "non-zero gradient in the first step"),
     Option("seed", "--seed", "training", "seed", int, "data order and LoRA initialisation"),
     Option("eval_every", "--eval-every", "training", "eval_every", int,
            "evaluate every N steps (and at the end)", check=_at_least(1), nullable=True,

@@ -175,6 +175,16 @@ def _diverged(job: TrainingJob, step: int, loss: float, norm: float, lr: float) 
     )
 
 
+def _check_coverage(job: TrainingJob) -> None:
+    """Stop (or warn) when a trainable parameter got no finite, non-zero first gradient."""
+    import moe_experts
+
+    try:
+        moe_experts.check_gradients(job.result, warn_only=job.args.warn_missing_gradients)
+    except moe_experts.GradientCheckError as exc:
+        raise FinetuneError(f"{exc}\n(--warn-missing-gradients makes this a warning)") from exc
+
+
 def _step(job: TrainingJob, step: int, params: list[nn.Parameter]) -> tuple[float, float, float]:
     from lora_core.fsdp import sync_replicated_lora_gradients
 
@@ -196,6 +206,8 @@ def _step(job: TrainingJob, step: int, params: list[nn.Parameter]) -> tuple[floa
         (part * scale).backward()
         loss_sum += part.detach().double()
     sync_replicated_lora_gradients(job.result)
+    if step == job.first_step:
+        _check_coverage(job)
     if ranks.world > 1:
         dist.all_reduce(loss_sum)
     loss = float(loss_sum / max(targets, 1))

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import random
+import sys
 from dataclasses import replace
 from typing import Any
 
@@ -112,6 +113,8 @@ def run_finetune(args: FinetuneArgs, stop: StopRequest | None = None) -> Finetun
     loaded = _load_on_ranks(args.model, ranks)
     torch.manual_seed(args.seed)
     result = moe_experts.adapt_model(loaded.model, lora, weight_dtype=args.weight_dtype)
+    if ranks.rank == 0:
+        print(moe_experts.coverage_summary(loaded.model, result), file=sys.stderr)
     if ranks.world > 1:
         shard_dense(loaded.model, _expert_parameters(loaded.model))
         result = rebind_parameters(result, loaded.model)  # fully_shard made new Parameters

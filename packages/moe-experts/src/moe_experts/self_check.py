@@ -1,0 +1,200 @@
+"""What the experts module computes, read from the module, and proof that the kernel agrees.
+
+:func:`expert_activation` maps a transformers experts module to a kt-kernel activation from
+the module's own ``act_fn`` and clamp attributes (never from a config key name, which families
+spell differently). :func:`self_check` then runs the original module and the kernel on the same
+small random batch before :func:`moe_experts.wrap` frees the original weights, so a wrong
+activation, clamp, layout or bias fails loudly instead of training a different model.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+import kt_kernel
+from moe_experts.errors import SelfCheckError, WrapError
+
+__all__ = ["SELF_CHECK_TOLERANCE", "BlockCheck", "expert_activation", "self_check"]
+
+# Largest accepted max|kernel - original| / max|original| per kernel compute dtype. The
+# original always runs on its own weights; bf16/int8 storage adds rounding of the weights
+# (about 2^-9 relative per weight in bf16, ~1% per channel in int8), while a swapped gate/up,
+# a wrong activation or a missed clamp gives errors of order one.
+SELF_CHECK_TOLERANCE: dict[torch.dtype, float] = {
+    torch.float32: 1e-4,
+    torch.float64: 1e-9,
+    torch.bfloat16: 5e-2,
+}
+_INT8_TOLERANCE = 1e-1
+_CLAMP_ATTRS = ("limit", "swiglu_limit")
+_ALPHA_ATTRS = ("alpha", "swiglu_alpha")
+_TOKENS = 8
+
+
+@dataclass(frozen=True)
+class BlockCheck:
+    """One MoE block's wrap-time comparison of the kernel with the original experts module.
+
+    Attributes:
+        experts: fully-qualified experts module name.
+        max_abs_error: ``max |kernel - original|`` over the check batch.
+        relative_error: ``max_abs_error / max |original|``.
+        tolerance: the accepted ``relative_error`` for this storage dtype.
+    """
+
+    experts: str
+    max_abs_error: float
+    relative_error: float
+    tolerance: float
+
+
+def _attr(module: nn.Module, names: tuple[str, ...]) -> tuple[str, float] | None:
+    for name in names:
+        value = getattr(module, name, None)
+        if isinstance(value, int | float) and not isinstance(value, bool):
+            return name, float(value)
+    return None
+
+
+def _is_silu(act: object) -> bool:
+    from transformers.activations import SiLUActivation
+
+    return act is F.silu or isinstance(act, nn.SiLU | SiLUActivation)
+
+
+def _is_gelu_tanh(act: object) -> bool:
+    from transformers.activations import GELUTanh, NewGELUActivation
+
+    return isinstance(act, GELUTanh | NewGELUActivation) or (
+        isinstance(act, nn.GELU) and act.approximate == "tanh"
+    )
+
+
+def _custom_gate(experts: nn.Module) -> bool:
+    """True when the class overrides transformers' default ``act_fn(gate) * up`` gate."""
+    from transformers.integrations.moe import _default_apply_gate
+
+    gate = getattr(type(experts), "_apply_gate", None)
+    return gate is not None and gate is not _default_apply_gate
+
+
+# Layout flags that transformers' ``use_experts_implementation`` sets on an experts module,
+# with the value kt-kernel's fused [E, 2I, H] / [E, H, I] layout needs.
+_LAYOUT_FLAGS = {
+    "is_transposed": (False, "experts stored transposed ([E, H, 2I])"),
+    "is_concatenated": (True, "gate and up interleaved instead of concatenated"),
+    "has_bias": (False, "expert biases"),
+    "has_gate": (True, "no gate projection (plain MLP experts)"),
+    "has_post_expert_norm": (False, "a norm after each expert"),
+}
+
+
+def _check_layout(experts: nn.Module, label: str) -> None:
+    for flag, (needed, what) in _LAYOUT_FLAGS.items():
+        value = getattr(experts, flag, needed)
+        if value != needed:
+            raise WrapError(
+                f"{label} ({type(experts).__name__}) has {flag}={value} ({what}); kt-kernel's "
+                "expert layout is gate_up_proj [E, 2I, H] (gate rows first) and down_proj "
+                "[E, H, I] without biases"
+            )
+
+
+def expert_activation(experts: nn.Module, label: str) -> kt_kernel.Activation:
+    """The kt-kernel activation that ``experts`` computes, read from the module itself.
+
+    A module with its own ``_apply_gate`` (transformers' hook for clamped gates) maps to
+    :class:`kt_kernel.SwiGLULimit` (a ``limit``/``swiglu_limit`` attribute) or
+    :class:`kt_kernel.ClampedSwiGLU` (also an ``alpha``/``swiglu_alpha``); otherwise ``act_fn``
+    decides: SiLU -> :class:`kt_kernel.SwiGLU`, tanh-GELU -> :class:`kt_kernel.GeluTanhGated`.
+    :func:`self_check` then proves the choice on real numbers.
+
+    Args:
+        experts: the transformers experts module (unwrapped from PEFT).
+        label: its qualified name, for messages.
+
+    Returns:
+        The activation object for :class:`kt_kernel.ExpertSpec`.
+
+    Raises:
+        WrapError: an activation kt-kernel does not implement; names the module and its
+            ``act_fn``.
+    """
+    kind = type(experts).__name__
+    _check_layout(experts, label)
+    clamp = _attr(experts, _CLAMP_ATTRS)
+    if _custom_gate(experts) or clamp is not None:
+        alpha = _attr(experts, _ALPHA_ATTRS)
+        if clamp is None or not math.isfinite(clamp[1]) or clamp[1] <= 0:
+            raise WrapError(
+                f"{label} ({kind}) computes its own gate (_apply_gate) without a finite "
+                f"{'/'.join(_CLAMP_ATTRS)} attribute; kt-kernel cannot tell which activation "
+                "that is. Add the family to moe_experts.UNSUPPORTED_FAMILIES or teach "
+                "moe_experts.self_check.expert_activation its formula"
+            )
+        if alpha is not None:
+            return kt_kernel.ClampedSwiGLU(alpha=alpha[1], limit=clamp[1])
+        return kt_kernel.SwiGLULimit(limit=clamp[1])
+    act = getattr(experts, "act_fn", None)
+    if _is_silu(act):
+        return kt_kernel.SwiGLU()
+    if _is_gelu_tanh(act):
+        return kt_kernel.GeluTanhGated()
+    raise WrapError(
+        f"{label} ({kind}) has act_fn={act!r}; kt-kernel computes gated experts with SiLU "
+        "(SwiGLU), tanh-GELU, or clamped SwiGLU only"
+    )
+
+
+def self_check(
+    label: str, original: nn.Module, kernel: nn.Module, weight_dtype: str, *, seed: int = 0
+) -> BlockCheck:
+    """Run ``original`` and ``kernel`` on the same random batch; refuse a disagreement.
+
+    Args:
+        label: the experts module's qualified name.
+        original: the transformers experts module, weights still in place.
+        kernel: the :class:`~moe_experts.KernelExperts` built from those weights (no LoRA).
+        weight_dtype: kernel storage name (``"fp32"``, ``"bf16"``, ``"int8"``).
+        seed: seed of the check batch (8 tokens, top-k of ``min(E, 4)`` distinct experts).
+
+    Returns:
+        The :class:`BlockCheck` measured.
+
+    Raises:
+        SelfCheckError: the relative error exceeds :data:`SELF_CHECK_TOLERANCE`; names the
+            block, the error and the tolerance.
+    """
+    spec: kt_kernel.ExpertSpec = kernel.spec
+    ref = next(p for p in original.parameters() if p.dim() == 3)
+    gen = torch.Generator().manual_seed(seed)
+    e, h = spec.num_experts, spec.hidden_size
+    k = min(e, 4)
+    x = torch.randn(_TOKENS, h, generator=gen)
+    ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(_TOKENS)])
+    w = torch.softmax(torch.randn(_TOKENS, k, generator=gen), dim=-1)
+    with torch.no_grad():
+        dev = ref.device
+        want = original(x.to(dev, ref.dtype), ids.to(dev), w.to(dev, ref.dtype))
+        got = kernel(x.to(ref.dtype), ids, w.to(ref.dtype))
+    want = want.detach().float().cpu()
+    err = (got.float() - want).abs().max().item()
+    rel = err / max(want.abs().max().item(), 1e-12)
+    compute = kernel.expert_weights.dtype
+    tol = _INT8_TOLERANCE if weight_dtype == "int8" else SELF_CHECK_TOLERANCE.get(compute, 5e-2)
+    check = BlockCheck(experts=label, max_abs_error=err, relative_error=rel, tolerance=tol)
+    if not rel <= tol:  # also refuses NaN
+        raise SelfCheckError(
+            f"wrap self-check failed for {label} ({type(original).__name__}): kt-kernel "
+            f"({spec.activation}, {weight_dtype}) differs from the original experts module by "
+            f"max abs {err:.3e}, relative {rel:.3e} > tolerance {tol:.1e}. The family's spec "
+            "(gate/up order, activation, clamp, biases, layout) does not match what the module "
+            "computes; fix its MoEArchitecture, or pass self_check=False to wrap only if you "
+            "have verified the model another way"
+        )
+    return check

@@ -1,0 +1,102 @@
+"""Coverage report and gradient check, with one block's experts excluded on purpose."""
+
+import pytest
+import torch
+
+from lora_core import LoraConfig
+from moe_experts import (
+    GradientCheckError,
+    adapt_model,
+    check_gradients,
+    coverage_report,
+    coverage_summary,
+    router_targets,
+)
+
+from .conftest import token_batch
+
+
+def _adapted(fresh, family: str, exclude: list[str]):
+    model = fresh(family)
+    dense = ["shared_expert_gate", "gate_proj"] if family == "qwen2_moe" else ["q_proj"]
+    cfg = LoraConfig(enable=True, rank=2, init_seed=3, exclude_modules=exclude,
+                     target_modules=dense,
+                     target_parameters=list(router_targets(model)))
+    return model, adapt_model(model, cfg, weight_dtype="fp32")
+
+
+def test_full_coverage_is_reported(fresh) -> None:
+    model, result = _adapted(fresh, "qwen2_moe", [])
+    report = coverage_report(model, result)
+    assert report.family == "qwen2_moe"
+    assert [b.block for b in report.blocks] == ["model.layers.0.mlp", "model.layers.1.mlp"]
+    for b in report.blocks:
+        assert b.routed_experts == ("down_proj", "gate_up_proj")
+        assert b.on_kernel
+        assert b.router
+        assert b.shared_expert_gate
+        assert b.shared_experts == ("shared_expert.gate_proj",)
+    assert report.untrained_experts == ()
+    text = coverage_summary(model, result)
+    assert "every block's routed experts are trained" in text
+    assert len(text.splitlines()) <= 24
+
+
+def test_excluded_block_is_reported_and_summary_warns(fresh) -> None:
+    model, result = _adapted(fresh, "qwen2_moe", ["layers.1.mlp.experts"])
+    report = coverage_report(model, result)
+    first, second = report.blocks
+    assert first.routed_experts == ("down_proj", "gate_up_proj")
+    assert second.routed_experts == ()
+    assert second.on_kernel
+    assert second.router
+    assert report.untrained_experts == ("model.layers.1.mlp",)
+    text = coverage_summary(model, result)
+    assert "WARNING routed experts without LoRA: model.layers.1.mlp" in text
+    # A family without shared experts or a shared gate shows "-" there.
+    model, result = _adapted(fresh, "mixtral", [])
+    assert coverage_report(model, result).blocks[0].shared_expert_gate is None
+
+
+def test_check_gradients_passes_after_a_real_first_backward(fresh) -> None:
+    model, result = _adapted(fresh, "qwen2_moe", ["layers.1.mlp.experts"])
+    ids = token_batch()
+    model(ids, labels=ids).loss.backward()
+    # Every B got a gradient; A tensors with B still zero get an all-zero one by construction.
+    assert check_gradients(result) == ()
+    assert check_gradients(model) == ()
+
+
+def test_check_gradients_lists_parameters_off_the_forward_path(fresh) -> None:
+    model, result = _adapted(fresh, "qwen2_moe", [])
+    model.model.layers = model.model.layers[:1]  # layer 1's adapters are never reached
+    ids = token_batch()
+    model(ids, labels=ids).loss.backward()
+    with pytest.raises(GradientCheckError, match="not being trained") as info:
+        check_gradients(result)
+    msg = str(info.value)
+    assert "model.layers.1.mlp.experts.lora.gate_up_lora_b: no gradient" in msg
+    assert "model.layers.1.mlp.gate.lora_B.weight: no gradient" in msg
+    assert "model.layers.0." not in msg
+    with pytest.warns(RuntimeWarning, match="not being trained"):
+        problems = check_gradients(result, warn_only=True)
+    assert len(problems) == sum(n.startswith("model.layers.1.") for n in result.parameter_names)
+
+
+def test_check_gradients_flags_non_finite_and_zero(fresh) -> None:
+    model, result = _adapted(fresh, "mixtral", [])
+    named = dict(result.named_optimizer_parameters)
+    ids = token_batch()
+    model(ids, labels=ids).loss.backward()
+    nan_b = "model.layers.0.mlp.experts.lora.down_lora_b"
+    zero_b = "model.layers.1.mlp.experts.lora.down_lora_b"
+    named[nan_b].grad[0, 0, 0] = float("nan")
+    named[zero_b].grad.zero_()
+    with torch.no_grad():
+        # A non-zero B makes an all-zero gradient of its A a real problem.
+        named["model.layers.1.mlp.experts.lora.gate_up_lora_b"].fill_(0.1)
+    with pytest.warns(RuntimeWarning, match="3 of"):
+        problems = check_gradients(result, warn_only=True)
+    assert f"{nan_b}: non-finite gradient" in problems
+    assert f"{zero_b}: gradient is all zeros" in problems
+    assert "model.layers.1.mlp.experts.lora.gate_up_lora_a: gradient is all zeros" in problems
