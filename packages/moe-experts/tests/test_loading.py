@@ -18,13 +18,15 @@ from moe_experts.testing import tiny_config
 from .conftest import FAMILIES, token_batch
 
 LAYOUTS = ("per_expert", "fused")
+# load_pretrained builds AutoModelForCausalLM; the vision-language families are not loadable so.
+CAUSAL_FAMILIES = tuple(f for f in FAMILIES if f not in ("qwen3_vl_moe", "glm4v_moe"))
 
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], Path]:
     """Each family saved twice, sharded small: hub-style per-expert keys and fused 3-D keys."""
     out = {}
-    for family in FAMILIES:
+    for family in CAUSAL_FAMILIES:
         torch.manual_seed(1234)
         model = AutoModelForCausalLM.from_config(tiny_config(family))
         for layout in LAYOUTS:
@@ -67,7 +69,7 @@ def test_checkpoints_really_use_both_layouts(checkpoints) -> None:
 @pytest.mark.parametrize(
     ("dtype", "weight_dtype"), [(torch.float32, "fp32"), (torch.bfloat16, "bf16")]
 )
-@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("family", CAUSAL_FAMILIES)
 def test_bitwise_equal_to_from_pretrained_and_wrap(
     checkpoints, family: str, layout: str, dtype: torch.dtype, weight_dtype: str
 ) -> None:

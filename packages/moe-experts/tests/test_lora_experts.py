@@ -4,7 +4,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import lora_checkpoint
 from lora_core import LoraConfig, init_lora_tensor
 from lora_core.contracts import ParameterOwnership
 from moe_experts import AdaptError, adapt, coverage_report, wrap
@@ -88,6 +87,7 @@ def test_save_and_restore_round_trip(fresh, tmp_path) -> None:
     with torch.no_grad():
         for n, p in result.named_optimizer_parameters:
             p.add_(torch.full_like(p, 0.01) * (1 + hash(n) % 5))
+    lora_checkpoint = pytest.importorskip("lora_checkpoint")  # the train extra, not test
     manifest = lora_checkpoint.save(tmp_path, result, step=1)
     entries = {p.name: p for p in manifest.parameters}
     extra = [n for n in result.parameter_names if ".lora_experts." in n]

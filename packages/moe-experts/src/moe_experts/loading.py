@@ -29,7 +29,7 @@ from moe_experts.architectures import MoEBlockSite, find_architecture, iter_moe_
 from moe_experts.errors import LoadError
 from moe_experts.kernel_experts import KernelExperts, Policy
 from moe_experts.memory import trim_host_heap
-from moe_experts.wrapping import _DTYPES, WeightDType, _check_activation, _expert_spec
+from moe_experts.wrapping import _DTYPES, WeightDType, _expert_spec
 
 __all__ = ["load_pretrained"]
 
@@ -380,7 +380,6 @@ def load_pretrained(
     with _parameters_on_meta():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     arch = find_architecture(model)
-    _check_activation(model, arch)
     sites = list(iter_moe_blocks(model, arch))
     mapper = _KeyMapper(model, sites)
 
