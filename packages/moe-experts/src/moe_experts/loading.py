@@ -408,7 +408,7 @@ def load_pretrained(
         storage = meta[0].dtype if quantised else _DTYPES[weight_dtype]
         keys = expert_keys[site.experts_name]
         gate_up, down = _assemble(site, keys, where, shards, meta, storage)
-        spec = _expert_spec(site, gate_up, down)
+        spec = _expert_spec(site, experts, gate_up, down)
         if quantised:
             weights = kt_kernel.ExpertWeights.from_fused(
                 spec, gate_up, down, dtype=_DTYPES[weight_dtype], weight_dtype="int8"
