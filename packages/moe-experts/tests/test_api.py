@@ -6,10 +6,11 @@ import moe_experts
 def test_all_is_curated() -> None:
     assert sorted(moe_experts.__all__) == sorted(
         [
-            "ARCHITECTURES", "AdaptError", "ExpertPlaceholder", "KernelExperts",
+            "ARCHITECTURES", "AdaptError", "ChunkedLossError", "ExpertPlaceholder", "KernelExperts",
             "MoEArchitecture", "MoEBlockSite", "PlaceholderAccessError",
             "UnsupportedModelError", "WrapError", "WrapReport", "__version__", "adapt",
-            "adapt_model", "experts_sites", "find_architecture", "is_placeholder",
+            "adapt_model", "chunked_lm_cross_entropy",
+            "experts_sites", "find_architecture", "is_placeholder",
             "iter_moe_blocks", "make_placeholder", "named_placeholders", "peft_key_prefix",
             "router_targets", "wrap",
         ]

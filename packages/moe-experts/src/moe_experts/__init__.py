@@ -22,6 +22,7 @@ from moe_experts.errors import (
     WrapError,
 )
 from moe_experts.kernel_experts import KernelExperts
+from moe_experts.losses import ChunkedLossError, chunked_lm_cross_entropy
 from moe_experts.placeholders import (
     ExpertPlaceholder,
     is_placeholder,
@@ -33,6 +34,7 @@ from moe_experts.wrapping import WrapReport, experts_sites, wrap
 __all__ = [
     "ARCHITECTURES",
     "AdaptError",
+    "ChunkedLossError",
     "ExpertPlaceholder",
     "KernelExperts",
     "MoEArchitecture",
@@ -44,6 +46,7 @@ __all__ = [
     "__version__",
     "adapt",
     "adapt_model",
+    "chunked_lm_cross_entropy",
     "experts_sites",
     "find_architecture",
     "is_placeholder",
