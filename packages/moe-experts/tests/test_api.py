@@ -11,9 +11,11 @@ def test_all_is_curated() -> None:
             "BlockCheck", "BlockCoverage", "GradientCheckError",
             "MoECoverage", "check_gradients", "coverage_report", "coverage_summary",
             "SelfCheckError", "UNSUPPORTED_FAMILIES",
+            "ChunkedLossError",
             "MoEArchitecture", "MoEBlockSite", "PlaceholderAccessError",
             "UnsupportedModelError", "WrapError", "WrapReport", "__version__", "adapt",
-            "adapt_model", "experts_sites", "find_architecture", "is_placeholder",
+            "adapt_model", "chunked_lm_cross_entropy",
+            "experts_sites", "find_architecture", "is_placeholder",
             "iter_moe_blocks", "make_placeholder", "named_placeholders", "peft_key_prefix",
             "router_targets", "wrap",
         ]

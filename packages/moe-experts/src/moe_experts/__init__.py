@@ -44,6 +44,7 @@ if TYPE_CHECKING:
     )
     from moe_experts.kernel_experts import KernelExperts
     from moe_experts.loading import load_pretrained
+    from moe_experts.losses import ChunkedLossError, chunked_lm_cross_entropy
     from moe_experts.placeholders import (
         ExpertPlaceholder,
         is_placeholder,
@@ -59,6 +60,7 @@ _WHERE = {
     "AdaptError": "errors",
     "BlockCheck": "self_check",
     "BlockCoverage": "coverage",
+    "ChunkedLossError": "losses",
     "ExpertPlaceholder": "placeholders",
     "GradientCheckError": "errors",
     "KernelExperts": "kernel_experts",
@@ -75,6 +77,7 @@ _WHERE = {
     "adapt": "adaptation",
     "adapt_model": "adaptation",
     "check_gradients": "coverage",
+    "chunked_lm_cross_entropy": "losses",
     "coverage_report": "coverage",
     "coverage_summary": "coverage",
     "experts_sites": "wrapping",
@@ -95,6 +98,7 @@ __all__ = [
     "AdaptError",
     "BlockCheck",
     "BlockCoverage",
+    "ChunkedLossError",
     "ExpertPlaceholder",
     "GradientCheckError",
     "KernelExperts",
@@ -111,6 +115,7 @@ __all__ = [
     "adapt",
     "adapt_model",
     "check_gradients",
+    "chunked_lm_cross_entropy",
     "coverage_report",
     "coverage_summary",
     "experts_sites",

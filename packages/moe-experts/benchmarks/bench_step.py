@@ -1,0 +1,271 @@
+"""Training-step tokens/s at Qwen3-30B-A3B layer dimensions: ours vs transformers + PEFT.
+
+One process holds both models built from the same seed (same weights): transformers 5 fused
+experts + PEFT ``target_parameters`` (``peft``), and ``moe_experts.adapt_model`` on bf16 kernel
+storage, stepped with the plain fp32 cross-entropy over full logits (``ours``) and with
+:func:`moe_experts.losses.chunked_lm_cross_entropy` (``ours+chunked``). LoRA rank 16 on
+q/k/v/o, the routers and the experts; AdamW. Repetitions are interleaved (peft, ours,
+ours+chunked, peft, ...) so that load from other processes hits every variant alike, and
+ratios are taken per repetition before the median.
+
+A profiled step of each variant splits the time into experts, attention (SDPA forward and
+backward), q/k/v/o, router, lm_head, loss, optimizer and the rest: forward ops are labelled
+by the module that ran them, backward ops by the forward op they differentiate (autograd's
+sequence number), and each op's self time is counted once.
+
+Usage: ``python bench_step.py --out DIR [--quick] [--lengths 512,2048] [--reps N]``.
+Writes ``bench_step.json`` and ``bench_step.md``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import time
+import warnings
+from collections import defaultdict
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+FULL = {"num_hidden_layers": 2, "hidden_size": 2048, "num_experts": 128,
+        "num_experts_per_tok": 8, "moe_intermediate_size": 768, "intermediate_size": 6144,
+        "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
+        "vocab_size": 32000, "max_position_embeddings": 4096, "initializer_range": 0.02}
+QUICK = {**FULL, "hidden_size": 256, "num_experts": 16, "num_experts_per_tok": 4,
+         "moe_intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
+         "head_dim": 64, "vocab_size": 4096}
+RANK = 16
+DENSE = ["q_proj", "k_proj", "v_proj", "o_proj"]
+VARIANTS = ("peft", "ours", "ours+chunked")
+CATEGORIES = ("experts", "attention", "qkvo", "router", "lm_head", "loss", "optimizer", "rest")
+
+
+def _label_modules(lm: torch.nn.Module) -> None:
+    """Run each interesting module's forward inside a ``record_function`` range."""
+    for name, mod in lm.named_modules():
+        leaf = name.rpartition(".")[2]
+        cat = ("qkvo" if leaf in DENSE else "router" if name.endswith("mlp.gate")
+               else "experts" if name.endswith("mlp.experts") else
+               "lm_head" if leaf == "lm_head" else None)
+        if cat is None:
+            continue
+        fwd = mod.forward
+
+        def labelled(*a: Any, _f: Callable = fwd, _c: str = cat, **k: Any) -> Any:
+            with torch.profiler.record_function(f"cat::{_c}"):
+                return _f(*a, **k)
+
+        mod.forward = labelled
+
+
+def build(variant: str, cfg: Any) -> tuple[torch.nn.Module, torch.nn.Module, list]:
+    """Return (causal LM to call, module whose ``.model``/``.lm_head`` we use, LoRA params)."""
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    lm = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    for p in lm.parameters():
+        p.requires_grad_(False)
+    if variant == "peft":
+        import peft
+
+        model = peft.get_peft_model(lm, peft.LoraConfig(
+            r=RANK, lora_alpha=2 * RANK, target_modules=DENSE,
+            target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj",
+                               "mlp.gate.weight"]))
+        params = [p for p in model.parameters() if p.requires_grad]
+    else:
+        import moe_experts
+        from lora_core import LoraConfig
+
+        model = lm
+        cfg_l = LoraConfig(enable=True, rank=RANK, alpha=2 * RANK, target_modules=DENSE,
+                           target_parameters=list(moe_experts.router_targets(lm)))
+        params = moe_experts.adapt_model(lm, cfg_l, weight_dtype="bf16").parameters()
+    with torch.no_grad():
+        for p in params:  # non-zero B so that every LoRA matmul does real work
+            p.normal_(0, 0.02)
+    return model, lm, list(params)
+
+
+def make_step(variant: str, model: torch.nn.Module, lm: torch.nn.Module,
+              opt: torch.optim.Optimizer) -> Callable[[torch.Tensor], float]:
+    """One training step (forward, loss, backward, AdamW) on ``ids [1, T]``; returns the loss."""
+    from moe_experts.losses import chunked_lm_cross_entropy
+
+    def step(ids: torch.Tensor) -> float:
+        opt.zero_grad(set_to_none=True)
+        labels = ids[:, 1:]
+        if variant == "ours+chunked":
+            hidden = lm.model(input_ids=ids).last_hidden_state[:, :-1]
+            with torch.profiler.record_function("cat::loss"):
+                loss = chunked_lm_cross_entropy(hidden, lm.lm_head.weight, labels)
+        else:
+            logits = model(input_ids=ids).logits[:, :-1]
+            with torch.profiler.record_function("cat::loss"):
+                loss = torch.nn.functional.cross_entropy(
+                    logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1))
+        loss.backward()
+        with torch.profiler.record_function("cat::optimizer"):
+            opt.step()
+        return loss.item()
+
+    return step
+
+
+def _category(ev: Any) -> str | None:
+    name = ev.name
+    if name.startswith("cat::"):
+        return name[5:]
+    if "scaled_dot_product" in name or "ScaledDotProduct" in name:
+        return "attention"
+    return None
+
+
+def profile_step(step: Callable[[torch.Tensor], float], ids: torch.Tensor) -> dict[str, float]:
+    """Seconds of self time per category in one profiled step."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        step(ids)
+    events = prof.events()
+    seq_cat: dict[int, str] = {}
+    own: dict[int, str] = {}
+    for ev in events:  # forward: the innermost labelled range or SDPA op wins
+        cat, node = None, ev
+        while node is not None:
+            cat = _category(node)
+            if cat is not None:
+                break
+            node = node.cpu_parent
+        if cat is not None:
+            own[id(ev)] = cat
+            if ev.sequence_nr >= 0 and not ev.name.startswith("autograd::"):
+                seq_cat.setdefault(ev.sequence_nr, cat)
+    totals: dict[str, float] = defaultdict(float)
+    for ev in events:
+        cat = own.get(id(ev))
+        if cat is None:  # backward: the autograd node's sequence number names its forward op
+            node = ev
+            while node is not None and cat is None:
+                if node.name.startswith("autograd::engine::evaluate_function"):
+                    cat = seq_cat.get(node.sequence_nr)
+                    if "ScaledDotProduct" in node.name:
+                        cat = "attention"
+                node = node.cpu_parent
+        totals[cat or "rest"] += ev.self_cpu_time_total / 1e6
+    return {c: totals.get(c, 0.0) for c in CATEGORIES}
+
+
+def run(quick: bool, lengths: list[int], reps: int, do_profile: bool,
+        variants: tuple[str, ...] = VARIANTS) -> dict:
+    """Build all variants, time interleaved steps at each length, profile one step each."""
+    from moe_experts.testing import tiny_config
+
+    warnings.filterwarnings("ignore")
+    shape = QUICK if quick else FULL
+    cfg = tiny_config("qwen3_moe", **shape)
+    cfg._attn_implementation = "sdpa"
+    steps: dict[str, Callable] = {}
+    built: dict[str, tuple] = {}
+    for variant in variants:
+        if variant == "ours+chunked":
+            model, lm, params = built["ours"]
+        else:
+            model, lm, params = build(variant, cfg)
+            _label_modules(lm)
+            built[variant] = (model, lm, params)
+        opt = torch.optim.AdamW(params, lr=1e-5)
+        steps[variant] = make_step(variant, model, lm, opt)
+    out: dict[str, Any] = {"lengths": {}}
+    for t in lengths:
+        ids = torch.randint(0, cfg.vocab_size, (1, t), generator=torch.Generator().manual_seed(t))
+        times: dict[str, list[float]] = {v: [] for v in variants}
+        losses: dict[str, float] = {}
+        for v in variants:  # warm-up: allocator, oneDNN primitives, AdamW state
+            losses[v] = steps[v](ids)
+        for _ in range(reps):
+            for v in variants:
+                t0 = time.perf_counter()
+                steps[v](ids)
+                times[v].append(time.perf_counter() - t0)
+        res: dict[str, Any] = {"first_loss": losses, "step_s": times}
+        res["step_s_median"] = {v: statistics.median(x) for v, x in times.items()}
+        res["tokens_per_s"] = {v: t / s for v, s in res["step_s_median"].items()}
+        base = times.get("peft", times["ours"])  # without peft: ratios against plain "ours"
+        res["speedup_vs_peft" if "peft" in times else "speedup_vs_ours"] = {
+            v: statistics.median(p / o for p, o in zip(base, times[v], strict=True))
+            for v in variants}
+        if "ours" in times and "ours+chunked" in times:
+            res["chunked_vs_plain_loss"] = statistics.median(
+                a / b for a, b in zip(times["ours"], times["ours+chunked"], strict=True))
+        if do_profile:
+            res["profile_s"] = {v: profile_step(steps[v], ids) for v in variants}
+        out["lengths"][str(t)] = res
+    out["torch_threads"] = torch.get_num_threads()
+    out["variants"] = list(variants)
+    return out
+
+
+def _markdown(payload: dict) -> str:
+    m = payload["model"]
+    lines = [f"# moe-experts training step vs transformers + PEFT ({payload['mode']})", "",
+             f"Qwen3-MoE, {m['num_hidden_layers']} layers, H={m['hidden_size']}, "
+             f"E={m['num_experts']}, k={m['num_experts_per_tok']}, I={m['moe_intermediate_size']}, "
+             f"V={m['vocab_size']}, bf16, LoRA rank {RANK} on q/k/v/o + router + experts; "
+             f"{payload['torch_threads']} threads, load average {payload['loadavg']}.", "",
+             "| T | variant | step (s) | tokens/s | x baseline (peft, else ours) |", "|---|---|---|---|---|"]
+    vs = payload["variants"]
+    for t, r in payload["lengths"].items():
+        ratio = r.get("speedup_vs_peft") or r["speedup_vs_ours"]
+        for v in vs:
+            lines.append(f"| {t} | {v} | {r['step_s_median'][v]:.2f} | "
+                         f"{r['tokens_per_s'][v]:.0f} | {ratio[v]:.2f} |")
+    for t, r in payload["lengths"].items():
+        if "profile_s" not in r:
+            continue
+        lines += ["", f"Profile of one step at T={t} (seconds of op self time, share):", "",
+                  "| category | " + " | ".join(vs) + " |", "|---" * (len(vs) + 1) + "|"]
+        tot = {v: sum(r["profile_s"][v].values()) for v in vs}
+        for c in CATEGORIES:
+            cells = [f"{r['profile_s'][v][c]:.2f} ({100 * r['profile_s'][v][c] / tot[v]:.0f}%)"
+                     for v in vs]
+            lines.append(f"| {c} | " + " | ".join(cells) + " |")
+        lines.append("| total | " + " | ".join(f"{tot[v]:.2f}" for v in vs) + " |")
+    return "\n".join(lines) + "\n"
+
+
+def main() -> None:
+    """Parse arguments, run the benchmark, write JSON and markdown."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--out", required=True, type=Path, help="directory for JSON + markdown")
+    parser.add_argument("--quick", action="store_true", help="small model, T=128 (<1 min)")
+    parser.add_argument("--lengths", help="comma-separated sequence lengths (default 512,2048)")
+    parser.add_argument("--reps", type=int, help="timed steps per variant and length")
+    parser.add_argument("--variants", default=",".join(VARIANTS),
+                        help="comma-separated subset of " + ",".join(VARIANTS))
+    parser.add_argument("--no-profile", action="store_true", help="skip the profiled steps")
+    args = parser.parse_args()
+    lengths = [int(x) for x in (args.lengths or ("128" if args.quick else "512,2048")).split(",")]
+    reps = args.reps or (2 if args.quick else 3)
+    load0 = os.getloadavg()[0]
+    variants = tuple(v for v in VARIANTS if v in args.variants.split(","))
+    result = run(args.quick, lengths, reps, not args.no_profile, variants)
+    payload = {"benchmark": "moe-experts/bench_step", "mode": "quick" if args.quick else "full",
+               "model": {"family": "qwen3_moe", **(QUICK if args.quick else FULL)},
+               "lora_rank": RANK, "loadavg": f"{load0:.1f} -> {os.getloadavg()[0]:.1f}",
+               **result}
+    args.out.mkdir(parents=True, exist_ok=True)
+    (args.out / "bench_step.json").write_text(json.dumps(payload, indent=2))
+    text = _markdown(payload)
+    (args.out / "bench_step.md").write_text(text)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()
