@@ -62,7 +62,7 @@ def main() -> None:
         errs.append(result.relative_error)
         del weights, kernel
     out = {
-        "shape": {"hidden": h, "intermediate": i, "experts": e, "top_k": min(e, 4),
+        "shape": {"hidden": h, "intermediate": i, "experts": e, "top_k": min(e, 2),
                   "tokens": 8},
         "weight_dtype": args.weight_dtype,
         "threads": torch.get_num_threads(),

@@ -40,9 +40,13 @@ def init_b(named: list[tuple[str, torch.Tensor]]) -> None:
     """Make every B non-zero, identically on every rank, so every A also gets gradients."""
     with torch.no_grad():
         for n, p in named:
-            if n.endswith(("_b", "lora_B.weight")):
+            if n.endswith(("_b", "lora_B.weight", "le_down")):
                 local = p.to_local() if isinstance(p, DTensor) else p
                 local.copy_(torch.full(local.shape, 0.05))
+
+
+# Extra LoRA experts are replicated LoRA too: synchronised like the expert LoRA.
+LORA_EXPERTS = {"lora_experts": 2, "lora_expert_intermediate": 8}
 
 
 def main() -> None:
@@ -60,7 +64,7 @@ def main() -> None:
     fully_shard(model, ignored_params=placeholders)
     dense = enable_lora_training(model, CFG)
     n_replicated = replicate_lora_parameters(model)
-    experts = moe_experts.adapt(model, CFG)
+    experts = moe_experts.adapt(model, CFG, **LORA_EXPERTS)
     result = dense.merge(experts)
     # replicate_lora_parameters swaps the dense LoRA weights for new DTensor Parameters, so
     # the optimizer takes the live objects by name (the result's names stay valid).

@@ -67,7 +67,7 @@ def _single_process_reference(model_dir: Path) -> dict[str, torch.Tensor]:
         model = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32)
     moe_experts.wrap(model, weight_dtype="fp32")
     dense = enable_lora_training(model, w.CFG)
-    experts = moe_experts.adapt(model, w.CFG)
+    experts = moe_experts.adapt(model, w.CFG, **w.LORA_EXPERTS)
     result = dense.merge(experts)
     w.init_b(list(result.named_optimizer_parameters))
     opt = torch.optim.AdamW(result.parameters(), lr=1e-2)
@@ -101,6 +101,7 @@ def test_two_ranks_fsdp2_identical_parameters(saved_models, tmp_path: Path) -> N
     assert len(expert_names) == 8
     router_names = [n for n in info[0]["names"] if ".mlp.gate.lora_" in n]
     assert len(router_names) == 4
+    assert len([n for n in info[0]["names"] if ".experts.lora_experts.le_" in n]) == 6
     # ... yet after 5 synchronised steps every rank holds identical parameters.
     for n in info[0]["names"]:
         torch.testing.assert_close(params[0][n], params[1][n], rtol=0, atol=0, msg=_named(n))
