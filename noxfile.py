@@ -222,7 +222,9 @@ def demo(session: nox.Session) -> None:
     out = ROOT / "demo-output"
     chat = session.run("python", "-c", "from moe_experts.finetune.data import chat_demo_path; "
                        "print(chat_demo_path())", silent=True).strip().splitlines()[-1]
-    args = ["--data", chat, "--steps", "300", "--output", str(out), *session.posargs]
+    # 128 tokens hold a whole demo conversation, so rows show prompts next to their replies.
+    args = ["--data", chat, "--steps", "300", "--seq-len", "128", "--output", str(out),
+            *session.posargs]
     session.run("moe-experts", "finetune", *args, env=ENV)
     for prompt in ("What is the opposite of hot?", "What color is the sky?"):
         session.log("moe-experts generate --prompt %r", prompt)
