@@ -222,8 +222,9 @@ def demo(session: nox.Session) -> None:
     out = ROOT / "demo-output"
     chat = session.run("python", "-c", "from moe_experts.finetune.data import chat_demo_path; "
                        "print(chat_demo_path())", silent=True).strip().splitlines()[-1]
-    args = ["--data", chat, "--steps", "300", "--eval-split", "0.1", "--eval-every", "50",
-            "--output", str(out), *session.posargs]
+    # 128 tokens hold a whole demo conversation, so rows show prompts next to their replies.
+    args = ["--data", chat, "--steps", "300", "--seq-len", "128", "--eval-split", "0.1",
+            "--eval-every", "50", "--output", str(out), *session.posargs]
     if "--resume" not in session.posargs:
         # A second `nox -s demo` starts again instead of refusing the first one's output.
         args.append("--overwrite")
