@@ -49,11 +49,16 @@ def main() -> None:
         config = tiny_config("qwen3_moe", **SHAPE)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.bfloat16)
         model.save_pretrained(path, max_shard_size="40MB")
-        tiny = AutoModelForCausalLM.from_config(tiny_config("qwen3_moe"), dtype=torch.bfloat16)
+        # The warm-up model has the same layer shapes (one layer, small vocabulary): BLAS and
+        # oneDNN keep a few MiB of per-shape state after the self-check's first forward.
+        warm = {**SHAPE, "num_hidden_layers": 1, "vocab_size": 512}
+        tiny = AutoModelForCausalLM.from_config(
+            tiny_config("qwen3_moe", **warm), dtype=torch.bfloat16
+        )
         tiny.save_pretrained(path + "-tiny")
         return
-    # Warm-up on a tiny model of the same family: every lazy import and one-off allocation
-    # happens before the baseline.
+    # Warm-up on a small model of the same family and layer shapes: every lazy import and
+    # one-off allocation happens before the baseline.
     warm = AutoModelForCausalLM.from_pretrained(path + "-tiny", dtype=torch.bfloat16)
     wrap(warm)
     load_pretrained(path + "-tiny")

@@ -8,7 +8,12 @@ from transformers.activations import GELUTanh
 
 import kt_kernel
 from moe_experts import KernelExperts, SelfCheckError, WrapError, wrap
-from moe_experts.self_check import expert_activation
+from moe_experts.self_check import (
+    QUANTISED_TOLERANCE,
+    SELF_CHECK_TOLERANCE,
+    expert_activation,
+    self_check,
+)
 
 from .conftest import token_batch
 
@@ -62,7 +67,7 @@ def test_hand_written_swiglu_passes_and_is_reported(fresh) -> None:
     "how", [{"up_first": True}, {"compute": lambda g: F.gelu(g, approximate="tanh")}],
     ids=["swapped_gate_up", "wrong_activation"],
 )
-@pytest.mark.parametrize("weight_dtype", ["fp32", "bf16", "int8"])
+@pytest.mark.parametrize("weight_dtype", ["fp32", "bf16", "int8", "fp8", "int4"])
 def test_mis_specified_experts_are_refused(fresh, how, weight_dtype: str) -> None:
     model = fresh("qwen3_moe")
     bad = _install(model, **how)
@@ -71,6 +76,28 @@ def test_mis_specified_experts_are_refused(fresh, how, weight_dtype: str) -> Non
     # The refused block keeps its original module and weights.
     assert model.model.layers[1].mlp.experts is bad
     assert not isinstance(model.model.layers[1].mlp.experts, KernelExperts)
+
+
+@pytest.mark.parametrize("weight_dtype", ["int8", "fp8", "int4"])
+def test_quantised_base_is_checked_through_a_dense_twin(fresh, weight_dtype: str) -> None:
+    model = fresh("qwen3_moe")
+    experts = model.model.layers[0].mlp.experts
+    gate_up, down = experts.gate_up_proj.detach(), experts.down_proj.detach()
+    report = wrap(model, weight_dtype=weight_dtype)
+    for c in report.self_checks:
+        # The spec is checked at the compute dtype's tolerance, the rounding at the format's.
+        assert c.relative_error <= c.tolerance == SELF_CHECK_TOLERANCE[torch.bfloat16]
+        assert 0 < c.quantization_error <= QUANTISED_TOLERANCE[weight_dtype]
+    # A quantised kernel built from other weights than the ones it is checked against (a
+    # broken quantisation path) is refused by the second comparison.
+    spec = model.model.layers[0].mlp.experts.spec
+    wrong = kt_kernel.ExpertWeights.from_fused(spec, gate_up, -down, weight_dtype=weight_dtype)
+    kernel = KernelExperts(
+        wrong, gate_up_like=gate_up, down_like=down, gate_up_name="gate_up_proj",
+        down_name="down_proj", label="x",
+    )
+    with pytest.raises(SelfCheckError, match=rf"the {weight_dtype} kernel differs from a dense"):
+        self_check("x", experts, kernel, weight_dtype, gate_up=gate_up, down=down)
 
 
 def test_self_check_off_only_when_asked(fresh) -> None:

@@ -10,7 +10,7 @@ activation, clamp, layout or bias fails loudly instead of training a different m
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -19,18 +19,31 @@ from torch import nn
 import kt_kernel
 from moe_experts.errors import SelfCheckError, WrapError
 
-__all__ = ["SELF_CHECK_TOLERANCE", "BlockCheck", "expert_activation", "self_check"]
+__all__ = [
+    "QUANTISED_TOLERANCE",
+    "SELF_CHECK_TOLERANCE",
+    "BlockCheck",
+    "expert_activation",
+    "self_check",
+]
 
 # Largest accepted max|kernel - original| / max|original| per kernel compute dtype. The
-# original always runs on its own weights; bf16/int8 storage adds rounding of the weights
-# (about 2^-9 relative per weight in bf16, ~1% per channel in int8), while a swapped gate/up,
-# a wrong activation or a missed clamp gives errors of order one.
+# original always runs on its own weights; bf16 storage adds rounding of the weights (about
+# 2^-9 relative per weight), while a swapped gate/up, a wrong activation or a missed clamp
+# gives errors of 9e-2 and more.
 SELF_CHECK_TOLERANCE: dict[torch.dtype, float] = {
     torch.float32: 1e-4,
     torch.float64: 1e-9,
     torch.bfloat16: 3e-2,
 }
-_INT8_TOLERANCE = 4e-2
+# A quantised base is checked in two steps, because its rounding (int4: ~0.2 relative on the
+# check batch) would hide a wrong activation: a dense twin of the batch's experts against the
+# original (the spec, at SELF_CHECK_TOLERANCE), then the quantised kernel against that twin
+# (the format's rounding only; a broken quantisation path errs by order one). Measured on the
+# 33 tiny families (gaussian weights, the worst case for max-scaled formats): int8 <= 2.4e-2,
+# fp8 <= 8.2e-2, int4 <= 0.25.
+QUANTISED_TOLERANCE: dict[str, float] = {"int8": 5e-2, "fp8": 0.15, "int4": 0.4}
+_POOL = 4  # experts the check batch routes to (a dense twin of only these is built)
 _CLAMP_ATTRS = ("limit", "swiglu_limit")
 _ALPHA_ATTRS = ("alpha", "swiglu_alpha")
 _TOKENS = 8
@@ -45,12 +58,16 @@ class BlockCheck:
         max_abs_error: ``max |kernel - original|`` over the check batch.
         relative_error: ``max_abs_error / max |original|``.
         tolerance: the accepted ``relative_error`` for this storage dtype.
+        quantization_error: for a quantised base, ``max |kernel - dense twin| / max |twin|``
+            (the format's rounding, checked against :data:`QUANTISED_TOLERANCE`); the fields
+            above then compare the dense twin with the original. ``None`` for dense storage.
     """
 
     experts: str
     max_abs_error: float
     relative_error: float
     tolerance: float
+    quantization_error: float | None = None
 
 
 def _attr(module: nn.Module, names: tuple[str, ...]) -> tuple[str, float] | None:
@@ -151,8 +168,20 @@ def expert_activation(experts: nn.Module, label: str) -> kt_kernel.Activation:
     )
 
 
+def _relative(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
+    err = (got.float() - want.float()).abs().max().item()
+    return err, err / max(want.float().abs().max().item(), 1e-12)
+
+
 def self_check(
-    label: str, original: nn.Module, kernel: nn.Module, weight_dtype: str, *, seed: int = 0
+    label: str,
+    original: nn.Module,
+    kernel: nn.Module,
+    weight_dtype: str,
+    *,
+    gate_up: torch.Tensor | None = None,
+    down: torch.Tensor | None = None,
+    seed: int = 0,
 ) -> BlockCheck:
     """Run ``original`` and ``kernel`` on the same random batch; refuse a disagreement.
 
@@ -160,41 +189,82 @@ def self_check(
         label: the experts module's qualified name.
         original: the transformers experts module, weights still in place.
         kernel: the :class:`~moe_experts.KernelExperts` built from those weights (no LoRA).
-        weight_dtype: kernel storage name (``"fp32"``, ``"bf16"``, ``"int8"``).
-        seed: seed of the check batch (8 tokens, top-k of ``min(E, 2)`` distinct experts).
+        weight_dtype: kernel storage name (``"fp32"``, ``"bf16"``, ``"int8"``, ``"int4"``, ...).
+        gate_up: ``[E, 2I, H]`` tensor the kernel was built from; with ``down``, a quantised
+            kernel is checked through a dense twin of the batch's experts (see
+            :data:`QUANTISED_TOLERANCE`). Without them, against the original directly.
+        down: ``[E, H, I]`` tensor the kernel was built from.
+        seed: seed of the check batch (8 tokens, top-2 of ``min(E, 4)`` experts).
 
     Returns:
         The :class:`BlockCheck` measured.
 
     Raises:
-        SelfCheckError: the relative error exceeds :data:`SELF_CHECK_TOLERANCE`; names the
-            block, the error and the tolerance.
+        SelfCheckError: an error exceeds its tolerance; names the block, the error, the
+            tolerance and which comparison failed.
     """
     spec: kt_kernel.ExpertSpec = kernel.spec
+    weights: kt_kernel.ExpertWeights = kernel.expert_weights
     ref = next(p for p in original.parameters() if p.dim() == 3)
     gen = torch.Generator().manual_seed(seed)
     e, h = spec.num_experts, spec.hidden_size
-    k = min(e, 2)
+    pool = torch.randperm(e, generator=gen)[: min(e, _POOL)]
+    k = min(len(pool), 2)
+    local = torch.stack([torch.randperm(len(pool), generator=gen)[:k] for _ in range(_TOKENS)])
+    ids = pool[local]
     x = torch.randn(_TOKENS, h, generator=gen)
-    ids = torch.stack([torch.randperm(e, generator=gen)[:k] for _ in range(_TOKENS)])
     w = torch.softmax(torch.randn(_TOKENS, k, generator=gen), dim=-1)
+    compute = weights.dtype
+    xd, wd = x.to(ref.dtype), w.to(ref.dtype)
     with torch.no_grad():
         dev = ref.device
-        want = original(x.to(dev, ref.dtype), ids.to(dev), w.to(dev, ref.dtype))
-        got = kernel(x.to(ref.dtype), ids, w.to(ref.dtype))
-    want = want.detach().float().cpu()
-    err = (got.float() - want).abs().max().item()
-    rel = err / max(want.abs().max().item(), 1e-12)
-    compute = kernel.expert_weights.dtype
-    tol = _INT8_TOLERANCE if weight_dtype == "int8" else SELF_CHECK_TOLERANCE.get(compute, 3e-2)
-    check = BlockCheck(experts=label, max_abs_error=err, relative_error=rel, tolerance=tol)
+        want = original(xd.to(dev), ids.to(dev), wd.to(dev)).detach().float().cpu()
+        got = kernel(xd, ids, wd).float()
+        twin = None
+        if weights.is_quantized and gate_up is not None and down is not None:
+            dense = kt_kernel.ExpertWeights.from_fused(
+                replace(spec, num_experts=len(pool)),
+                gate_up[pool.to(gate_up.device)],
+                down[pool.to(down.device)],
+                dtype=compute,
+            )
+            twin = kt_kernel.moe_experts_forward(xd.to(compute), local, wd.to(compute), dense)
+            twin = twin.float()
+    if twin is None:
+        err, rel = _relative(got, want)
+        tol = (
+            QUANTISED_TOLERANCE.get(weight_dtype, 4e-2)
+            if weights.is_quantized
+            else SELF_CHECK_TOLERANCE.get(compute, 3e-2)
+        )
+        quant = None
+    else:
+        err, rel = _relative(twin, want)
+        tol = SELF_CHECK_TOLERANCE.get(compute, 3e-2)
+        quant = _relative(got, twin)[1]
+    check = BlockCheck(
+        experts=label,
+        max_abs_error=err,
+        relative_error=rel,
+        tolerance=tol,
+        quantization_error=quant,
+    )
     if not rel <= tol:  # also refuses NaN
         raise SelfCheckError(
             f"wrap self-check failed for {label} ({type(original).__name__}): kt-kernel "
-            f"({spec.activation}, {weight_dtype}) differs from the original experts module by "
-            f"max abs {err:.3e}, relative {rel:.3e} > tolerance {tol:.1e}. The family's spec "
-            "(gate/up order, activation, clamp, biases, layout) does not match what the module "
-            "computes; fix its MoEArchitecture, or pass self_check=False to wrap only if you "
-            "have verified the model another way"
+            f"({spec.activation}, {'dense twin of ' if twin is not None else ''}{weight_dtype}) "
+            f"differs from the original experts module by max abs {err:.3e}, relative "
+            f"{rel:.3e} > tolerance {tol:.1e}. The family's spec (gate/up order, activation, "
+            "clamp, biases, layout) does not match what the module computes; fix its "
+            "MoEArchitecture, or pass self_check=False to wrap only if you have verified the "
+            "model another way"
+        )
+    qtol = QUANTISED_TOLERANCE.get(weight_dtype, 4e-2)
+    if quant is not None and not quant <= qtol:
+        raise SelfCheckError(
+            f"wrap self-check failed for {label}: the {weight_dtype} kernel differs from a dense "
+            f"kernel on the same weights by relative {quant:.3e} > {qtol:.1e}, more than the "
+            f"format's rounding; the quantised storage of this block is wrong (report it with "
+            f"the model's config), or use weight_dtype='bf16'"
         )
     return check

@@ -274,7 +274,11 @@ def wrap(
         )
         if self_check:
             # Before this block is replaced: a refused block keeps its original module.
-            checks.append(self_check_block(site.experts_name, base, kernel, weight_dtype))
+            checks.append(
+                self_check_block(
+                    site.experts_name, base, kernel, weight_dtype, gate_up=gate_up, down=down
+                )
+            )
         moved += gate_up.nbytes + down.nbytes
         kernel_bytes += weights.nbytes
         if wrappers:
