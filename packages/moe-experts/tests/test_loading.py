@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
 from moe_experts import KernelExperts, LoadError, is_placeholder, load_pretrained, wrap
-from moe_experts.testing import tiny_config
+from moe_experts.testing import tiny_model
 
 from .conftest import FAMILIES, token_batch
 
@@ -29,7 +29,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str
     out = {}
     for family in CAUSAL_FAMILIES:
         torch.manual_seed(1234)
-        model = AutoModelForCausalLM.from_config(tiny_config(family))
+        model = tiny_model(family)
         for layout in LAYOUTS:
             path = tmp_path_factory.mktemp(f"ckpt-{family}-{layout}")
             model.save_pretrained(
@@ -60,7 +60,7 @@ def _kernels(model) -> dict[str, KernelExperts]:
 def test_checkpoints_really_use_both_layouts(checkpoints) -> None:
     # Families whose hub checkpoints store experts per expert (transformers converts them on
     # save_original_format); the newer families have no such conversion and save fused keys.
-    hub_per_expert = {"qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3", "olmoe"}
+    hub_per_expert = {"qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3", "olmoe", "deepseek_v4"}
     for (family, layout), path in checkpoints.items():
         index = json.loads((path / "model.safetensors.index.json").read_text())
         keys = list(index["weight_map"])
