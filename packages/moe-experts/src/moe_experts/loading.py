@@ -439,6 +439,13 @@ def load_pretrained(
 
     state = dict(model.named_parameters(remove_duplicate=False))
     state.update(model.named_buffers(remove_duplicate=False))
+    # Keys the model class declares it does not load (DeepSeek-V4's multi-token-prediction
+    # ``mtp.*`` layers, DeepSeek-V3's extra layer), skipped as from_pretrained skips them.
+    ignored = [re.compile(p) for p in model._keys_to_ignore_on_load_unexpected or ()]
+    dense = {
+        n: k for n, k in dense.items()
+        if n in state or not any(r.search(n) or r.search(k) for r in ignored)
+    }
     unexpected = sorted(k for k in dense if k not in state)
     if unexpected:
         raise LoadError(
