@@ -264,7 +264,8 @@ def router_targets(model: nn.Module) -> tuple[str, ...]:
 
     Returns:
         Dotted parameter suffixes such as ``("mlp.gate.weight",)``: the block's attribute name
-        in its layer, the router attribute and its ``weight``.
+        in its layer, the router attribute and its ``weight`` (``("router.proj.weight",)`` for
+        Gemma-4, whose block is the decoder layer; see :meth:`MoEBlockSite.target`).
 
     Raises:
         UnsupportedModelError: the model is not a supported MoE family.
