@@ -43,9 +43,15 @@ def test_blocks_found_with_router_and_shared_experts(fresh, family: str) -> None
     for site in sites:
         experts = getattr(site.block, arch.experts_attr)
         gate_up = getattr(experts, arch.gate_up_param)
-        e, two_i, h = gate_up.shape
+        e, i, h = arch.expert_dims(gate_up)
         assert h == model.config.get_text_config().hidden_size
-        assert tuple(getattr(experts, arch.down_param).shape) == (e, h, two_i // 2)
+        # Every stored expert tensor (weights and any biases) has the spec's layout, and
+        # transformers' own layout flags agree with the spec's fields.
+        for name, shape in arch.stored_shapes(e, i, h).items():
+            assert tuple(getattr(experts, name).shape) == shape, name
+        assert getattr(experts, "is_transposed", False) == arch.transposed
+        assert getattr(experts, "is_concatenated", True) == (not arch.interleaved)
+        assert getattr(experts, "has_bias", False) == bool(arch.bias_params)
         router = site.block.get_submodule(arch.router_attr).get_parameter(arch.router_param)
         # The router's [E, H] weight is where router LoRA goes (router_targets).
         assert tuple(router.shape) == (e, h)
@@ -67,7 +73,7 @@ def test_unsupported_model_lists_families() -> None:
         assert family in msg
 
 
-@pytest.mark.parametrize("model_type", ["llama4", "gpt_oss", "aria", "longcat_flash"])
+@pytest.mark.parametrize("model_type", ["llama4", "aria", "longcat_flash"])
 def test_refused_families_say_why(model_type: str) -> None:
     model = torch.nn.Module()
     model.config = type("Cfg", (), {"model_type": model_type})()

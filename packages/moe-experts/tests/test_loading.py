@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
 from moe_experts import KernelExperts, LoadError, is_placeholder, load_pretrained, wrap
-from moe_experts.testing import tiny_config
+from moe_experts.testing import tiny_model
 
 from .conftest import FAMILIES, token_batch
 
@@ -29,7 +29,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str
     out = {}
     for family in CAUSAL_FAMILIES:
         torch.manual_seed(1234)
-        model = AutoModelForCausalLM.from_config(tiny_config(family))
+        model = tiny_model(family)  # random expert biases where the family has them
         for layout in LAYOUTS:
             path = tmp_path_factory.mktemp(f"ckpt-{family}-{layout}")
             model.save_pretrained(
@@ -103,6 +103,10 @@ def test_bitwise_equal_to_from_pretrained_and_wrap(
         assert have.weight_dtype == want.expert_weights.weight_dtype
         assert torch.equal(have.gate_up, want.expert_weights.gate_up), name
         assert torch.equal(have.down, want.expert_weights.down), name
+        for bias in ("gate_up_bias", "down_bias"):  # GPT-OSS: converted like the weights
+            a, b = getattr(have, bias), getattr(want.expert_weights, bias)
+            assert (a is None) == (b is None), (name, bias)
+            assert a is None or (torch.equal(a, b) and a.abs().sum() > 0), (name, bias)
     ids = token_batch()
     with torch.no_grad():
         assert torch.equal(got(ids).logits, ref(ids).logits)

@@ -115,6 +115,13 @@ TINY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "lfm2_moe": ("lfm2_moe", {"intermediate_size": 48, "moe_intermediate_size": 16,
                               "num_experts": 4, "layer_types": ["conv", "full_attention"],
                               "num_dense_layers": 0}),
+    # Transposed, interleaved experts with biases and a clamped SwiGLU. A limit below the
+    # default 7.0 makes the clamps bite on tiny random weights (the self-check and the
+    # equality suite then prove them); full attention only, sliding windows are not ours.
+    "gpt_oss": ("gpt_oss", {"intermediate_size": 24, "num_local_experts": 4,
+                            "swiglu_limit": 1.5, "layer_types": ["full_attention"] * 2,
+                            "rope_parameters": {"rope_type": "default",
+                                                "rope_theta": 10000.0}}),
 }
 
 
@@ -158,8 +165,30 @@ def tiny_model(family: str, **overrides: Any) -> PreTrainedModel:
 
     config = tiny_config(family, **overrides)
     if hasattr(config, "vision_config"):
-        return AutoModelForImageTextToText.from_config(config)
-    return AutoModelForCausalLM.from_config(config)
+        model = AutoModelForImageTextToText.from_config(config)
+    else:
+        model = AutoModelForCausalLM.from_config(config)
+    _random_expert_biases(model, family, config)
+    return model
+
+
+def _random_expert_biases(model: PreTrainedModel, family: str, config: PretrainedConfig) -> None:
+    """Expert biases get random values: transformers initialises them to zero, and a zero
+    bias would let a kernel that drops or misorders biases pass every test."""
+    import torch
+
+    from moe_experts.architectures import iter_moe_blocks
+
+    arch = ARCHITECTURES[family]
+    if not arch.bias_params:
+        return
+    std = float(getattr(config.get_text_config(), "initializer_range", 0.02))
+    with torch.no_grad():
+        for site in iter_moe_blocks(model, arch):
+            experts = getattr(site.block, arch.experts_attr)
+            for name in arch.bias_params:
+                bias = getattr(experts, name)
+                bias.copy_(torch.randn(bias.shape, dtype=torch.float32).to(bias.dtype) * std)
 
 
 TINY_FAMILIES: tuple[str, ...] = tuple(ARCHITECTURES)
