@@ -80,3 +80,32 @@ def test_refused_families_say_why(model_type: str) -> None:
     with pytest.raises(UnsupportedModelError, match=model_type) as info:
         find_architecture(model)
     assert UNSUPPORTED_FAMILIES[model_type] in str(info.value)
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_layout_fields_convert_to_kernel_layout(transposed: bool, interleaved: bool) -> None:
+    # kt-kernel's layout: gate_up [E, 2I, H] with gate rows first, down [E, H, I].
+    arch = dataclasses.replace(ARCHITECTURES["mixtral"], transposed=transposed,
+                               interleaved=interleaved)
+    e, i, h = 3, 5, 7
+    gate, up = torch.randn(e, i, h), torch.randn(e, i, h)
+    down = torch.randn(e, h, i)
+    bias = torch.randn(e, 2 * i)  # gate first, like the kernel's
+    rows = torch.stack([gate, up], dim=2).flatten(1, 2) if interleaved else torch.cat([gate, up], 1)
+    pairs = torch.stack(bias.unflatten(1, (2, i)).unbind(1), 2)  # [E, I, 2]
+    stored_bias = pairs.flatten(1, 2) if interleaved else bias
+    stored_gu = rows.transpose(1, 2) if transposed else rows
+    stored_dn = down.transpose(1, 2) if transposed else down
+    assert arch.expert_dims(stored_gu) == (e, i, h)
+    shapes = arch.stored_shapes(e, i, h)
+    assert shapes[arch.gate_up_param] == tuple(stored_gu.shape)
+    assert shapes[arch.down_param] == tuple(stored_dn.shape)
+    view = arch.kernel_gate_up(stored_gu)
+    assert view.data_ptr() == stored_gu.data_ptr()  # a view, no copy
+    assert torch.equal(view[:, 0], gate)
+    assert torch.equal(view[:, 1], up)
+    assert torch.equal(arch.kernel_down(stored_dn), down)
+    assert torch.equal(arch.kernel_rows(stored_bias), bias)
+    assert torch.equal(arch.kernel_rows(rows.transpose(0, 1), dim=0),
+                       torch.cat([gate, up], 1).transpose(0, 1))

@@ -138,13 +138,6 @@ class MoEArchitecture:
         i = t.shape[dim] // 2
         return t.unflatten(dim, (i, 2)).transpose(dim, dim + 1).flatten(dim, dim + 1)
 
-    def stored_rows(self, t: torch.Tensor, dim: int = 1) -> torch.Tensor:
-        """The inverse of :meth:`kernel_rows`: gate-first rows back to the family's order."""
-        if not self.interleaved:
-            return t
-        i = t.shape[dim] // 2
-        return t.unflatten(dim, (2, i)).transpose(dim, dim + 1).flatten(dim, dim + 1)
-
     def block_type(self) -> type[nn.Module]:
         """Import and return the MoE block class from transformers.
 
@@ -233,8 +226,9 @@ ARCHITECTURES: dict[str, MoEArchitecture] = {
 
 # Families transformers ships whose experts kt-kernel cannot compute (yet): refused by name.
 UNSUPPORTED_FAMILIES: dict[str, str] = {
-    "openai_privacy_filter": "GPT-OSS experts (clamped SwiGLU with biases, [E, H, 2I]); "
-    "kt-kernel has no clamped_swiglu activation or expert biases yet",
+    "openai_privacy_filter": "a token-classification encoder, not a causal LM; moe-experts "
+    "fine-tunes causal LMs (its GPT-OSS-style experts would fit MoEArchitecture's layout "
+    "fields: transposed, concatenated, biases)",
     "gemma4": "gated GELU-tanh experts; kt-kernel has no gelu_tanh_gated activation yet",
     "diffusion_gemma": "gated GELU-tanh experts; kt-kernel has no gelu_tanh_gated activation yet",
     "deepseek_v4": "SwiGLU clamped at swiglu_limit; kt-kernel has no swiglu_limit activation yet",
