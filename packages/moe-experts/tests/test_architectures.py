@@ -23,7 +23,8 @@ def test_registry_rows_have_tiny_configs_and_are_frozen() -> None:
     # parametrised suites (test_wrap, test_adapt) run it.
     required = {"qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3", "olmoe", "qwen3_5_moe",
                 "qwen3_next", "qwen3_vl_moe", "glm4_moe", "glm4v_moe", "deepseek_v2",
-                "ernie4_5_moe", "minimax", "hunyuan_v1_moe", "dots1", "phimoe", "granitemoe"}
+                "ernie4_5_moe", "minimax", "hunyuan_v1_moe", "dots1", "phimoe", "granitemoe",
+                "gpt_oss"}
     assert required <= set(ARCHITECTURES)
     assert set(TINY_CONFIGS) == set(ARCHITECTURES) == set(FAMILIES)
     assert not set(ARCHITECTURES) & set(UNSUPPORTED_FAMILIES)

@@ -312,7 +312,7 @@ def wrap(
         if self_check:
             # Before this block is replaced: a refused block keeps its original module. A
             # quantised base is checked through a dense twin built from kernel-layout weights
-            # (a copy of this block's gate_up only for an interleaved family).
+            # (a copy of this block's gate_up only where the stored layout is not kt-kernel's).
             twin = weights.is_quantized
             checks.append(
                 self_check_block(
