@@ -52,6 +52,10 @@ class MoEArchitecture:
         gate_up_param: fused gate/up parameter name inside the experts module.
         down_param: down parameter name inside the experts module.
         router: one line on the routing function, for the documentation table.
+        block_enabled_attr: boolean attribute of the block saying whether this instance holds
+            routed experts, for a family whose block class also serves dense layers (Gemma-4's
+            decoder layer holds ``experts`` beside its dense ``mlp`` only when
+            ``enable_moe_block``); blocks where it is false are not MoE blocks.
         transposed: experts are stored ``x @ W`` style, ``gate_up [E, H, 2I]`` and
             ``down [E, I, H]`` (transformers' ``is_transposed``), instead of ``[E, 2I, H]`` /
             ``[E, H, I]``.
@@ -74,6 +78,7 @@ class MoEArchitecture:
     gate_up_param: str = "gate_up_proj"
     down_param: str = "down_proj"
     router: str = "softmax top-k"
+    block_enabled_attr: str | None = None
     # Only fused 3D experts exist in transformers 5.x for these families; per-expert Linear
     # (transformers 4.x) would be a second layout.
     layout: Literal["fused_3d"] = "fused_3d"
@@ -218,6 +223,16 @@ ARCHITECTURES: dict[str, MoEArchitecture] = {
         _spec("mellum", "MellumSparseMoeBlock"),
         _spec("kolibri1", "Kolibri1SparseMoeBlock", **_SHARED),
         _spec("lfm2_moe", "Lfm2MoeSparseMoeBlock", router="sigmoid top-k, bias"),
+        # Experts and router sit in the decoder layer itself, beside a dense mlp whose output
+        # is added; gated tanh-GELU experts (kt_kernel.GeluTanhGated).
+        _spec("gemma4", "Gemma4TextDecoderLayer", text=True, router_attr="router",
+              router_param="proj.weight", block_enabled_attr="enable_moe_block",
+              router="RMS-normed softmax top-k, renormalised, per-expert scale"),
+        # SwiGLU clamped at swiglu_limit (kt_kernel.SwiGLULimit). Hash layers pick experts by
+        # a token-id table but call the experts module the same way, so they run as well.
+        _spec("deepseek_v4", "DeepseekV4SparseMoeBlock",
+              router="sqrt-softplus top-k, bias, scaling (hash layers: token-id table)",
+              **_SHARED),
         _spec("gpt_oss", "GptOssMLP", router_attr="router", router="top-k logits, softmax, bias",
               transposed=True, interleaved=True, gate_up_bias_param="gate_up_proj_bias",
               down_bias_param="down_proj_bias"),
@@ -229,17 +244,23 @@ UNSUPPORTED_FAMILIES: dict[str, str] = {
     "openai_privacy_filter": "a token-classification encoder, not a causal LM; moe-experts "
     "fine-tunes causal LMs (its GPT-OSS-style experts would fit MoEArchitecture's layout "
     "fields: transposed, concatenated, biases)",
-    "gemma4": "gated GELU-tanh experts; kt-kernel has no gelu_tanh_gated activation yet",
-    "diffusion_gemma": "gated GELU-tanh experts; kt-kernel has no gelu_tanh_gated activation yet",
-    "deepseek_v4": "SwiGLU clamped at swiglu_limit; kt-kernel has no swiglu_limit activation yet",
-    "glm5_next": "SwiGLU clamped at swiglu_limit; kt-kernel has no swiglu_limit activation yet",
-    "hy_v4": "SwiGLU clamped at swiglu_limit; kt-kernel has no swiglu_limit activation yet",
-    "hy_v4_vl": "SwiGLU clamped at swiglu_limit; kt-kernel has no swiglu_limit activation yet",
+    "diffusion_gemma": "a block-diffusion model (DiffusionGemmaForBlockDiffusion), not a causal "
+    "LM, with its MoE in two layer classes (encoder and decoder); its gated tanh-GELU experts "
+    "are Gemma-4's, which kt-kernel computes, but no spec or equality test covers this model",
+    "glm5_next": "SwiGLU clamped at swiglu_limit, the formula of kt_kernel.SwiGLULimit, but "
+    "not yet registered with a tiny config and equality tests",
+    "hy_v4": "SwiGLU clamped at swiglu_limit, the formula of kt_kernel.SwiGLULimit, but "
+    "not yet registered with a tiny config and equality tests",
+    "hy_v4_vl": "SwiGLU clamped at swiglu_limit, the formula of kt_kernel.SwiGLULimit, but "
+    "not yet registered with a tiny config and equality tests",
     "step3p7": "SwiGLU clamped after the activation; kt-kernel has no such activation",
     "minimax_m3_vl": "clamped SwiGLU (alpha, limit); kt-kernel has no clamped_swiglu yet",
-    "llama4": "Llama 4 multiplies the *input* of its top-1 expert by the sigmoid routing "
-    "weight (expert(w * x), not w * expert(x)) and stores experts transposed [E, H, 2I]; "
-    "kt-kernel applies routing weights to expert outputs",
+    "llama4": "Llama 4 scales each chosen expert's *input* by the sigmoid of its router logit "
+    "(expert(w * x), not w * expert(x); top-1 in the released models), and SwiGLU is not "
+    "linear, so the weight cannot move to the output; its experts module takes no expert ids "
+    "(every expert runs on every token, unchosen ones on zeroed inputs) and stores experts "
+    "transposed (gate_up_proj [E, H, 2I], down_proj [E, I, H]); kt-kernel applies routing "
+    "weights to expert outputs",
     "aria": "experts stored transposed ([E, H, 2I] and [E, I, H]); kt-kernel's layout is "
     "[E, 2I, H] / [E, H, I]",
     "longcat_flash": "routes tokens to zero (identity) experts beside the SwiGLU experts; "
@@ -265,6 +286,17 @@ class MoEBlockSite:
     def experts_name(self) -> str:
         """Fully-qualified name of the routed experts module."""
         return f"{self.name}.{self.arch.experts_attr}" if self.name else self.arch.experts_attr
+
+    def target(self, path: str) -> str:
+        """The ``target_parameters`` suffix (PEFT, lora-core) naming ``path`` in every block.
+
+        The block's own attribute name comes first (``mlp.experts.gate_up_proj``), except for a
+        block that is a layer of a ``ModuleList`` (Gemma-4's decoder layer), whose name is an
+        index: there the suffix starts inside the block (``experts.gate_up_proj``), so one
+        entry still matches every layer.
+        """
+        leaf = self.name.rpartition(".")[2]
+        return f"{leaf}.{path}" if leaf and not leaf.isdigit() else path
 
 
 def _model_type(model: nn.Module) -> str | None:
@@ -313,6 +345,8 @@ def find_architecture(model: nn.Module) -> MoEArchitecture:
 def iter_moe_blocks(model: nn.Module, arch: MoEArchitecture) -> Iterator[MoEBlockSite]:
     """Yield every MoE block of ``arch`` in ``model`` in module order (dense layers are skipped)."""
     block_type = arch.block_type()
+    flag = arch.block_enabled_attr
     for name, module in model.named_modules():
-        if isinstance(module, block_type):
+        enabled = flag is None or getattr(module, flag, False) is True
+        if isinstance(module, block_type) and enabled:
             yield MoEBlockSite(name=name, block=module, arch=arch)

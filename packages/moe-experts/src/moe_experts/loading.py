@@ -104,12 +104,22 @@ class _KeyMapper:
         self._renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
         self._converters = [t for t in transforms if isinstance(t, WeightConverter)]
         self._sites = {s.experts_name + ".": s for s in sites}
+        self._names = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+        self._names.update(n for n, _ in model.named_buffers(remove_duplicate=False))
 
     def rename(self, key: str) -> str:
-        """Apply every renaming (e.g. Mixtral's ``block_sparse_moe`` -> ``mlp``)."""
+        """Apply every renaming (e.g. Mixtral's ``block_sparse_moe`` -> ``mlp``).
+
+        As transformers does, a key the model already has is kept when the renamings would
+        turn it into one it lacks (DeepSeek-V4's ``.norm.`` -> ``.kv_norm.`` also matches the
+        final ``model.norm.weight``).
+        """
         from transformers.core_model_loading import rename_source_key
 
-        return rename_source_key(key, self._renamings, [])[0]
+        renamed = rename_source_key(key, self._renamings, [])[0]
+        if renamed not in self._names and key in self._names:
+            return key
+        return renamed
 
     def _role(self, site: MoEBlockSite, renamed: str, proj: str) -> str | None:
         """``"gate"``/``"up"``/``"down"`` of a per-expert key, from transformers' converters."""
@@ -457,6 +467,13 @@ def load_pretrained(
 
     state = dict(model.named_parameters(remove_duplicate=False))
     state.update(model.named_buffers(remove_duplicate=False))
+    # Keys the model class declares it does not load (DeepSeek-V4's multi-token-prediction
+    # ``mtp.*`` layers, DeepSeek-V3's extra layer), skipped as from_pretrained skips them.
+    ignored = [re.compile(p) for p in model._keys_to_ignore_on_load_unexpected or ()]
+    dense = {
+        n: k for n, k in dense.items()
+        if n in state or not any(r.search(n) or r.search(k) for r in ignored)
+    }
     unexpected = sorted(k for k in dense if k not in state)
     if unexpected:
         raise LoadError(

@@ -333,8 +333,14 @@ def wrap(
         # The last block's experts must be gone before the trim.
         del gate_up, down, base, outer, stored
     if not wrapped and not already:
+        dense = (
+            f" with {arch.block_enabled_attr}=True (a dense model of the family)"
+            if arch.block_enabled_attr
+            else ""
+        )
         raise WrapError(
-            f"{type(model).__name__} ({arch.family}) has no {arch.block_class} blocks to wrap"
+            f"{type(model).__name__} ({arch.family}) has no {arch.block_class} blocks{dense} "
+            "to wrap"
         )
     if wrapped:
         # Dense views of the checkpoint's file mapping would keep the freed experts' pages of
