@@ -74,7 +74,7 @@ def test_unsupported_model_lists_families() -> None:
         assert family in msg
 
 
-@pytest.mark.parametrize("model_type", ["llama4", "aria", "longcat_flash"])
+@pytest.mark.parametrize("model_type", ["llama4", "longcat_flash", "muse_spark"])
 def test_refused_families_say_why(model_type: str) -> None:
     model = torch.nn.Module()
     model.config = type("Cfg", (), {"model_type": model_type})()

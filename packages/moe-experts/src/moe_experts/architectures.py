@@ -233,6 +233,8 @@ ARCHITECTURES: dict[str, MoEArchitecture] = {
         _spec("deepseek_v4", "DeepseekV4SparseMoeBlock",
               router="sqrt-softplus top-k, bias, scaling (hash layers: token-id table)",
               **_SHARED),
+        _spec("aria", "AriaTextMoELayer", text=True, router_attr="router",
+              router="top-k logits, softmax", transposed=True, **_SHARED),
         _spec("gpt_oss", "GptOssMLP", router_attr="router", router="top-k logits, softmax, bias",
               transposed=True, interleaved=True, gate_up_bias_param="gate_up_proj_bias",
               down_bias_param="down_proj_bias"),
@@ -261,8 +263,6 @@ UNSUPPORTED_FAMILIES: dict[str, str] = {
     "(every expert runs on every token, unchosen ones on zeroed inputs) and stores experts "
     "transposed (gate_up_proj [E, H, 2I], down_proj [E, I, H]); kt-kernel applies routing "
     "weights to expert outputs",
-    "aria": "experts stored transposed ([E, H, 2I] and [E, I, H]); kt-kernel's layout is "
-    "[E, 2I, H] / [E, H, I]",
     "longcat_flash": "routes tokens to zero (identity) experts beside the SwiGLU experts; "
     "kt-kernel computes SwiGLU experts only",
     "muse_spark": "applies an RMSNorm inside every expert after down_proj; kt-kernel has no "

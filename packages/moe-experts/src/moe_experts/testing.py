@@ -137,6 +137,9 @@ TINY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     # Transposed, interleaved experts with biases and a clamped SwiGLU. A limit below the
     # default 7.0 makes the clamps bite on tiny random weights (the self-check and the
     # equality suite then prove them); full attention only, sliding windows are not ours.
+    # Text model of Aria: experts stored transposed ([E, H, 2I] / [E, I, H]), concatenated.
+    "aria": ("aria_text", {"intermediate_size": 16, "moe_num_experts": 4, "moe_topk": 2,
+                           "moe_num_shared_experts": 1}),
     "gpt_oss": ("gpt_oss", {"intermediate_size": 24, "num_local_experts": 4,
                             "swiglu_limit": 1.5, "layer_types": ["full_attention"] * 2,
                             "rope_parameters": {"rope_type": "default",
