@@ -29,7 +29,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str
     out = {}
     for family in CAUSAL_FAMILIES:
         torch.manual_seed(1234)
-        model = tiny_model(family)
+        model = tiny_model(family)  # random expert biases where the family has them
         for layout in LAYOUTS:
             path = tmp_path_factory.mktemp(f"ckpt-{family}-{layout}")
             model.save_pretrained(
@@ -103,6 +103,10 @@ def test_bitwise_equal_to_from_pretrained_and_wrap(
         assert have.weight_dtype == want.expert_weights.weight_dtype
         assert torch.equal(have.gate_up, want.expert_weights.gate_up), name
         assert torch.equal(have.down, want.expert_weights.down), name
+        for bias in ("gate_up_bias", "down_bias"):  # GPT-OSS: converted like the weights
+            a, b = getattr(have, bias), getattr(want.expert_weights, bias)
+            assert (a is None) == (b is None), (name, bias)
+            assert a is None or (torch.equal(a, b) and a.abs().sum() > 0), (name, bias)
     ids = token_batch()
     with torch.no_grad():
         assert torch.equal(got(ids).logits, ref(ids).logits)

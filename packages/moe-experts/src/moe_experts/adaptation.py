@@ -147,7 +147,9 @@ def adapt(
 
     ``layout="fused"`` (default) is PEFT ``target_parameters`` on transformers' fused experts:
     one adapter on ``gate_up_proj`` (``gate_up_lora_a [E, r, H]``, ``gate_up_lora_b [E, 2I, r]``)
-    and one on ``down_proj``; these export to PEFT's ``adapter_model.safetensors`` keys.
+    and one on ``down_proj``; these export to PEFT's ``adapter_model.safetensors`` keys. The
+    ``2I`` rows of ``gate_up_lora_b`` follow the stored weight's gate/up order, as PEFT's do
+    (interleaved for GPT-OSS; the kernel gets them reordered).
     ``layout="split"`` gives gate and up their own A (no PEFT export for gate/up, since PEFT
     cannot express that on a fused parameter). Values come from
     ``lora_core.init_lora_tensor("<experts>.<gate_up|down|gate|up>.lora_A", [E, r, in])``

@@ -134,6 +134,16 @@ TINY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
         "layer_types": ["compressed_sparse_attention", "heavily_compressed_attention"],
         "compress_rates": {"compressed_sparse_attention": 2, "heavily_compressed_attention": 4},
         "mlp_layer_types": ["hash_moe", "moe"]}),
+    # Transposed, interleaved experts with biases and a clamped SwiGLU. A limit below the
+    # default 7.0 makes the clamps bite on tiny random weights (the self-check and the
+    # equality suite then prove them); full attention only, sliding windows are not ours.
+    # Text model of Aria: experts stored transposed ([E, H, 2I] / [E, I, H]), concatenated.
+    "aria": ("aria_text", {"intermediate_size": 16, "moe_num_experts": 4, "moe_topk": 2,
+                           "moe_num_shared_experts": 1}),
+    "gpt_oss": ("gpt_oss", {"intermediate_size": 24, "num_local_experts": 4,
+                            "swiglu_limit": 1.5, "layer_types": ["full_attention"] * 2,
+                            "rope_parameters": {"rope_type": "default",
+                                                "rope_theta": 10000.0}}),
 }
 
 
@@ -205,7 +215,25 @@ def tiny_model(family: str, **overrides: Any) -> PreTrainedModel:
     if family in _AFTER_INIT:
         with torch.no_grad():
             _AFTER_INIT[family](model)
+    _random_expert_biases(model, family, config)
     return model
+
+
+def _random_expert_biases(model: PreTrainedModel, family: str, config: PretrainedConfig) -> None:
+    """Expert biases get random values: transformers initialises them to zero, and a zero
+    bias would let a kernel that drops or misorders biases pass every test."""
+    from moe_experts.architectures import iter_moe_blocks
+
+    arch = ARCHITECTURES[family]
+    if not arch.bias_params:
+        return
+    std = float(getattr(config.get_text_config(), "initializer_range", 0.02))
+    with torch.no_grad():
+        for site in iter_moe_blocks(model, arch):
+            experts = getattr(site.block, arch.experts_attr)
+            for name in arch.bias_params:
+                bias = getattr(experts, name)
+                bias.copy_(torch.randn(bias.shape, dtype=torch.float32).to(bias.dtype) * std)
 
 
 TINY_FAMILIES: tuple[str, ...] = tuple(ARCHITECTURES)
