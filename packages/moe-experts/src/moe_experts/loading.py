@@ -29,7 +29,8 @@ from moe_experts.architectures import MoEBlockSite, find_architecture, iter_moe_
 from moe_experts.errors import LoadError
 from moe_experts.kernel_experts import KernelExperts, Policy
 from moe_experts.memory import trim_host_heap
-from moe_experts.wrapping import _DTYPES, WeightDType, _expert_spec
+from moe_experts.sharing import ExpertSharing, default_kernel_threads, shared_or_local
+from moe_experts.wrapping import _DTYPES, WeightDType, _expert_spec, _weight_format
 
 __all__ = ["load_pretrained"]
 
@@ -330,6 +331,7 @@ def load_pretrained(
     dtype: torch.dtype = torch.bfloat16,
     dense_device: str | torch.device = "cpu",
     policy: Policy = "save",
+    share_experts: bool | None = None,
 ) -> nn.Module:
     """Build a causal LM from a local checkpoint with its experts streamed onto kt-kernel.
 
@@ -347,6 +349,8 @@ def load_pretrained(
         dense_device: device of the dense (non-expert) weights, e.g. ``"cuda:0"``; the experts
             stay on the CPU kernel and hidden states cross over and back (autograd too).
         policy: kt-kernel activation policy, ``"save"`` or ``"recompute"``.
+        share_experts: as in :func:`moe_experts.wrap`: under torchrun only local rank 0 reads
+            the checkpoint's experts, into one shared copy per machine (``False``: per rank).
 
     Returns:
         The model in eval mode, every supported MoE block's experts on the kernel.
@@ -402,19 +406,25 @@ def load_pretrained(
     # formats are filled in place (the transient is one expert); int8 quantises a block.
     shards = _Shards()
     quantised = weight_dtype == "int8"
+    default_kernel_threads()
+    sharing = ExpertSharing.detect(share_experts)  # only its writers read the experts
     for site in sites:
         experts = getattr(site.block, arch.experts_attr)
         meta = (getattr(experts, arch.gate_up_param), getattr(experts, arch.down_param))
         storage = meta[0].dtype if quantised else _DTYPES[weight_dtype]
         keys = expert_keys[site.experts_name]
-        gate_up, down = _assemble(site, keys, where, shards, meta, storage)
-        spec = _expert_spec(site, experts, gate_up, down)
-        if quantised:
-            weights = kt_kernel.ExpertWeights.from_fused(
-                spec, gate_up, down, dtype=_DTYPES[weight_dtype], weight_dtype="int8"
-            )
-        else:
-            weights = _adopt_dense(spec, gate_up, down)
+        spec = _expert_spec(site, experts, *meta)
+
+        def build(site=site, keys=keys, meta=meta, storage=storage, spec=spec):
+            gate_up, down = _assemble(site, keys, where, shards, meta, storage)
+            if quantised:
+                return kt_kernel.ExpertWeights.from_fused(
+                    spec, gate_up, down, dtype=_DTYPES[weight_dtype], weight_dtype="int8"
+                )
+            return _adopt_dense(spec, gate_up, down)
+
+        fmt = _weight_format(weight_dtype, meta[0].dtype)
+        weights = shared_or_local(sharing, build, spec, fmt, site.experts_name)
         kernel = KernelExperts(
             weights,
             gate_up_like=_like(meta[0]),
@@ -425,7 +435,7 @@ def load_pretrained(
             policy=policy,
         )
         setattr(site.block, arch.experts_attr, kernel)
-        del gate_up, down, weights, experts, meta
+        del weights, experts, meta, build
 
     state = dict(model.named_parameters(remove_duplicate=False))
     state.update(model.named_buffers(remove_duplicate=False))

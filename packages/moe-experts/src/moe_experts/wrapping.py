@@ -21,6 +21,7 @@ from moe_experts.memory import release_file_views, trim_host_heap
 from moe_experts.placeholders import named_placeholders
 from moe_experts.self_check import BlockCheck, expert_activation
 from moe_experts.self_check import self_check as self_check_block
+from moe_experts.sharing import ExpertSharing, default_kernel_threads, shared_or_local
 
 __all__ = ["WeightDType", "WrapReport", "experts_sites", "wrap"]
 
@@ -125,6 +126,14 @@ def _expert_spec(
     )
 
 
+def _weight_format(weight_dtype: str, source: torch.dtype) -> kt_kernel.WeightFormat:
+    """The kernel format ``wrap``/``load_pretrained`` store ``weight_dtype`` in."""
+    from kt_kernel.formats import resolve_format
+
+    quantised = weight_dtype if weight_dtype in _QUANTISED else None
+    return resolve_format(quantised, _DTYPES[weight_dtype], source)
+
+
 def _adopt(
     site: MoEBlockSite, wrappers: tuple[nn.Module, ...], kernel: KernelExperts
 ) -> None:
@@ -195,6 +204,7 @@ def wrap(
     weight_dtype: WeightDType = "bf16",
     policy: Policy = "save",
     self_check: bool = True,
+    share_experts: bool | None = None,
 ) -> WrapReport:
     """Run every MoE block's routed experts on kt-kernel, in place.
 
@@ -218,6 +228,13 @@ def wrap(
             8 random tokens before the original weights are freed and refuse a disagreement
             (``SelfCheckError`` naming the block and the error). Turn it off only for a model
             verified another way; it costs one small forward per block.
+        share_experts: under torchrun with ``LOCAL_WORLD_SIZE`` > 1, local rank 0 builds each
+            block's kernel storage once in shared memory (``/dev/shm``) and every local rank
+            maps it read-only: one copy per machine. ``None`` (default) shares unless the
+            environment sets ``MOE_EXPERTS_SHARE_EXPERTS=0``; ``False`` keeps a copy per rank.
+            Every rank must call ``wrap`` on the same model. Under torchrun the kernel also
+            gets ``cores / LOCAL_WORLD_SIZE`` threads unless ``KT_KERNEL_THREADS`` (or an
+            ``OMP_NUM_THREADS`` other than torchrun's default 1) says otherwise.
 
     Returns:
         A :class:`WrapReport`, including how many bytes left the module tree.
@@ -233,6 +250,8 @@ def wrap(
     if policy not in ("save", "recompute"):
         raise WrapError(f"policy must be 'save' or 'recompute', got {policy!r}")
     arch = find_architecture(model)
+    default_kernel_threads()
+    sharing = ExpertSharing.detect(share_experts)
     checks: list[BlockCheck] = []
     wrapped: list[str] = []
     already: list[str] = []
@@ -254,13 +273,12 @@ def wrap(
                 "(transformers 4.x) are not supported by this spec"
             )
         spec = _expert_spec(site, base, gate_up, down)
-        weights = kt_kernel.ExpertWeights.from_fused(
-            spec,
-            gate_up,
-            down,
-            dtype=_DTYPES[weight_dtype],
-            weight_dtype=weight_dtype if weight_dtype in _QUANTISED else None,
-        )
+        fmt = _weight_format(weight_dtype, gate_up.dtype)
+
+        def build(spec=spec, gate_up=gate_up, down=down, fmt=fmt) -> kt_kernel.ExpertWeights:
+            return kt_kernel.ExpertWeights.from_fused(spec, gate_up, down, weight_dtype=fmt)
+
+        weights = shared_or_local(sharing, build, spec, fmt, site.experts_name)
         if weights.is_quantized:
             reports.append((site.experts_name, weights.quantization_report()))
         kernel = KernelExperts(
@@ -288,7 +306,8 @@ def wrap(
         else:
             setattr(site.block, arch.experts_attr, kernel)
         wrapped.append(site.experts_name)
-        del gate_up, down, base, outer  # the last block's experts must be gone before the trim
+        # The last block's experts must be gone before the trim.
+        del gate_up, down, base, outer, build
     if not wrapped and not already:
         raise WrapError(
             f"{type(model).__name__} ({arch.family}) has no {arch.block_class} blocks to wrap"
