@@ -88,7 +88,8 @@ def _weight_map(path: Path) -> dict[str, Path]:
 class _ExpertKeys:
     """Where one experts module's weights are in the checkpoint."""
 
-    fused: dict[str, str] = field(default_factory=dict)  # "gate_up" | "down" -> key
+    # stored parameter name (gate_up_proj, down_proj, a bias) -> key
+    fused: dict[str, str] = field(default_factory=dict)
     # (expert, "gate" | "up" | "down") -> key
     per_expert: dict[tuple[int, str], str] = field(default_factory=dict)
 
@@ -104,12 +105,22 @@ class _KeyMapper:
         self._renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
         self._converters = [t for t in transforms if isinstance(t, WeightConverter)]
         self._sites = {s.experts_name + ".": s for s in sites}
+        self._names = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+        self._names.update(n for n, _ in model.named_buffers(remove_duplicate=False))
 
     def rename(self, key: str) -> str:
-        """Apply every renaming (e.g. Mixtral's ``block_sparse_moe`` -> ``mlp``)."""
+        """Apply every renaming (e.g. Mixtral's ``block_sparse_moe`` -> ``mlp``).
+
+        As transformers does, a key the model already has is kept when the renamings would
+        turn it into one it lacks (DeepSeek-V4's ``.norm.`` -> ``.kv_norm.`` also matches the
+        final ``model.norm.weight``).
+        """
         from transformers.core_model_loading import rename_source_key
 
-        return rename_source_key(key, self._renamings, [])[0]
+        renamed = rename_source_key(key, self._renamings, [])[0]
+        if renamed not in self._names and key in self._names:
+            return key
+        return renamed
 
     def _role(self, site: MoEBlockSite, renamed: str, proj: str) -> str | None:
         """``"gate"``/``"up"``/``"down"`` of a per-expert key, from transformers' converters."""
@@ -126,7 +137,9 @@ class _KeyMapper:
         return None
 
     def expert_key(self, key: str) -> tuple[MoEBlockSite, tuple[int, str] | str] | None:
-        """``(site, (expert, role))`` / ``(site, "gate_up"|"down")`` for an expert key, else None.
+        """``(site, (expert, role))`` / ``(site, stored parameter name)`` for an expert key.
+
+        Returns ``None`` for a key outside every experts module.
 
         Raises:
             LoadError: a key under an experts module that is neither layout.
@@ -136,10 +149,8 @@ class _KeyMapper:
             if not renamed.startswith(prefix):
                 continue
             rest = renamed[len(prefix) :]
-            if rest == site.arch.gate_up_param:
-                return site, "gate_up"
-            if rest == site.arch.down_param:
-                return site, "down"
+            if rest in site.arch.stored_shapes(0, 0, 0):  # gate_up, down and any bias
+                return site, rest
             match = _PER_EXPERT.match(rest)
             role = self._role(site, renamed, match.group(2)) if match else None
             if match is None or role is None:
@@ -236,34 +247,48 @@ def _assemble(
     keys: _ExpertKeys,
     where: dict[str, Path],
     shards: _Shards,
-    meta: tuple[torch.Tensor, torch.Tensor],
+    meta: dict[str, torch.Tensor],
     storage: torch.dtype,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One block's ``gate_up [E, 2I, H]`` and ``down [E, H, I]`` in the ``storage`` dtype.
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """One block's ``gate_up [E, 2I, H]``, ``down [E, H, I]`` (kernel layout) and biases.
 
     Each tensor is first cast to the model dtype (what ``from_pretrained`` holds), then to
-    ``storage`` (what ``wrap`` copies it to), so the values are exactly those of that path.
+    ``storage`` (what ``wrap`` copies it to), so the values are exactly those of that path. A
+    family with another stored layout (``MoEArchitecture.transposed``/``interleaved``) is
+    converted while copying into the kernel-layout buffers; biases stay in the stored order,
+    in the model dtype (``wrap`` reads them from the module).
     """
-    gu_meta, dn_meta = meta
-    e, two_i = gu_meta.shape[:2]
-    inter = two_i // 2
+    arch = site.arch
+    gu_meta = meta[arch.gate_up_param]
+    e, inter, h = arch.expert_dims(gu_meta)
+    model_dtype = gu_meta.dtype
     name = site.experts_name
     if keys.fused and keys.per_expert:
         raise LoadError(
             f"{name}: the checkpoint holds both fused ({sorted(keys.fused.values())[0]!r}) "
             "and per-expert keys; it must use one layout per experts module"
         )
-    gate_up = torch.empty(gu_meta.shape, dtype=storage)
-    down = torch.empty(dn_meta.shape, dtype=storage)
-    if keys.fused:
-        for part, dst in (("gate_up", gate_up), ("down", down)):
-            key = keys.fused.get(part)
+    gate_up = torch.empty((e, 2 * inter, h), dtype=storage)
+    down = torch.empty((e, h, inter), dtype=storage)
+    biases: dict[str, torch.Tensor] = {}
+    for param in arch.bias_params:
+        key = keys.fused.get(param)
+        if key is None:
+            raise LoadError(f"{name}: the checkpoint has no {param} tensor for it")
+        biases[param] = shards.read(where[key], key, tuple(meta[param].shape)).to(model_dtype)
+    if keys.fused.keys() - set(arch.bias_params):
+        for param, dst in (
+            (arch.gate_up_param, gate_up.unflatten(1, (2, inter))),
+            (arch.down_param, down),
+        ):
+            key = keys.fused.get(param)
             if key is None:
-                raise LoadError(f"{name}: the checkpoint has no fused {part} tensor for it")
-            t = shards.read(where[key], key, tuple(dst.shape))
-            dst.copy_(t.to(gu_meta.dtype))
-            del t
-        return gate_up, down
+                raise LoadError(f"{name}: the checkpoint has no fused {param} tensor for it")
+            t = shards.read(where[key], key, tuple(meta[param].shape)).to(model_dtype)
+            view = arch.kernel_gate_up(t) if param == arch.gate_up_param else arch.kernel_down(t)
+            dst.copy_(view)
+            del t, view
+        return gate_up, down, biases
     for x in range(e):
         for role, dst in (
             ("gate", gate_up[x, :inter]),
@@ -278,21 +303,25 @@ def _assemble(
                     f"{len(keys.per_expert)} of the {3 * e} per-expert tensors"
                 )
             t = shards.read(where[key], key, tuple(dst.shape))
-            dst.copy_(t.to(gu_meta.dtype))
+            dst.copy_(t.to(model_dtype))
             del t
-    return gate_up, down
+    return gate_up, down, biases
 
 
 def _adopt_dense(
-    spec: kt_kernel.ExpertSpec, gate_up: torch.Tensor, down: torch.Tensor
+    spec: kt_kernel.ExpertSpec,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    gate_up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
 ) -> kt_kernel.ExpertWeights:
     """Dense :class:`kt_kernel.ExpertWeights` over already-filled storage, without a copy."""
-    from_parts = getattr(kt_kernel.ExpertWeights, "from_parts", None)
-    if from_parts is not None:  # kt-kernel with pluggable weight formats
-        from kt_kernel.formats import Dense
+    from kt_kernel.formats import Dense
 
-        return from_parts(spec, Dense(gate_up.dtype), (gate_up,), (down,))
-    return kt_kernel.ExpertWeights(spec, gate_up, down)
+    return kt_kernel.ExpertWeights.from_parts(
+        spec, Dense(gate_up.dtype), (gate_up,), (down,),
+        gate_up_bias=gate_up_bias, down_bias=down_bias,
+    )
 
 
 def _like(meta: torch.Tensor) -> torch.Tensor:
@@ -410,35 +439,51 @@ def load_pretrained(
     sharing = ExpertSharing.detect(share_experts)  # only its writers read the experts
     for site in sites:
         experts = getattr(site.block, arch.experts_attr)
-        meta = (getattr(experts, arch.gate_up_param), getattr(experts, arch.down_param))
-        storage = meta[0].dtype if quantised else _DTYPES[weight_dtype]
+        meta = {p: getattr(experts, p) for p in arch.stored_shapes(0, 0, 0)}
+        model_dtype = meta[arch.gate_up_param].dtype
+        storage = model_dtype if quantised else _DTYPES[weight_dtype]
         keys = expert_keys[site.experts_name]
-        spec = _expert_spec(site, experts, *meta)
+        spec = _expert_spec(site, experts, meta[arch.gate_up_param], meta[arch.down_param])
 
         def build(site=site, keys=keys, meta=meta, storage=storage, spec=spec):
-            gate_up, down = _assemble(site, keys, where, shards, meta, storage)
+            gate_up, down, biases = _assemble(site, keys, where, shards, meta, storage)
+            gate_up_bias = biases.get(arch.gate_up_bias_param or "")
+            if gate_up_bias is not None:
+                gate_up_bias = arch.kernel_rows(gate_up_bias, dim=1)
+            down_bias = biases.get(arch.down_bias_param or "")
             if quantised:
                 return kt_kernel.ExpertWeights.from_fused(
-                    spec, gate_up, down, dtype=_DTYPES[weight_dtype], weight_dtype="int8"
+                    spec, gate_up, down, dtype=_DTYPES[weight_dtype], weight_dtype="int8",
+                    gate_up_bias=gate_up_bias, down_bias=down_bias,
                 )
-            return _adopt_dense(spec, gate_up, down)
+            return _adopt_dense(spec, gate_up, down, gate_up_bias, down_bias)
 
-        fmt = _weight_format(weight_dtype, meta[0].dtype)
+        fmt = _weight_format(weight_dtype, model_dtype)
         weights = shared_or_local(sharing, build, spec, fmt, site.experts_name)
         kernel = KernelExperts(
             weights,
-            gate_up_like=_like(meta[0]),
-            down_like=_like(meta[1]),
+            gate_up_like=_like(meta[arch.gate_up_param]),
+            down_like=_like(meta[arch.down_param]),
             gate_up_name=arch.gate_up_param,
             down_name=arch.down_param,
             label=site.experts_name,
             policy=policy,
+            arch=arch,
+            bias_like={p: _like(meta[p]) for p in arch.bias_params},
+            order=tuple(n for n, _ in experts.named_parameters(recurse=False)),
         )
         setattr(site.block, arch.experts_attr, kernel)
         del weights, experts, meta, build
 
     state = dict(model.named_parameters(remove_duplicate=False))
     state.update(model.named_buffers(remove_duplicate=False))
+    # Keys the model class declares it does not load (DeepSeek-V4's multi-token-prediction
+    # ``mtp.*`` layers, DeepSeek-V3's extra layer), skipped as from_pretrained skips them.
+    ignored = [re.compile(p) for p in model._keys_to_ignore_on_load_unexpected or ()]
+    dense = {
+        n: k for n, k in dense.items()
+        if n in state or not any(r.search(n) or r.search(k) for r in ignored)
+    }
     unexpected = sorted(k for k in dense if k not in state)
     if unexpected:
         raise LoadError(
