@@ -29,7 +29,8 @@ from moe_experts.architectures import MoEBlockSite, find_architecture, iter_moe_
 from moe_experts.errors import LoadError
 from moe_experts.kernel_experts import KernelExperts, Policy
 from moe_experts.memory import trim_host_heap
-from moe_experts.wrapping import _DTYPES, WeightDType, _expert_spec
+from moe_experts.sharing import ExpertSharing, default_kernel_threads, shared_or_local
+from moe_experts.wrapping import _DTYPES, WeightDType, _expert_spec, _weight_format
 
 __all__ = ["load_pretrained"]
 
@@ -359,6 +360,7 @@ def load_pretrained(
     dtype: torch.dtype = torch.bfloat16,
     dense_device: str | torch.device = "cpu",
     policy: Policy = "save",
+    share_experts: bool | None = None,
 ) -> nn.Module:
     """Build a causal LM from a local checkpoint with its experts streamed onto kt-kernel.
 
@@ -376,6 +378,8 @@ def load_pretrained(
         dense_device: device of the dense (non-expert) weights, e.g. ``"cuda:0"``; the experts
             stay on the CPU kernel and hidden states cross over and back (autograd too).
         policy: kt-kernel activation policy, ``"save"`` or ``"recompute"``.
+        share_experts: as in :func:`moe_experts.wrap`: under torchrun only local rank 0 reads
+            the checkpoint's experts, into one shared copy per machine (``False``: per rank).
 
     Returns:
         The model in eval mode, every supported MoE block's experts on the kernel.
@@ -431,25 +435,31 @@ def load_pretrained(
     # formats are filled in place (the transient is one expert); int8 quantises a block.
     shards = _Shards()
     quantised = weight_dtype == "int8"
+    default_kernel_threads()
+    sharing = ExpertSharing.detect(share_experts)  # only its writers read the experts
     for site in sites:
         experts = getattr(site.block, arch.experts_attr)
         meta = {p: getattr(experts, p) for p in arch.stored_shapes(0, 0, 0)}
         model_dtype = meta[arch.gate_up_param].dtype
         storage = model_dtype if quantised else _DTYPES[weight_dtype]
         keys = expert_keys[site.experts_name]
-        gate_up, down, biases = _assemble(site, keys, where, shards, meta, storage)
         spec = _expert_spec(site, experts, meta[arch.gate_up_param], meta[arch.down_param])
-        gate_up_bias = biases.get(arch.gate_up_bias_param or "")
-        if gate_up_bias is not None:
-            gate_up_bias = arch.kernel_rows(gate_up_bias, dim=1)
-        down_bias = biases.get(arch.down_bias_param or "")
-        if quantised:
-            weights = kt_kernel.ExpertWeights.from_fused(
-                spec, gate_up, down, dtype=_DTYPES[weight_dtype], weight_dtype="int8",
-                gate_up_bias=gate_up_bias, down_bias=down_bias,
-            )
-        else:
-            weights = _adopt_dense(spec, gate_up, down, gate_up_bias, down_bias)
+
+        def build(site=site, keys=keys, meta=meta, storage=storage, spec=spec):
+            gate_up, down, biases = _assemble(site, keys, where, shards, meta, storage)
+            gate_up_bias = biases.get(arch.gate_up_bias_param or "")
+            if gate_up_bias is not None:
+                gate_up_bias = arch.kernel_rows(gate_up_bias, dim=1)
+            down_bias = biases.get(arch.down_bias_param or "")
+            if quantised:
+                return kt_kernel.ExpertWeights.from_fused(
+                    spec, gate_up, down, dtype=_DTYPES[weight_dtype], weight_dtype="int8",
+                    gate_up_bias=gate_up_bias, down_bias=down_bias,
+                )
+            return _adopt_dense(spec, gate_up, down, gate_up_bias, down_bias)
+
+        fmt = _weight_format(weight_dtype, model_dtype)
+        weights = shared_or_local(sharing, build, spec, fmt, site.experts_name)
         kernel = KernelExperts(
             weights,
             gate_up_like=_like(meta[arch.gate_up_param]),
@@ -463,7 +473,7 @@ def load_pretrained(
             order=tuple(n for n, _ in experts.named_parameters(recurse=False)),
         )
         setattr(site.block, arch.experts_attr, kernel)
-        del gate_up, down, weights, experts, meta, biases
+        del weights, experts, meta, build
 
     state = dict(model.named_parameters(remove_duplicate=False))
     state.update(model.named_buffers(remove_duplicate=False))
