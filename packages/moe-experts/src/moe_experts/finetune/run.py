@@ -24,6 +24,7 @@ from moe_experts.finetune.errors import FinetuneError
 from moe_experts.finetune.formats import Sample
 from moe_experts.finetune.interrupts import StopRequest
 from moe_experts.finetune.loop import FinetuneSummary, TrainingJob, restore_checkpoint, train
+from moe_experts.finetune.loss import full_logits_reason
 from moe_experts.finetune.models import LoadedModel, load_model
 
 __all__ = ["run_finetune"]
@@ -115,6 +116,10 @@ def run_finetune(args: FinetuneArgs, stop: StopRequest | None = None) -> Finetun
     result = moe_experts.adapt_model(loaded.model, lora, weight_dtype=args.weight_dtype)
     if ranks.rank == 0:
         print(moe_experts.coverage_summary(loaded.model, result), file=sys.stderr)
+        why = full_logits_reason(loaded.model) if args.loss == "chunked" else None
+        if why is not None:
+            print(f"note: --loss chunked uses the full logits for this model: {why}",
+                  file=sys.stderr)
     if ranks.world > 1:
         shard_dense(loaded.model, _expert_parameters(loaded.model))
         result = rebind_parameters(result, loaded.model)  # fully_shard made new Parameters
