@@ -109,6 +109,69 @@ def test_export_merged_is_base_plus_adapter(trained: dict) -> None:
     assert not torch.allclose(merged(input_ids=IDS).logits, base, atol=1e-3)
 
 
+# What vLLM's LoRA loader (vllm/lora: utils.parse_fine_tuned_lora_name, lora_model
+# LoRAModel.from_local_checkpoint, peft_helper.PEFTHelper, worker_manager; read in vLLM 0.34.0,
+# which cannot be installed beside torch 2.13 / transformers 5.24) requires of an adapter
+# directory, restated here because vLLM itself cannot run in this environment.
+VLLM_REQUIRED_CONFIG = ("r", "lora_alpha", "target_modules")
+VLLM_REFUSED_CONFIG = {"use_dora": True, "lora_bias": True}
+
+
+def _vllm_module(key: str) -> tuple[str, bool]:
+    """vLLM's reading of a tensor key: (module name without the PEFT prefix, is lora_A)."""
+    assert key.startswith("base_model.model."), key
+    parts = key.removeprefix("base_model.model.").split(".")
+    assert parts[-1] == "weight", key
+    assert parts[-2] in ("lora_A", "lora_B"), key
+    return ".".join(parts[:-2]), parts[-2] == "lora_A"
+
+
+def _check_vllm_load_rules(cfg: dict, tensors: dict, base) -> None:
+    """The adapter passes vLLM's checks for a 2-D-expert MoE model (e.g. Qwen3-MoE)."""
+    for field in VLLM_REQUIRED_CONFIG:
+        assert field in cfg, f"vLLM requires {field} in adapter_config.json"
+    assert isinstance(cfg["r"], int)
+    assert cfg["r"] > 0
+    for field, bad in VLLM_REFUSED_CONFIG.items():
+        assert cfg.get(field) != bad, f"vLLM refuses {field}={bad}"
+    assert cfg.get("bias", "none") == "none"
+    assert not cfg.get("modules_to_save"), "vLLM takes modules_to_save only for classifiers"
+    init = cfg.get("init_lora_weights", True)
+    assert not isinstance(init, str) or init.lower() == "gaussian", init
+    # Scale differences are folded into B, so no pattern may rescale a module a second time.
+    assert not cfg.get("rank_pattern")
+    assert not cfg.get("alpha_pattern")
+    n_experts = base.config.num_experts
+    # vLLM's expected expert modules for a 2-D (per-expert checkpoint) MoE: experts.{e}.{w}
+    # from the model's expert mapping (gate_proj, up_proj, down_proj per expert).
+    expected_experts = {f"experts.{e}.{w}" for e in range(n_experts)
+                        for w in ("gate_proj", "up_proj", "down_proj")}
+    # Attention: the packed qkv_proj's parts and o_proj (Qwen3MoeForCausalLM's mapping).
+    expected_plain = {"q_proj", "k_proj", "v_proj", "o_proj"}
+    halves: dict[str, dict[bool, torch.Tensor]] = {}
+    for key, tensor in tensors.items():
+        assert ".base_layer." not in key, f"{key}: vLLM reads base_layer keys as 3-D experts"
+        module, is_a = _vllm_module(key)
+        if ".experts" in module:
+            suffix = module[module.index(".experts") + 1:]
+            assert suffix in expected_experts, f"vLLM: unexpected expert module {module}"
+        else:
+            assert module.rsplit(".", 1)[-1] in expected_plain, f"vLLM: unexpected {module}"
+        assert tensor.ndim == 2, key
+        assert tensor.dtype in (torch.float32, torch.bfloat16, torch.float16), key
+        halves.setdefault(module, {})[is_a] = tensor
+    for module, pair in halves.items():
+        assert set(pair) == {True, False}, f"{module}: vLLM needs both lora_A and lora_B"
+        a, b = pair[True], pair[False]
+        assert a.shape[0] == cfg["r"], module
+        assert b.shape[1] == cfg["r"], module
+        if ".experts." not in module:
+            w = base.get_submodule(module).weight
+            assert (b.shape[0], a.shape[1]) == tuple(w.shape), module
+    experts_seen = {m[m.index(".experts") + 1:] for m in halves if ".experts." in m}
+    assert experts_seen == expected_experts  # every expert of every projection, none extra
+
+
 @pytest.mark.timeout(300)
 def test_export_vllm_per_expert_equals_peft_merge_deltas(trained: dict) -> None:
     from safetensors.torch import load_file
@@ -131,6 +194,7 @@ def test_export_vllm_per_expert_equals_peft_merge_deltas(trained: dict) -> None:
     scaling = cfg["lora_alpha"] / cfg["r"]
 
     base = AutoModelForCausalLM.from_pretrained(trained["base"])
+    _check_vllm_load_rules(cfg, tensors, base)
     merged = _peft(trained["base"], trained["root"] / "step-00000020").merge_and_unload()
     n_layers, n_experts = base.config.num_hidden_layers, base.config.num_experts
     inter = base.config.moe_intermediate_size

@@ -11,9 +11,9 @@ the ``moe-experts`` command's ``--help``) does not load torch or transformers.
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
+from moe_experts._lazy import lazy_module_attributes
 from moe_experts._version import __version__
 
 if TYPE_CHECKING:
@@ -131,16 +131,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    """Import a public name's module on first access."""
-    module = _WHERE.get(name)
-    if module is None:
-        raise AttributeError(f"module 'moe_experts' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"moe_experts.{module}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    """The public names, for tab completion."""
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_module_attributes(__name__, globals(), _WHERE, __all__)

@@ -2,15 +2,16 @@
 
 One job per module: ``config`` (settings table, YAML), ``checks`` (pre-model checks),
 ``formats``/``data``/``chat``/``tokenizer`` (data formats, masking, batching), ``models``
-(loading), ``run`` (``run_finetune``), ``loop`` (steps, checkpoints), ``evaluation``,
+(loading), ``run`` (``run_finetune``), ``loop`` (steps, checkpoints), ``loss``, ``evaluation``,
 ``schedule``, ``reporting``, ``distributed``, ``interrupts``, ``generate``, ``export``,
 ``adapters`` and ``cli``. Names are imported on first use, so the CLI starts without torch.
 """
 
 from __future__ import annotations
 
-import importlib
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
+
+from moe_experts._lazy import lazy_module_attributes
 
 if TYPE_CHECKING:
     from moe_experts.finetune.config import FinetuneArgs
@@ -88,16 +89,4 @@ __all__ = [
 ]
 
 
-def __getattr__(name: str) -> Any:
-    """Import a public name's module on first access (keeps ``--help`` free of torch)."""
-    module = _WHERE.get(name)
-    if module is None:
-        raise AttributeError(f"module 'moe_experts.finetune' has no attribute {name!r}")
-    value = getattr(importlib.import_module(f"moe_experts.finetune.{module}"), name)
-    globals()[name] = value
-    return value
-
-
-def __dir__() -> list[str]:
-    """The public names, for tab completion."""
-    return sorted(set(globals()) | set(__all__))
+__getattr__, __dir__ = lazy_module_attributes(__name__, globals(), _WHERE, __all__)

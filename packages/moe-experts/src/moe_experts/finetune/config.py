@@ -69,6 +69,10 @@ class FinetuneArgs:
     batch_size: int = 8  # global per optimizer step, across ranks and accumulation
     grad_accum: int = 1  # micro-batches per optimizer step (memory, not the batch's size)
     max_grad_norm: float = 1.0
+    # chunked: loss from the last hidden state and the head weight, a chunk of rows at a time
+    # (no fp32 [tokens, vocab] logits); full: from model(...).logits. Families whose logits
+    # are not a plain lm_head (soft-capping, logit scales) always use full.
+    loss: str = "chunked"
     # After the first backward a trainable parameter without a finite, non-zero gradient stops
     # the run (silently untrained experts or routers are the commonest MoE-LoRA failure).
     warn_missing_gradients: bool = False
@@ -155,6 +159,10 @@ OPTIONS: tuple[Option, ...] = (
            check=_at_least(1), aliases=("--gradient-accumulation-steps",)),
     Option("max_grad_norm", "--max-grad-norm", "training", "max_grad_norm", float,
            "clip the global gradient norm to this", check=_positive),
+    Option("loss", "--loss", "training", "loss", str,
+           "chunked: cross-entropy over the LM head in chunks, never the full fp32 logits "
+           "(falls back to full where the model transforms its logits); full: from the "
+           "model's logits", choices=("chunked", "full")),
     Option("warn_missing_gradients", "--warn-missing-gradients", "training",
            "warn_missing_gradients", bool,
            "only warn (instead of stopping) when a trainable parameter gets no finite, "

@@ -1,4 +1,4 @@
-"""The token-summed loss of a batch, and the evaluation pass over a held-out set."""
+"""The evaluation pass over a held-out set (the loss itself is ``loss.token_loss_sum``)."""
 
 from __future__ import annotations
 
@@ -7,29 +7,26 @@ import math
 import torch
 from torch import nn
 
-from moe_experts.finetune.data import IGNORE_INDEX, Batch
+from moe_experts.finetune.data import Batch
+from moe_experts.finetune.loss import token_loss_sum
 
 __all__ = ["evaluate", "token_loss_sum"]
 
 
-def token_loss_sum(model: nn.Module, batch: Batch) -> torch.Tensor:
-    """Summed cross-entropy over the batch's target tokens (a 0-d float32 tensor).
-
-    Summing, and dividing once by the step's target count, makes accumulation and sharding
-    across ranks give the same loss and gradients as one big batch.
-    """
-    logits = model(**batch.model_inputs()).logits
-    return nn.functional.cross_entropy(
-        logits.float().reshape(-1, logits.shape[-1]), batch.labels.reshape(-1),
-        ignore_index=IGNORE_INDEX, reduction="sum")
-
-
 @torch.no_grad()
-def evaluate(model: nn.Module, batches: list[Batch]) -> float:
+def evaluate(model: nn.Module, batches: list[Batch], loss: str = "chunked") -> float:
     """Mean loss per target token over every evaluation batch (all ranks run all of them).
 
     Every rank evaluates the whole (small) evaluation set, so FSDP's collectives line up
     without splitting it and every rank gets the same number.
+
+    Args:
+        model: the causal LM.
+        batches: the evaluation set, in micro-batch sized chunks.
+        loss: ``"chunked"`` or ``"full"`` (see :func:`moe_experts.finetune.loss.token_loss_sum`).
+
+    Returns:
+        The mean loss, or NaN when the set has no target token.
     """
     was_training = model.training
     model.eval()
@@ -37,7 +34,7 @@ def evaluate(model: nn.Module, batches: list[Batch]) -> float:
     count = 0
     try:
         for batch in batches:
-            total += token_loss_sum(model, batch).double()
+            total += token_loss_sum(model, batch, loss).double()
             count += batch.num_targets
     finally:
         model.train(was_training)

@@ -21,8 +21,11 @@ __all__ = ["EXPORT_FORMATS", "VLLM_MODULES", "build_parser", "export", "export_m
 EXPORT_FORMATS = ("peft", "vllm", "merged")
 # transformers' fused expert parameters and the per-expert projections vLLM names them by.
 _FUSED = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
-# The module names vLLM's LoRA loader accepts for the supported MoE families by default:
-# attention and (shared or routed) expert projections. Routers and lm_head are refused there.
+# The modules exported for vLLM: attention and (shared or routed) expert projections, the
+# names its loader expects for Qwen3-MoE-style models (checked against vLLM 0.34's rules in
+# tests/test_generate_export.py; vLLM itself cannot be installed beside this torch). vLLM 0.34
+# also lists lm_head and the router (mlp.gate) as LoRA modules there; they are left out until
+# an export with them has been loaded by vLLM itself.
 VLLM_MODULES = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                           "down_proj"})
 
@@ -165,8 +168,8 @@ def export(
     save_file(tensors, str(output / "adapter_model.safetensors"), metadata={"format": "pt"})
     (output / "adapter_config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     if skipped:
-        notes.append("vLLM's LoRA loader takes no LoRA on these adapted modules, left out of "
-                     "the export: " + ", ".join(skipped) + " (--format merged keeps them)")
+        notes.append("left out of the vLLM export (LoRA on them is not verified to load in "
+                     "vLLM): " + ", ".join(skipped) + " (--format merged keeps them)")
     return notes
 
 

@@ -29,8 +29,9 @@ from moe_experts.finetune.errors import (
     TrainingDivergedError,
     TrainingInterrupted,
 )
-from moe_experts.finetune.evaluation import evaluate, token_loss_sum
+from moe_experts.finetune.evaluation import evaluate
 from moe_experts.finetune.interrupts import StopRequest
+from moe_experts.finetune.loss import token_loss_sum
 from moe_experts.finetune.reporting import Reporter, TrainLog, plot_losses
 from moe_experts.finetune.schedule import lr_at
 
@@ -202,7 +203,7 @@ def _step(job: TrainingJob, step: int, params: list[nn.Parameter]) -> tuple[floa
     loss_sum = torch.zeros((), dtype=torch.float64)
     for m in range(args.grad_accum):
         lo = m * micro + ranks.rank * per_rank
-        part = token_loss_sum(job.model, batch.select(lo, lo + per_rank))
+        part = token_loss_sum(job.model, batch.select(lo, lo + per_rank), args.loss)
         (part * scale).backward()
         loss_sum += part.detach().double()
     sync_replicated_lora_gradients(job.result)
@@ -261,7 +262,7 @@ def train(job: TrainingJob) -> FinetuneSummary:
                                       "elapsed_s": elapsed}
             if job.eval_batches and (done == args.steps
                                      or (args.eval_every and done % args.eval_every == 0)):
-                job.last_eval = evaluate(job.model, job.eval_batches)
+                job.last_eval = evaluate(job.model, job.eval_batches, args.loss)
                 record["eval_loss"] = job.last_eval
             if reporter is not None:
                 log.append(record)

@@ -24,6 +24,7 @@ from moe_experts.finetune.errors import FinetuneError
 from moe_experts.finetune.formats import Sample
 from moe_experts.finetune.interrupts import StopRequest
 from moe_experts.finetune.loop import FinetuneSummary, TrainingJob, restore_checkpoint, train
+from moe_experts.finetune.loss import full_logits_reason
 from moe_experts.finetune.models import LoadedModel, load_model
 from moe_experts.finetune.targets import resolve_targets
 
@@ -121,6 +122,10 @@ def run_finetune(args: FinetuneArgs, stop: StopRequest | None = None) -> Finetun
         raise FinetuneError(f"--model {args.model}: {exc}") from exc
     if ranks.rank == 0:
         print(moe_experts.coverage_summary(loaded.model, result), file=sys.stderr)
+        why = full_logits_reason(loaded.model) if args.loss == "chunked" else None
+        if why is not None:
+            print(f"note: --loss chunked uses the full logits for this model: {why}",
+                  file=sys.stderr)
     if ranks.world > 1:
         shard_dense(loaded.model, _expert_parameters(loaded.model))
         result = rebind_parameters(result, loaded.model)  # fully_shard made new Parameters
