@@ -79,6 +79,12 @@ def _profiled(fn: Callable[[], tm.Sample], acc: dict[str, float]) -> Callable[[]
     return run
 
 
+def _kernel_cpu(phases: dict[str, float], reps: int) -> float:
+    """Thread CPU seconds per call summed over the kernel's phases (``dequantize`` is inside
+    the GEMM phases, so it is not added again); the phases cover ``reps`` + 1 warm-up calls."""
+    return sum(s for p, s in phases.items() if p != "dequantize") / (reps + 1)
+
+
 def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
     return ((a.float() - ref.float()).norm() / ref.float().norm()).item()
 
@@ -196,6 +202,7 @@ def run_shape(shape: tuple, tokens_list: tuple[int, ...], reps: int) -> dict:
         work = gflop(tokens, k, h, i, r)
         base_wall = tm.median_wall(samples["bf16"])
         base_cpu = tm.median_cpu(samples["bf16"])
+        base_kernel = _kernel_cpu(phases["bf16"], reps)
         row: dict = {"tokens": tokens, "gflop": work, "loadavg": tm.loadavg()}
         for v in variants:
             wall, cpu = tm.median_wall(samples[v]), tm.median_cpu(samples[v])
@@ -205,6 +212,9 @@ def run_shape(shape: tuple, tokens_list: tuple[int, ...], reps: int) -> dict:
                 "gflops": work / wall,
                 "speed_vs_bf16": base_wall / wall,
                 "cpu_speed_vs_bf16": base_cpu / cpu,
+                # the kernel's own thread CPU time: the least disturbed by other users' load
+                "kernel_cpu_seconds": _kernel_cpu(phases[v], reps),
+                "kernel_cpu_speed_vs_bf16": base_kernel / _kernel_cpu(phases[v], reps),
                 "samples": [s[0] for s in samples[v]],
                 # warm-up included: the phases of reps + 1 calls, per call
                 "phase_cpu_seconds": {
@@ -227,35 +237,41 @@ def run_shape(shape: tuple, tokens_list: tuple[int, ...], reps: int) -> dict:
     }
 
 
-def check_targets(res: dict) -> dict[str, bool | None]:
-    """Which of :data:`TARGETS` the measurements meet (None: that T was not run)."""
+def check_targets(res: dict) -> dict[str, dict[str, bool] | None]:
+    """Which of :data:`TARGETS` the measurements meet, by wall time and by the kernel's CPU time.
+
+    None: that T was not run. On shared cores the wall-time ratio moves with other users'
+    load; the kernel's summed thread CPU time (``kernel_cpu_speed_vs_bf16``) moves far less.
+    """
     by_t = {row["tokens"]: row for row in res["timings"]}
-    big, small = by_t.get(2048), by_t.get(64)
-    largest = by_t[max(by_t)]
-
-    def speed(row: dict | None, v: str) -> float | None:
-        return None if row is None else row[v]["speed_vs_bf16"]
-
-    def at_least(value: float | None, bound: float, strict: bool = False) -> bool | None:
-        if value is None:
-            return None
-        return value > bound if strict else value >= bound
-
-    return {
-        "int4 >= 0.9x bf16 at T=2048": at_least(
-            speed(big, "int4"), TARGETS["int4_speed_at_2048_min"]
+    largest = max(by_t)
+    checks = {  # name: (T, variant, minimum speed vs bf16, strictly above)
+        "int4 >= 0.9x bf16 at T=2048": (2048, "int4", TARGETS["int4_speed_at_2048_min"], False),
+        "int4 faster than bf16 at T=64": (64, "int4", TARGETS["int4_speed_at_64_min"], True),
+        "fp8 >= 0.85x bf16 at T=2048": (2048, "fp8", TARGETS["fp8_speed_at_2048_min"], False),
+        f"clamped_swiglu within 5% of swiglu at T={largest}": (
+            largest,
+            CLAMPED,
+            1 / TARGETS["clamped_swiglu_time_max"],
+            False,
         ),
-        "int4 faster than bf16 at T=64": at_least(
-            speed(small, "int4"), TARGETS["int4_speed_at_64_min"], strict=True
-        ),
-        "fp8 >= 0.85x bf16 at T=2048": at_least(
-            speed(big, "fp8"), TARGETS["fp8_speed_at_2048_min"]
-        ),
-        f"clamped_swiglu within 5% of swiglu at T={largest['tokens']}": (
-            1 / largest[CLAMPED]["speed_vs_bf16"] <= TARGETS["clamped_swiglu_time_max"]
-        ),
-        "int4 memory <= 0.30x bf16": res["formats"]["int4"]["memory_ratio"] <= 0.30,
     }
+    out: dict[str, dict[str, bool] | None] = {}
+    for name, (tokens, v, bound, strict) in checks.items():
+        row = by_t.get(tokens)
+        if row is None:
+            out[name] = None
+            continue
+        out[name] = {
+            measure: (row[v][key] > bound if strict else row[v][key] >= bound)
+            for measure, key in (
+                ("wall", "speed_vs_bf16"),
+                ("kernel_cpu", "kernel_cpu_speed_vs_bf16"),
+            )
+        }
+    mem = res["formats"]["int4"]["memory_ratio"] <= 0.30
+    out["int4 memory <= 0.30x bf16"] = {"bytes": mem}
+    return out
 
 
 def write_markdown(path: Path, meta: dict, res: dict, targets: dict) -> None:
@@ -272,9 +288,9 @@ def write_markdown(path: Path, meta: dict, res: dict, targets: dict) -> None:
         f"{meta['peak_gflops_end']:.0f}). Load average (1, 5, 15 min) at start "
         f"{meta['loadavg_start']}, at end {meta['loadavg_end']}.",
         "",
-        "| T | variant | ms | GFLOP/s | of peak | speed vs bf16 | CPU-time speed vs bf16 "
-        "| dequantize share of CPU |",
-        "|---|---|---|---|---|---|---|---|",
+        "| T | variant | ms | GFLOP/s | of peak | speed vs bf16 | process CPU speed vs bf16 "
+        "| kernel CPU ms | kernel CPU speed vs bf16 | dequantize share of kernel CPU |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in res["timings"]:
         for v in variants:
@@ -286,7 +302,8 @@ def write_markdown(path: Path, meta: dict, res: dict, targets: dict) -> None:
             lines.append(
                 f"| {row['tokens']} | {v} | {c['seconds'] * 1e3:.0f} | {c['gflops']:.0f} | "
                 f"{c['gflops'] / meta['peak_gflops']:.2f} | {c['speed_vs_bf16']:.2f} | "
-                f"{c['cpu_speed_vs_bf16']:.2f} | {deq:.2f} |"
+                f"{c['cpu_speed_vs_bf16']:.2f} | {c['kernel_cpu_seconds'] * 1e3:.0f} | "
+                f"{c['kernel_cpu_speed_vs_bf16']:.2f} | {deq:.2f} |"
             )
     lines += [
         "",
@@ -306,7 +323,12 @@ def write_markdown(path: Path, meta: dict, res: dict, targets: dict) -> None:
         )
     lines += ["", "Targets:", ""]
     lines += [
-        f"- {k}: {'not run' if ok is None else ('met' if ok else 'MISSED')}"
+        f"- {k}: "
+        + (
+            "not run"
+            if ok is None
+            else ", ".join(f"{m}: {'met' if v else 'MISSED'}" for m, v in ok.items())
+        )
         for k, ok in targets.items()
     ]
     path.write_text("\n".join(lines) + "\n")
