@@ -7,11 +7,14 @@ another and load on the shared cores hits every variant alike.
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import platform
 import statistics
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 
 import torch
 
@@ -147,3 +150,20 @@ def machine() -> dict:
         "cpu_features": list(info.cpu_features),
         "cpu": platform.processor() or platform.machine(),
     }
+
+
+def parser(doc: str) -> argparse.ArgumentParser:
+    """The options every weight-format benchmark takes: ``--out``, ``--quick``, ``--reps``."""
+    ap = argparse.ArgumentParser(description=doc.splitlines()[0])
+    ap.add_argument("--out", type=Path, required=True, help="output directory")
+    ap.add_argument("--quick", action="store_true", help="a smaller shape and fewer reps")
+    ap.add_argument("--reps", type=int, default=None, help="interleaved repetitions")
+    return ap
+
+
+def write_results(out: Path, stem: str, payload: dict, markdown: Callable[[Path], None]) -> None:
+    """``out/stem.json`` from ``payload``, ``out/stem.md`` through ``markdown``; print the table."""
+    out.mkdir(parents=True, exist_ok=True)
+    (out / f"{stem}.json").write_text(json.dumps(payload, indent=2))
+    markdown(out / f"{stem}.md")
+    print((out / f"{stem}.md").read_text())

@@ -25,9 +25,7 @@ Usage: ``python bench_formats.py --out DIR [--quick] [--reps N] [--tokens T ...]
 
 from __future__ import annotations
 
-import argparse
 import functools
-import json
 import sys
 import time
 from collections.abc import Callable
@@ -336,10 +334,7 @@ def write_markdown(path: Path, meta: dict, res: dict, targets: dict) -> None:
 
 def main() -> None:
     """Parse the options, run, write JSON and markdown."""
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, required=True, help="output directory")
-    ap.add_argument("--quick", action="store_true", help="a smaller shape and fewer reps")
-    ap.add_argument("--reps", type=int, default=None, help="interleaved repetitions")
+    ap = tm.parser(__doc__)
     ap.add_argument("--tokens", type=int, nargs="+", default=None, help="token counts to time")
     args = ap.parse_args()
     shape = QUICK if args.quick else QWEN3_30B
@@ -365,12 +360,12 @@ def main() -> None:
         for v in (*FORMATS, CLAMPED):
             row[v]["fraction_of_peak"] = row[v]["gflops"] / meta["peak_gflops"]
     targets = check_targets(res)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "bench_formats.json").write_text(
-        json.dumps({"meta": meta, "result": res, "targets": targets}, indent=2)
+    tm.write_results(
+        args.out,
+        "bench_formats",
+        {"meta": meta, "result": res, "targets": targets},
+        functools.partial(write_markdown, meta=meta, res=res, targets=targets),
     )
-    write_markdown(args.out / "bench_formats.md", meta, res, targets)
-    print((args.out / "bench_formats.md").read_text())
 
 
 if __name__ == "__main__":

@@ -9,9 +9,7 @@ on the shared cores hits both alike, and medians are reported. ``speedup = t_bf1
 
 from __future__ import annotations
 
-import argparse
 import functools
-import json
 import sys
 import time
 from pathlib import Path
@@ -147,11 +145,7 @@ def write_markdown(path: Path, meta: dict, res: dict, targets: dict[str, bool]) 
 
 def main() -> None:
     """Parse ``--out``/``--quick``, run, write JSON and markdown."""
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, required=True, help="output directory")
-    ap.add_argument("--quick", action="store_true", help="a smaller shape and fewer reps")
-    ap.add_argument("--reps", type=int, default=None, help="interleaved repetitions")
-    args = ap.parse_args()
+    args = tm.parser(__doc__).parse_args()
     shape = QUICK if args.quick else MEDIUM
     reps = args.reps or (3 if args.quick else 9)
     meta = {
@@ -163,12 +157,12 @@ def main() -> None:
     }
     res = run_shape(shape, reps)
     targets = check_targets(res)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "bench_int8.json").write_text(
-        json.dumps({"meta": meta, "result": res, "targets": targets}, indent=2)
+    tm.write_results(
+        args.out,
+        "bench_int8",
+        {"meta": meta, "result": res, "targets": targets},
+        functools.partial(write_markdown, meta=meta, res=res, targets=targets),
     )
-    write_markdown(args.out / "bench_int8.md", meta, res, targets)
-    print((args.out / "bench_int8.md").read_text())
 
 
 if __name__ == "__main__":
