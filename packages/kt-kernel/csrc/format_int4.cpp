@@ -82,11 +82,6 @@ KT_FMT_AVX512 inline __m512 unit16_avx512(const uint8_t* p, __mmask16 m, __m128i
     }                                                                                      \
   }
 
-#define KT_STORE_F32(j, m, w) _mm512_mask_storeu_ps(static_cast<float*>(a.out) + (j), m, w)
-#define KT_STORE_BF16_NATIVE(j, m, w) \
-  _mm256_mask_storeu_epi16(static_cast<uint16_t*>(a.out) + (j), m, (__m256i)_mm512_cvtneps_pbh(w))
-#define KT_STORE_BF16_INT(j, m, w) \
-  _mm256_mask_storeu_epi16(static_cast<uint16_t*>(a.out) + (j), m, simd::f32_to_bf16_avx512(w))
 
 KT_INT4_ROW_AVX512(row_f32_avx512, KT_FMT_AVX512, row_f32_scalar, KT_STORE_F32)
 KT_INT4_ROW_AVX512(row_bf16_avx512bf16, KT_FMT_AVX512BF16, row_bf16_scalar, KT_STORE_BF16_NATIVE)
@@ -135,28 +130,13 @@ KT_FMT_AVX2 void row_f32_avx2(const RowArgs& a, int gshift) { row_avx2_impl<fals
 KT_FMT_AVX2 void row_bf16_avx2(const RowArgs& a, int gshift) { row_avx2_impl<true>(a, gshift); }
 #endif
 
-struct RowTable {
-  RowFn f32 = row_f32_scalar;
-  RowFn bf16 = row_bf16_scalar;
-};
-
-RowTable select_rows() {
-  RowTable t;
+const RowFns<RowFn>& rows_table() {
+  static const RowFns<RowFn> t = pick_rows<RowFn>({row_f32_scalar, row_bf16_scalar,
 #ifdef KT_FMT_SIMD
-  const Isa level = isa_level();
-  if (level == Isa::kAvx512) {
-    t.f32 = row_f32_avx512;
-    t.bf16 = has_avx512_bf16() ? row_bf16_avx512bf16 : row_bf16_avx512;
-  } else if (level == Isa::kAvx2) {
-    t.f32 = row_f32_avx2;
-    t.bf16 = row_bf16_avx2;
-  }
+                                                   row_f32_avx2, row_bf16_avx2, row_f32_avx512,
+                                                   row_bf16_avx512, row_bf16_avx512bf16
 #endif
-  return t;
-}
-
-const RowTable& rows_table() {
-  static const RowTable t = select_rows();
+  });
   return t;
 }
 
