@@ -104,26 +104,17 @@ KT_FMT_AVX2 void row_avx2_impl(const RowArgs& a, int gshift) {
     const int64_t c = a.col0 + j;
     const __m256 w =
         unit8_avx2(a.src + c, shift, _mm256_set1_ps(static_cast<float>(a.scale[c >> gshift])));
-    if (Bf16) {
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(a.out) + j),
-                       simd::f32_to_bf16_avx2(w));
-    } else {
-      _mm256_storeu_ps(static_cast<float*>(a.out) + j, w);
-    }
+    simd::store8_avx2<Bf16>(a.out, j, w);
   }
-  for (const auto& [j0, j1] : {std::pair<int64_t, int64_t>{0, head}, {body, a.cols}}) {
-    if (j1 <= j0) continue;
-    RowArgs r = a;
-    r.col0 = a.col0 + j0;
-    r.cols = j1 - j0;
-    r.out = Bf16 ? static_cast<void*>(static_cast<uint16_t*>(a.out) + j0)
-                 : static_cast<void*>(static_cast<float*>(a.out) + j0);
+  const auto scalar = [&](const RowArgs& r) {
     if (Bf16) {
       row_bf16_scalar(r, gshift);
     } else {
       row_f32_scalar(r, gshift);
     }
-  }
+  };
+  simd::scalar_cols<Bf16>(a, 0, head, scalar);
+  simd::scalar_cols<Bf16>(a, body, a.cols, scalar);
 }
 
 KT_FMT_AVX2 void row_f32_avx2(const RowArgs& a, int gshift) { row_avx2_impl<false>(a, gshift); }

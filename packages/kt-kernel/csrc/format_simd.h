@@ -72,6 +72,29 @@ KT_FMT_AVX512 inline __m256i f32_to_bf16_avx512(__m512 v) {
   return _mm512_cvtepi32_epi16(r);
 }
 
+// 8 weights w to output column j of a row of fp32 or (rounded to nearest even) bf16.
+template <bool Bf16>
+KT_FMT_AVX2 inline void store8_avx2(void* out, int64_t j, __m256 w) {
+  if (Bf16) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(out) + j),
+                     f32_to_bf16_avx2(w));
+  } else {
+    _mm256_storeu_ps(static_cast<float*>(out) + j, w);
+  }
+}
+
+// Runs `scalar(r)` on columns [j0, j1) of the row `a` (a RowArgs with col0, cols and out): the
+// head and tail that a row routine's SIMD body leaves.
+template <bool Bf16, typename Args, typename Scalar>
+inline void scalar_cols(const Args& a, int64_t j0, int64_t j1, const Scalar& scalar) {
+  if (j1 <= j0) return;
+  Args r = a;
+  r.col0 = a.col0 + j0;
+  r.cols = j1 - j0;
+  r.out = static_cast<char*>(a.out) + j0 * (Bf16 ? 2 : 4);
+  scalar(r);
+}
+
 // Stores of a row routine's 16 (masked: m) weights w at output column j of `a.out`, for the
 // row macros of format_int4.cpp and format_fp8.cpp (each variant keeps only its own targets).
 #define KT_STORE_F32(j, m, w) _mm512_mask_storeu_ps(static_cast<float*>(a.out) + (j), m, w)
