@@ -1,178 +1,230 @@
 """Benchmark every expert weight format (bf16, int8, int4, fp8) on the same weights, one process.
 
-Usage: ``python bench_formats.py --out DIR [--quick] [--reps N]``. Writes
+Usage: ``python bench_formats.py --out DIR [--quick] [--reps N] [--tokens T ...]``. Writes
 ``DIR/bench_formats.json`` and ``DIR/bench_formats.md``.
 
-1. The bf16 matmul peak: ``torch.matmul`` of two large bf16 square matrices (best of 3), in
-   GFLOP/s, measured first, with the same threads.
-2. The medium shape (H=2048, I=768, E=64, k=8, r=16; ``--quick``: H=1024, I=384, E=32), for
-   T in {64, 512, 2048}: forward+backward of ``moe_experts_forward`` (bf16 compute, fused bf16
-   LoRA, policy save) on each format, repetitions interleaved (bf16, int8, int4, fp8, bf16,
-   ...) so load on shared cores hits all alike; medians. GFLOP/s counts the base GEMMs only:
-   ``12 T k H I`` per step (forward ``6 T k H I``; backward's ``dh = dy W_down`` and
-   ``dx = dgu W_gate_up`` as much again), and is compared to the peak.
-3. Per format: expert bytes, quantisation error, the tile loader's throughput (a whole
-   gate_up bank dequantised to bf16 through ``torch.ops.kt_kernel.dequantize_tile``), and the
-   per-phase thread CPU time of one step at the smallest and largest T (the kernel's
-   ``profile``), which says where each format's time goes.
+1. The bf16 matmul peak: a square bf16 ``torch.mm`` (best of 3), GFLOP/s, with the same
+   threads, measured at the start and again at the end (the larger is the peak: the cores are
+   shared, so the slower one saw more interference).
+2. Accuracy at the smallest T: forward ``y``, ``dx`` and the LoRA gradients of the native op
+   on each base against the plain-PyTorch reference in fp32 on the original (unquantised)
+   weights; relative Frobenius errors.
+3. Qwen3-30B-A3B's expert layer (H=2048, I=768, E=128, k=8; r=16 LoRA; ``--quick``: H=1024,
+   I=384, E=32) at T in {64, 2048}: forward+backward of ``moe_experts_forward`` (bf16 compute,
+   fused bf16 LoRA, policy save) on each format, plus the bf16 base with GPT-OSS's
+   ``ClampedSwiGLU(1.702, 7.0)`` in place of SwiGLU; repetitions interleaved with the order
+   rotated each round (``_timing.interleaved``); medians of wall time and of process CPU time.
+   GFLOP/s counts the base and LoRA GEMMs of forward and backward, and is compared to the peak.
+   Every expert has its own memory, but only 8 have their own random values (the rest copy
+   them): drawing and quantising 128 real-size experts takes minutes on 2 shared cores, and
+   no kernel's speed depends on the values.
+4. Per format, the kernel's per-phase thread CPU time summed over the timed reps
+   (``torch.ops.kt_kernel.profile``): where each format's time goes; ``dequantize`` is the tile
+   loader's share inside the two GEMM phases of each projection.
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import platform
-import statistics
+import functools
+import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling _timing module (a script)
+import _timing as tm
+
 import kt_kernel as kk
 
 # (name, H, I, E, k, r, token counts)
-MEDIUM = ("medium", 2048, 768, 64, 8, 16, (64, 512, 2048))
+QWEN3_30B = ("qwen3-30b-a3b", 2048, 768, 128, 8, 16, (64, 2048))
 QUICK = ("quick", 1024, 384, 32, 8, 16, (64, 512))
 FORMATS = ("bf16", "int8", "int4", "fp8")
+DISTINCT = 8  # experts with their own random values; the rest repeat them (own memory)
+CLAMPED = "bf16_clamped_swiglu"  # the bf16 base with GPT-OSS's activation
+CLAMPED_ACT = kk.ClampedSwiGLU(alpha=1.702, limit=7.0)
 TARGETS = {  # speed = t_bf16 / t_format, forward+backward
     "int4_speed_at_2048_min": 0.9,
     "int4_speed_at_64_min": 1.0,  # strictly faster
     "fp8_speed_at_2048_min": 0.85,
+    "clamped_swiglu_time_max": 1.05,  # t_clamped / t_swiglu
 }
 
 
-def matmul_peak(n: int) -> float:
-    """GFLOP/s of ``torch.matmul`` on two bf16 ``[n, n]`` matrices, best of 3 after a warm-up."""
-    a = torch.randn(n, n).to(torch.bfloat16)
-    b = torch.randn(n, n).to(torch.bfloat16)
-    torch.matmul(a, b)
-    best = float("inf")
-    for _ in range(3):
-        t0 = time.perf_counter()
-        torch.matmul(a, b)
-        best = min(best, time.perf_counter() - t0)
-    return 2 * n**3 / best / 1e9
+def gflop(tokens: int, k: int, h: int, i: int, r: int) -> float:
+    """GFLOP of one forward+backward: base ``2 x 6NHI`` (N = T k), LoRA ``3 x 6Nr(H+I)``.
+
+    Backward through the frozen base is the input gradient only (as much as forward); LoRA
+    adds forward, input gradient and factor gradients.
+    """
+    n = tokens * k
+    return (2 * 6 * n * h * i + 3 * 6 * n * r * (h + i)) / 1e9
 
 
-def _weights(h: int, i: int, e: int) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(0)
-    gate_up = torch.empty(e, 2 * i, h, dtype=torch.bfloat16)
-    down = torch.empty(e, h, i, dtype=torch.bfloat16)
-    for x in range(e):  # expert by expert: no whole-model fp32 temporary
-        gate_up[x].copy_(torch.randn(2 * i, h, generator=gen) / h**0.5)
-        down[x].copy_(torch.randn(h, i, generator=gen) / i**0.5)
-    return gate_up, down
+def _profiled(fn: Callable[[], tm.Sample], acc: dict[str, float]) -> Callable[[], tm.Sample]:
+    """``fn`` with the kernel's per-phase CPU seconds of each call added into ``acc``."""
+
+    def run() -> tm.Sample:
+        torch.ops.kt_kernel.profile(True)
+        sample = fn()
+        names, secs = torch.ops.kt_kernel.profile(True)
+        for n, s in zip(names, secs, strict=True):
+            acc[n] = acc.get(n, 0.0) + s
+        return sample
+
+    return run
 
 
-def _lora(spec: kk.ExpertSpec, rank: int) -> kk.LoraBuffers:
-    gen = torch.Generator().manual_seed(1)
-    lora = kk.LoraBuffers(spec, rank, 2.0 * rank, "fused", dtype=torch.bfloat16)
-    with torch.no_grad():
-        for _, p in lora.named_parameters():
-            p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
-    return lora
+def _kernel_cpu(phases: dict[str, float], reps: int) -> float:
+    """Thread CPU seconds per call summed over the kernel's phases (``dequantize`` is inside
+    the GEMM phases, so it is not added again); the phases cover ``reps`` + 1 warm-up calls."""
+    return sum(s for p, s in phases.items() if p != "dequantize") / (reps + 1)
 
 
-def _step(x, ids, w, dy, weights, lora) -> float:
-    """One forward+backward; wall seconds."""
+def _rel(a: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((a.float() - ref.float()).norm() / ref.float().norm()).item()
+
+
+def _grads(x, ids, w, dy, weights, lora, reference: bool) -> dict[str, torch.Tensor]:
+    """y, dx and the flattened LoRA gradients of one forward+backward."""
     for p in lora.parameters():
         p.grad = None
-    xg = x.detach().requires_grad_(True)
-    wg = w.detach().requires_grad_(True)
-    t0 = time.perf_counter()
-    y = kk.moe_experts_forward(xg, ids, wg, weights, lora, policy="save", backend="native")
-    y.backward(dy)
-    return time.perf_counter() - t0
+    dtype = torch.float32 if reference else torch.bfloat16
+    xg = x.detach().to(dtype).requires_grad_(True)
+    backend = "reference" if reference else "native"
+    y = kk.moe_experts_forward(xg, ids, w, weights, lora, policy="save", backend=backend)
+    y.backward(dy.to(dtype))
+    d_lora = torch.cat([p.grad.float().flatten() for p in lora.parameters()])
+    return {"y": y.detach(), "dx": xg.grad, "d_lora": d_lora}
 
 
-def _loader_ns_per_elem(weights: kk.ExpertWeights) -> float | None:
-    """ns per element to dequantise the whole gate_up bank to bf16 tiles (None for dense)."""
-    if not weights.is_quantized:
-        return None
-    fmt = weights.format
-    args = list(fmt.native_args(weights.storage[0]))
-    spec = weights.spec
-    n, k = 2 * spec.intermediate_size, spec.hidden_size
-    op = torch.ops.kt_kernel.dequantize_tile
-    op(fmt.name, args, n, k, 0, 0, n, k, torch.bfloat16)
-    best = float("inf")
-    for _ in range(3):
-        t0 = time.perf_counter()
-        op(fmt.name, args, n, k, 0, 0, n, k, torch.bfloat16)
-        best = min(best, time.perf_counter() - t0)
-    return best / (spec.num_experts * n * k) * 1e9
+def accuracy(
+    spec: kk.ExpertSpec,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    bases: dict[str, kk.ExpertWeights],
+    lora: kk.LoraBuffers,
+    tokens: int,
+    k: int,
+) -> dict[str, dict[str, float]]:
+    """Per format: relative errors of y, dx and the LoRA gradients against fp32 on the originals."""
+    x, ids, w, dy = tm.make_inputs(tokens, spec.hidden_size, spec.num_experts, k, _gen(3))
+    fp32 = kk.ExpertWeights.from_parts(
+        spec, kk.Dense(torch.float32), (gate_up.float(),), (down.float(),)
+    )
+    ref = _grads(x, ids, w, dy, fp32, lora, reference=True)
+    del fp32
+    out = {}
+    for fmt, wts in bases.items():
+        got = _grads(x, ids, w, dy, wts, lora, reference=False)
+        out[fmt] = {key: _rel(got[key], ref[key]) for key in ref}
+    return out
 
 
-def _profile(x, ids, w, dy, weights, lora) -> dict[str, float]:
-    torch.ops.kt_kernel.profile(True)
-    _step(x, ids, w, dy, weights, lora)
-    names, secs = torch.ops.kt_kernel.profile(True)
-    return {n: round(s, 5) for n, s in zip(names, secs, strict=True) if s > 0}
+def _gen(seed: int) -> torch.Generator:
+    return torch.Generator().manual_seed(seed)
 
 
-def run_shape(shape: tuple, reps: int, peak: float) -> dict:
-    """Time every format at each token count of ``shape``."""
-    name, h, i, e, k, r, token_counts = shape
-    spec = kk.ExpertSpec(e, h, i)
-    gate_up, down = _weights(h, i, e)
+def _tiled(parts: tuple[torch.Tensor, ...], e: int) -> tuple[torch.Tensor, ...]:
+    """Parts of ``d`` experts repeated to ``e`` (expert ``x`` = expert ``x % d``), own memory."""
+    d = parts[0].shape[0]
+    return tuple(torch.cat([p] * (e // d)).contiguous() for p in parts)
+
+
+def build_bases(
+    spec: kk.ExpertSpec, gate_up: torch.Tensor, down: torch.Tensor, distinct: int
+) -> tuple[dict[str, kk.ExpertWeights], dict[str, dict]]:
+    """Every format's :class:`ExpertWeights` of the same bf16 weights, and their sizes.
+
+    Experts repeat with period ``distinct`` (:func:`_timing.make_weights`), so only the
+    first ``distinct`` are quantised (in one batched call) and their parts repeated.
+    """
+    e = spec.num_experts
     bases: dict[str, kk.ExpertWeights] = {}
     info: dict[str, dict] = {}
-    for fmt in FORMATS:
+    for name in FORMATS:
         t0 = time.perf_counter()
-        if fmt == "bf16":
-            wts = kk.ExpertWeights.from_fused(spec, gate_up, down, dtype=torch.bfloat16)
+        if name == "bf16":  # adopt the bf16 tensors as they are: no second copy
+            fmt: kk.WeightFormat = kk.Dense(torch.bfloat16)
+            gu, dn, err = (gate_up,), (down,), 0.0
         else:
-            wts = kk.ExpertWeights.from_fused(spec, gate_up, down, weight_dtype=fmt)
-        info[fmt] = {
-            "format": repr(wts.format),
+            fmt = kk.FORMATS[name](torch.bfloat16)
+            src = (gate_up[:distinct], down[:distinct])
+            q = [fmt.quantize(w) for w in src]
+            err = max(
+                _rel(fmt.dequantize(p, torch.float32), w) for p, w in zip(q, src, strict=True)
+            )
+            gu, dn = _tiled(q[0], e), _tiled(q[1], e)
+        wts = kk.ExpertWeights.from_parts(spec, fmt, gu, dn)
+        info[name] = {
+            "format": repr(fmt),
             "bytes": wts.nbytes,
-            "quantize_seconds": time.perf_counter() - t0,
-            "quantization_report": wts.quantization_report().as_dict()
-            if wts.is_quantized
-            else None,
-            "loader_ns_per_elem_bf16": _loader_ns_per_elem(wts),
+            "build_seconds": round(time.perf_counter() - t0, 2),
+            "weight_rel_fro_error": err,  # max over gate_up and down
         }
-        bases[fmt] = wts
+        bases[name] = wts
+    for name in FORMATS:
+        info[name]["memory_ratio"] = info[name]["bytes"] / info["bf16"]["bytes"]
+    return bases, info
+
+
+def run_shape(shape: tuple, tokens_list: tuple[int, ...], reps: int) -> dict:
+    """Accuracy, then the interleaved timings at each token count of ``shape``."""
+    name, h, i, e, k, r, _ = shape
+    spec = kk.ExpertSpec(e, h, i)
+    gate_up, down = tm.make_weights(h, i, e, distinct=DISTINCT)
+    bases, info = build_bases(spec, gate_up, down, DISTINCT)
+    lora = tm.make_lora(spec, r)
+    acc = accuracy(spec, gate_up, down, bases, lora, min(tokens_list), k)
     for fmt in FORMATS:
-        info[fmt]["memory_ratio"] = info[fmt]["bytes"] / info["bf16"]["bytes"]
-    del gate_up, down
-    lora = _lora(spec, r)
-    gen = torch.Generator().manual_seed(2)
+        info[fmt]["accuracy_vs_fp32"] = acc[fmt]
+    variants = dict(bases)
+    clamped_spec = kk.ExpertSpec(e, h, i, CLAMPED_ACT)
+    variants[CLAMPED] = kk.ExpertWeights.from_parts(
+        clamped_spec, kk.Dense(torch.bfloat16), (gate_up,), (down,)
+    )
+    loras = dict.fromkeys(bases, lora)
+    loras[CLAMPED] = tm.make_lora(clamped_spec, r)  # the same values (same seed), its own spec
+    gen = _gen(2)
     rows = []
-    for tokens in token_counts:
-        x = torch.randn(tokens, h, generator=gen).to(torch.bfloat16)
-        ids = torch.rand(tokens, e, generator=gen).topk(k, dim=-1).indices
-        w = torch.rand(tokens, k, generator=gen)
-        dy = torch.randn(tokens, h, generator=gen).to(torch.bfloat16)
-        for fmt in FORMATS:  # warm-up: oneDNN primitives, scratch pool
-            _step(x, ids, w, dy, bases[fmt], lora)
-        samples: dict[str, list[float]] = {f: [] for f in FORMATS}
-        for rep in range(reps):
-            order = FORMATS[rep % len(FORMATS) :] + FORMATS[: rep % len(FORMATS)]
-            for fmt in order:  # rotated so no format always runs right after another
-                samples[fmt].append(_step(x, ids, w, dy, bases[fmt], lora))
-        gflop = 12 * tokens * k * h * i / 1e9
-        row: dict = {"tokens": tokens, "gflop": gflop}
-        for fmt in FORMATS:
-            med = statistics.median(samples[fmt])
-            row[fmt] = {
-                "seconds": med,
-                "gflops": gflop / med,
-                "fraction_of_peak": gflop / med / peak,
-                "speed_vs_bf16": statistics.median(samples["bf16"]) / med,
-                "samples": samples[fmt],
-            }
-        if tokens in (min(token_counts), max(token_counts)):
-            row["profile_cpu_seconds"] = {
-                fmt: _profile(x, ids, w, dy, bases[fmt], lora) for fmt in FORMATS
+    for tokens in tokens_list:
+        x, ids, w, dy = tm.make_inputs(tokens, h, e, k, gen)
+        phases: dict[str, dict[str, float]] = {v: {} for v in variants}
+        fns = {
+            v: _profiled(functools.partial(tm.step, x, ids, w, dy, wts, loras[v]), phases[v])
+            for v, wts in variants.items()
+        }
+        samples = tm.interleaved(fns, reps, warmup=True)
+        work = gflop(tokens, k, h, i, r)
+        base_wall = tm.median_wall(samples["bf16"])
+        base_cpu = tm.median_cpu(samples["bf16"])
+        base_kernel = _kernel_cpu(phases["bf16"], reps)
+        row: dict = {"tokens": tokens, "gflop": work, "loadavg": tm.loadavg()}
+        for v in variants:
+            wall, cpu = tm.median_wall(samples[v]), tm.median_cpu(samples[v])
+            row[v] = {
+                "seconds": wall,
+                "cpu_seconds": cpu,
+                "gflops": work / wall,
+                "speed_vs_bf16": base_wall / wall,
+                "cpu_speed_vs_bf16": base_cpu / cpu,
+                # the kernel's own thread CPU time: the least disturbed by other users' load
+                "kernel_cpu_seconds": _kernel_cpu(phases[v], reps),
+                "kernel_cpu_speed_vs_bf16": base_kernel / _kernel_cpu(phases[v], reps),
+                "samples": [s[0] for s in samples[v]],
+                # warm-up included: the phases of reps + 1 calls, per call
+                "phase_cpu_seconds": {
+                    p: round(s / (reps + 1), 5) for p, s in phases[v].items() if s > 0
+                },
             }
         rows.append(row)
         print(
-            f"[{name}] T={tokens}: "
+            f"[{name}] T={tokens} (load {row['loadavg'][0]}): "
             + ", ".join(
-                f"{f} {row[f]['seconds'] * 1e3:.1f} ms ({row[f]['speed_vs_bf16']:.2f}x)"
-                for f in FORMATS
+                f"{v} {row[v]['seconds'] * 1e3:.0f} ms ({row[v]['speed_vs_bf16']:.2f}x)"
+                for v in variants
             ),
             flush=True,
         )
@@ -183,100 +235,137 @@ def run_shape(shape: tuple, reps: int, peak: float) -> dict:
     }
 
 
-def check_targets(res: dict) -> dict[str, bool | None]:
-    """Which of :data:`TARGETS` the measurements meet (None: that T was not run)."""
+def check_targets(res: dict) -> dict[str, dict[str, bool] | None]:
+    """Which of :data:`TARGETS` the measurements meet, by wall time and by the kernel's CPU time.
+
+    None: that T was not run. On shared cores the wall-time ratio moves with other users'
+    load; the kernel's summed thread CPU time (``kernel_cpu_speed_vs_bf16``) moves far less.
+    """
     by_t = {row["tokens"]: row for row in res["timings"]}
-    out: dict[str, bool | None] = {}
-    big, small = by_t.get(2048), by_t.get(64)
-    out["int4 >= 0.9x bf16 at T=2048"] = (
-        None if big is None else big["int4"]["speed_vs_bf16"] >= TARGETS["int4_speed_at_2048_min"]
-    )
-    out["int4 faster than bf16 at T=64"] = (
-        None if small is None else small["int4"]["speed_vs_bf16"] > TARGETS["int4_speed_at_64_min"]
-    )
-    out["fp8 >= 0.85x bf16 at T=2048"] = (
-        None if big is None else big["fp8"]["speed_vs_bf16"] >= TARGETS["fp8_speed_at_2048_min"]
-    )
-    out["int4 memory <= 0.30x bf16"] = res["formats"]["int4"]["memory_ratio"] <= 0.30
+    largest = max(by_t)
+    checks = {  # name: (T, variant, minimum speed vs bf16, strictly above)
+        "int4 >= 0.9x bf16 at T=2048": (2048, "int4", TARGETS["int4_speed_at_2048_min"], False),
+        "int4 faster than bf16 at T=64": (64, "int4", TARGETS["int4_speed_at_64_min"], True),
+        "fp8 >= 0.85x bf16 at T=2048": (2048, "fp8", TARGETS["fp8_speed_at_2048_min"], False),
+        f"clamped_swiglu within 5% of swiglu at T={largest}": (
+            largest,
+            CLAMPED,
+            1 / TARGETS["clamped_swiglu_time_max"],
+            False,
+        ),
+    }
+    out: dict[str, dict[str, bool] | None] = {}
+    for name, (tokens, v, bound, strict) in checks.items():
+        row = by_t.get(tokens)
+        if row is None:
+            out[name] = None
+            continue
+        out[name] = {
+            measure: (row[v][key] > bound if strict else row[v][key] >= bound)
+            for measure, key in (
+                ("wall", "speed_vs_bf16"),
+                ("kernel_cpu", "kernel_cpu_speed_vs_bf16"),
+            )
+        }
+    mem = res["formats"]["int4"]["memory_ratio"] <= 0.30
+    out["int4 memory <= 0.30x bf16"] = {"bytes": mem}
     return out
 
 
 def write_markdown(path: Path, meta: dict, res: dict, targets: dict) -> None:
-    """One table of times and throughput per T and format, one of bytes and errors."""
+    """Tables of times per T and variant, of bytes and accuracy per format, and the targets."""
     s = res["shape"]
+    variants = (*FORMATS, CLAMPED)
     lines = [
         "# kt-kernel: expert weight formats (forward+backward)",
         "",
         f"Shape {s['name']}: H={s['H']}, I={s['I']}, E={s['E']}, k={s['k']}, r={s['r']}; bf16 "
-        f"compute, fused bf16 LoRA, policy save; {meta['threads']} threads, {meta['reps']} "
-        f"interleaved reps, medians. bf16 matmul peak {meta['peak_gflops']:.0f} GFLOP/s. "
-        f"Load average at start {meta['loadavg_start']}, at end {meta['loadavg_end']}.",
+        f"compute, fused bf16 LoRA, policy save; {meta['threads']} threads on {meta['cpus']} "
+        f"shared cores ({meta['isa']}), {meta['reps']} interleaved reps, medians. bf16 matmul "
+        f"peak {meta['peak_gflops']:.0f} GFLOP/s (start {meta['peak_gflops_start']:.0f}, end "
+        f"{meta['peak_gflops_end']:.0f}). Load average (1, 5, 15 min) at start "
+        f"{meta['loadavg_start']}, at end {meta['loadavg_end']}.",
         "",
-        "| T | format | ms | GFLOP/s | of peak | speed vs bf16 |",
-        "|---|---|---|---|---|---|",
+        "| T | variant | ms | GFLOP/s | of peak | speed vs bf16 | process CPU speed vs bf16 "
+        "| kernel CPU ms | kernel CPU speed vs bf16 | dequantize share of kernel CPU |",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for row in res["timings"]:
-        for fmt in FORMATS:
-            c = row[fmt]
+        for v in variants:
+            c = row[v]
+            ph = c["phase_cpu_seconds"]
+            deq = ph.get("dequantize", 0.0) / max(
+                sum(ph.values()) - ph.get("dequantize", 0.0), 1e-9
+            )
             lines.append(
-                f"| {row['tokens']} | {fmt} | {c['seconds'] * 1e3:.1f} | {c['gflops']:.0f} | "
-                f"{c['fraction_of_peak']:.2f} | {c['speed_vs_bf16']:.2f} |"
+                f"| {row['tokens']} | {v} | {c['seconds'] * 1e3:.0f} | {c['gflops']:.0f} | "
+                f"{c['gflops'] / meta['peak_gflops']:.2f} | {c['speed_vs_bf16']:.2f} | "
+                f"{c['cpu_speed_vs_bf16']:.2f} | {c['kernel_cpu_seconds'] * 1e3:.0f} | "
+                f"{c['kernel_cpu_speed_vs_bf16']:.2f} | {deq:.2f} |"
             )
     lines += [
         "",
-        "| format | expert MiB | vs bf16 | max rel Frobenius error | loader ns/elem (bf16 tile) |",
-        "|---|---|---|---|---|",
+        f"Accuracy at T={min(r['tokens'] for r in res['timings'])}: relative Frobenius error "
+        "against the fp32 reference on the original weights.",
+        "",
+        "| format | expert MiB | bytes vs bf16 | weights | y | dx | LoRA grads |",
+        "|---|---|---|---|---|---|---|",
     ]
     for fmt in FORMATS:
         f = res["formats"][fmt]
-        rep = f["quantization_report"]
-        err = max(p["rel_fro_error"] for p in rep.values()) if rep else 0.0
-        ns = f["loader_ns_per_elem_bf16"]
+        a = f["accuracy_vs_fp32"]
         lines.append(
-            f"| {fmt} | {f['bytes'] / 2**20:.0f} | {f['memory_ratio']:.3f} | {err:.3g} | "
-            f"{'-' if ns is None else f'{ns:.2f}'} |"
+            f"| {fmt} | {f['bytes'] / 2**20:.0f} | {f['memory_ratio']:.3f} | "
+            f"{f['weight_rel_fro_error']:.2g} | {a['y']:.2g} | {a['dx']:.2g} | "
+            f"{a['d_lora']:.2g} |"
         )
     lines += ["", "Targets:", ""]
     lines += [
-        f"- {k}: {'not run' if ok is None else ('met' if ok else 'MISSED')}"
+        f"- {k}: "
+        + (
+            "not run"
+            if ok is None
+            else ", ".join(f"{m}: {'met' if v else 'MISSED'}" for m, v in ok.items())
+        )
         for k, ok in targets.items()
     ]
     path.write_text("\n".join(lines) + "\n")
 
 
 def main() -> None:
-    """Parse ``--out``/``--quick``/``--reps``, run, write JSON and markdown."""
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, required=True, help="output directory")
-    ap.add_argument("--quick", action="store_true", help="a smaller shape and fewer reps")
-    ap.add_argument("--reps", type=int, default=None, help="interleaved repetitions")
+    """Parse the options, run, write JSON and markdown."""
+    ap = tm.parser(__doc__)
+    ap.add_argument("--tokens", type=int, nargs="+", default=None, help="token counts to time")
     args = ap.parse_args()
-    shape = QUICK if args.quick else MEDIUM
-    reps = args.reps or (3 if args.quick else 5)
-    loadavg_start = os.getloadavg()
-    peak = matmul_peak(2048 if args.quick else 4096)
-    print(f"bf16 matmul peak: {peak:.0f} GFLOP/s", flush=True)
-    res = run_shape(shape, reps, peak)
+    shape = QUICK if args.quick else QWEN3_30B
+    tokens = tuple(args.tokens or shape[-1])
+    reps = args.reps or (2 if args.quick else 3)
+    peak_size = 2048 if args.quick else 4096
+    loadavg_start = tm.loadavg()
+    peak_start = tm.matmul_peak(torch.bfloat16, peak_size)
+    print(f"bf16 matmul peak: {peak_start:.0f} GFLOP/s (load {loadavg_start})", flush=True)
+    res = run_shape(shape, tokens, reps)
+    peak_end = tm.matmul_peak(torch.bfloat16, peak_size)
     meta = {
         "quick": args.quick,
         "reps": reps,
-        "threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "kt_kernel": kk.__version__,
-        "isa": kk.backend_info().isa,
-        "cpu_features": list(kk.backend_info().cpu_features),
-        "cpu": platform.processor() or platform.machine(),
-        "peak_gflops": peak,
-        "loadavg_start": [round(v, 2) for v in loadavg_start],
-        "loadavg_end": [round(v, 2) for v in os.getloadavg()],
+        **tm.machine(),
+        "peak_gflops": max(peak_start, peak_end),
+        "peak_gflops_start": peak_start,
+        "peak_gflops_end": peak_end,
+        "loadavg_start": loadavg_start,
+        "loadavg_end": tm.loadavg(),
     }
+    for row in res["timings"]:
+        for v in (*FORMATS, CLAMPED):
+            row[v]["fraction_of_peak"] = row[v]["gflops"] / meta["peak_gflops"]
     targets = check_targets(res)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "bench_formats.json").write_text(
-        json.dumps({"meta": meta, "result": res, "targets": targets}, indent=2)
+    tm.write_results(
+        args.out,
+        "bench_formats",
+        {"meta": meta, "result": res, "targets": targets},
+        functools.partial(write_markdown, meta=meta, res=res, targets=targets),
     )
-    write_markdown(args.out / "bench_formats.md", meta, res, targets)
-    print((args.out / "bench_formats.md").read_text())
 
 
 if __name__ == "__main__":

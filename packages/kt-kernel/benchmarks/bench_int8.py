@@ -3,21 +3,21 @@
 Usage: ``python bench_int8.py --out DIR [--quick]``. Writes ``DIR/bench_int8.json`` and
 ``DIR/bench_int8.md``. Both bases hold the same (bf16) weights; the INT8 one is quantised from
 them. Compute is bf16 with bf16 LoRA (fused layout, policy ``save``) in both. Repetitions of
-the two are interleaved (bf16, int8, bf16, int8, ...) so load on the shared cores hits both
-alike, and medians are reported. ``speedup = t_bf16 / t_int8`` (> 1: INT8 is faster).
+the two are interleaved, the order alternating each round (``_timing.interleaved``), so load
+on the shared cores hits both alike, and medians are reported. ``speedup = t_bf16 / t_int8`` (> 1: INT8 is faster).
 """
 
 from __future__ import annotations
 
-import argparse
-import json
-import os
-import platform
-import statistics
+import functools
+import sys
 import time
 from pathlib import Path
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling _timing module (a script)
+import _timing as tm
 
 import kt_kernel as kk
 
@@ -31,49 +31,17 @@ TARGETS = {
 }
 
 
-def _weights(h: int, i: int, e: int, seed: int) -> tuple[torch.Tensor, torch.Tensor]:
-    gen = torch.Generator().manual_seed(seed)
-    gate_up = torch.empty(e, 2 * i, h, dtype=torch.bfloat16)
-    down = torch.empty(e, h, i, dtype=torch.bfloat16)
-    for x in range(e):  # expert by expert: no whole-model fp32 temporary
-        gate_up[x].copy_(torch.randn(2 * i, h, generator=gen) / h**0.5)
-        down[x].copy_(torch.randn(h, i, generator=gen) / i**0.5)
-    return gate_up, down
-
-
-def _lora(spec: kk.ExpertSpec, rank: int, seed: int) -> kk.LoraBuffers:
-    gen = torch.Generator().manual_seed(seed)
-    lora = kk.LoraBuffers(spec, rank, 2.0 * rank, "fused", dtype=torch.bfloat16)
-    with torch.no_grad():
-        for _, p in lora.named_parameters():
-            p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
-    return lora
-
-
-def _step(x, ids, w, dy, weights, lora, backward: bool) -> tuple[float, float]:
-    """One forward (and backward): (wall seconds, process CPU seconds)."""
-    for p in lora.parameters():
-        p.grad = None
-    xg = x.detach().requires_grad_(backward)
-    wg = w.detach().requires_grad_(backward)
-    c0, t0 = time.process_time(), time.perf_counter()
-    y = kk.moe_experts_forward(xg, ids, wg, weights, lora, policy="save", backend="native")
-    if backward:
-        y.backward(dy)
-    return time.perf_counter() - t0, time.process_time() - c0
-
-
 def run_shape(shape: tuple, reps: int) -> dict:
     """Time bf16 vs int8 forward and forward+backward at each token count of ``shape``."""
     name, h, i, e, k, r, token_counts = shape
     spec = kk.ExpertSpec(e, h, i)
-    gate_up, down = _weights(h, i, e, seed=0)
+    gate_up, down = tm.make_weights(h, i, e, seed=0)
     t0 = time.perf_counter()
     w_int8 = kk.ExpertWeights.from_fused(spec, gate_up, down, weight_dtype="int8")
     quant_s = time.perf_counter() - t0
     w_bf16 = kk.ExpertWeights.from_fused(spec, gate_up, down, dtype=torch.bfloat16)
     del gate_up, down
-    lora = _lora(spec, r, seed=1)
+    lora = tm.make_lora(spec, r, seed=1)
     out = {
         "shape": {"name": name, "H": h, "I": i, "E": e, "k": k, "r": r},
         "bytes_bf16": w_bf16.nbytes,
@@ -85,20 +53,18 @@ def run_shape(shape: tuple, reps: int) -> dict:
     }
     gen = torch.Generator().manual_seed(2)
     for tokens in token_counts:
-        x = torch.randn(tokens, h, generator=gen).to(torch.bfloat16)
-        ids = torch.rand(tokens, e, generator=gen).topk(k, dim=-1).indices
-        w = torch.rand(tokens, k, generator=gen)
-        dy = torch.randn(tokens, h, generator=gen).to(torch.bfloat16)
+        x, ids, w, dy = tm.make_inputs(tokens, h, e, k, gen)
         row = {"tokens": tokens}
         for mode, backward in (("fwd", False), ("fwd_bwd", True)):
-            samples: dict[str, list[tuple[float, float]]] = {"bf16": [], "int8": []}
-            for weights in (w_bf16, w_int8):  # warm-up: oneDNN primitives, allocator
-                _step(x, ids, w, dy, weights, lora, backward)
-            for _ in range(reps):
-                samples["bf16"].append(_step(x, ids, w, dy, w_bf16, lora, backward))
-                samples["int8"].append(_step(x, ids, w, dy, w_int8, lora, backward))
-            med = {key: statistics.median(a for a, _ in v) for key, v in samples.items()}
-            cpu = {key: statistics.median(c for _, c in v) for key, v in samples.items()}
+            samples = tm.interleaved(
+                {
+                    fmt: functools.partial(tm.step, x, ids, w, dy, wts, lora, backward)
+                    for fmt, wts in (("bf16", w_bf16), ("int8", w_int8))
+                },
+                reps,
+            )
+            med = {key: tm.median_wall(v) for key, v in samples.items()}
+            cpu = {key: tm.median_cpu(v) for key, v in samples.items()}
             row[mode] = {
                 "bf16_s": med["bf16"],
                 "int8_s": med["int8"],
@@ -179,32 +145,24 @@ def write_markdown(path: Path, meta: dict, res: dict, targets: dict[str, bool]) 
 
 def main() -> None:
     """Parse ``--out``/``--quick``, run, write JSON and markdown."""
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--out", type=Path, required=True, help="output directory")
-    ap.add_argument("--quick", action="store_true", help="a smaller shape and fewer reps")
-    ap.add_argument("--reps", type=int, default=None, help="interleaved repetitions")
-    args = ap.parse_args()
+    args = tm.parser(__doc__).parse_args()
     shape = QUICK if args.quick else MEDIUM
     reps = args.reps or (3 if args.quick else 9)
     meta = {
         "quick": args.quick,
         "reps": reps,
-        "threads": torch.get_num_threads(),
-        "torch": torch.__version__,
-        "kt_kernel": kk.__version__,
+        **tm.machine(),
         "int8_isa": str(torch.ops.kt_kernel.int8_isa()),
-        "backend": kk.backend_info().isa,
-        "cpu": platform.processor() or platform.machine(),
-        "loadavg": os.getloadavg(),
+        "loadavg": tm.loadavg(),
     }
     res = run_shape(shape, reps)
     targets = check_targets(res)
-    args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "bench_int8.json").write_text(
-        json.dumps({"meta": meta, "result": res, "targets": targets}, indent=2)
+    tm.write_results(
+        args.out,
+        "bench_int8",
+        {"meta": meta, "result": res, "targets": targets},
+        functools.partial(write_markdown, meta=meta, res=res, targets=targets),
     )
-    write_markdown(args.out / "bench_int8.md", meta, res, targets)
-    print((args.out / "bench_int8.md").read_text())
 
 
 if __name__ == "__main__":

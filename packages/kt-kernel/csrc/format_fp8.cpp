@@ -120,11 +120,6 @@ KT_FMT_AVX512 inline __m512 unit16_avx512(const uint8_t* p, __mmask16 m, __m512 
     }                                                                                        \
   }
 
-#define KT_STORE_F32(j, m, w) _mm512_mask_storeu_ps(static_cast<float*>(a.out) + (j), m, w)
-#define KT_STORE_BF16_NATIVE(j, m, w) \
-  _mm256_mask_storeu_epi16(static_cast<uint16_t*>(a.out) + (j), m, (__m256i)_mm512_cvtneps_pbh(w))
-#define KT_STORE_BF16_INT(j, m, w) \
-  _mm256_mask_storeu_epi16(static_cast<uint16_t*>(a.out) + (j), m, simd::f32_to_bf16_avx512(w))
 
 KT_FP8_ROW_AVX512(row_f32_avx512, KT_FMT_AVX512, row_f32_scalar, KT_STORE_F32)
 KT_FP8_ROW_AVX512(row_bf16_avx512bf16, KT_FMT_AVX512BF16, row_bf16_scalar, KT_STORE_BF16_NATIVE)
@@ -154,54 +149,30 @@ KT_FMT_AVX2 void row_avx2_impl(const RowArgs& a) {
   for (int64_t j = head; j < body; j += 8) {
     const int64_t c = a.col0 + j;
     const __m256 w = unit8_avx2(a.src + c, _mm256_set1_ps(a.scale[c / kBlock]));
-    if (Bf16) {
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(a.out) + j),
-                       simd::f32_to_bf16_avx2(w));
-    } else {
-      _mm256_storeu_ps(static_cast<float*>(a.out) + j, w);
-    }
+    simd::store8_avx2<Bf16>(a.out, j, w);
   }
-  for (const auto& [j0, j1] : {std::pair<int64_t, int64_t>{0, head}, {body, a.cols}}) {
-    if (j1 <= j0) continue;
-    RowArgs r = a;
-    r.col0 = a.col0 + j0;
-    r.cols = j1 - j0;
-    r.out = Bf16 ? static_cast<void*>(static_cast<uint16_t*>(a.out) + j0)
-                 : static_cast<void*>(static_cast<float*>(a.out) + j0);
+  const auto scalar = [&](const RowArgs& r) {
     if (Bf16) {
       row_bf16_scalar(r);
     } else {
       row_f32_scalar(r);
     }
-  }
+  };
+  simd::scalar_cols<Bf16>(a, 0, head, scalar);
+  simd::scalar_cols<Bf16>(a, body, a.cols, scalar);
 }
 
 KT_FMT_AVX2 void row_f32_avx2(const RowArgs& a) { row_avx2_impl<false>(a); }
 KT_FMT_AVX2 void row_bf16_avx2(const RowArgs& a) { row_avx2_impl<true>(a); }
 #endif
 
-struct RowTable {
-  RowFn f32 = row_f32_scalar;
-  RowFn bf16 = row_bf16_scalar;
-};
-
-RowTable select_rows() {
-  RowTable t;
+const RowFns<RowFn>& rows_table() {
+  static const RowFns<RowFn> t = pick_rows<RowFn>({row_f32_scalar, row_bf16_scalar,
 #ifdef KT_FMT_SIMD
-  const Isa level = isa_level();
-  if (level == Isa::kAvx512) {
-    t.f32 = row_f32_avx512;
-    t.bf16 = has_avx512_bf16() ? row_bf16_avx512bf16 : row_bf16_avx512;
-  } else if (level == Isa::kAvx2) {
-    t.f32 = row_f32_avx2;
-    t.bf16 = row_bf16_avx2;
-  }
+                                                   row_f32_avx2, row_bf16_avx2, row_f32_avx512,
+                                                   row_bf16_avx512, row_bf16_avx512bf16
 #endif
-  return t;
-}
-
-const RowTable& rows_table() {
-  static const RowTable t = select_rows();
+  });
   return t;
 }
 

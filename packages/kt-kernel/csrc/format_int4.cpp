@@ -27,21 +27,23 @@ struct RowArgs {
   int64_t col0, cols;
   void* out;
 };
-using RowFn = void (*)(const RowArgs& a, int64_t group);
+// `gshift` = log2(G): the group of column c is c >> gshift (G is a power of two; a 64-bit
+// division per 16 columns measured as a large part of the loader's time).
+using RowFn = void (*)(const RowArgs& a, int gshift);
 
-inline float w_at(const RowArgs& a, int64_t c, int64_t group) {
+inline float w_at(const RowArgs& a, int64_t c, int gshift) {
   const int q = static_cast<int>((a.src[c] >> a.shift) & 0xF) - 8;
-  return static_cast<float>(q) * static_cast<float>(a.scale[c / group]);
+  return static_cast<float>(q) * static_cast<float>(a.scale[c >> gshift]);
 }
 
-void row_f32_scalar(const RowArgs& a, int64_t group) {
+void row_f32_scalar(const RowArgs& a, int gshift) {
   float* o = static_cast<float*>(a.out);
-  for (int64_t j = 0; j < a.cols; ++j) o[j] = w_at(a, a.col0 + j, group);
+  for (int64_t j = 0; j < a.cols; ++j) o[j] = w_at(a, a.col0 + j, gshift);
 }
 
-void row_bf16_scalar(const RowArgs& a, int64_t group) {
+void row_bf16_scalar(const RowArgs& a, int gshift) {
   c10::BFloat16* o = static_cast<c10::BFloat16*>(a.out);
-  for (int64_t j = 0; j < a.cols; ++j) o[j] = c10::BFloat16(w_at(a, a.col0 + j, group));
+  for (int64_t j = 0; j < a.cols; ++j) o[j] = c10::BFloat16(w_at(a, a.col0 + j, gshift));
 }
 
 #ifdef KT_FMT_SIMD
@@ -62,29 +64,24 @@ KT_FMT_AVX512 inline __m512 unit16_avx512(const uint8_t* p, __mmask16 m, __m128i
 // One row on AVX-512. STORE(j, m, w) writes the 16 (masked: m) weights w at output column j;
 // a macro rather than a template so each variant carries only the target features it uses.
 #define KT_INT4_ROW_AVX512(NAME, ATTR, SCALAR, STORE)                                    \
-  ATTR void NAME(const RowArgs& a, int64_t group) {                                        \
+  ATTR void NAME(const RowArgs& a, int gshift) {                                        \
     const int64_t head = head_cols(a);                                                     \
     if (head > 0) {                                                                        \
       RowArgs h = a;                                                                       \
       h.cols = head;                                                                       \
-      SCALAR(h, group);                                                                    \
+      SCALAR(h, gshift);                                                                    \
     }                                                                                      \
     const __m128i shift = _mm_cvtsi32_si128(a.shift);                                      \
     for (int64_t j = head; j < a.cols; j += 16) {                                          \
       const int64_t c = a.col0 + j;                                                        \
       const int64_t left = std::min<int64_t>(16, a.cols - j);                              \
       const __mmask16 m = static_cast<__mmask16>(left == 16 ? 0xFFFFu : (1u << left) - 1u); \
-      const __m512 s = _mm512_set1_ps(static_cast<float>(a.scale[c / group]));             \
+      const __m512 s = _mm512_set1_ps(static_cast<float>(a.scale[c >> gshift]));             \
       const __m512 w = unit16_avx512(a.src + c, m, shift, s);                              \
       STORE(j, m, w);                                                                      \
     }                                                                                      \
   }
 
-#define KT_STORE_F32(j, m, w) _mm512_mask_storeu_ps(static_cast<float*>(a.out) + (j), m, w)
-#define KT_STORE_BF16_NATIVE(j, m, w) \
-  _mm256_mask_storeu_epi16(static_cast<uint16_t*>(a.out) + (j), m, (__m256i)_mm512_cvtneps_pbh(w))
-#define KT_STORE_BF16_INT(j, m, w) \
-  _mm256_mask_storeu_epi16(static_cast<uint16_t*>(a.out) + (j), m, simd::f32_to_bf16_avx512(w))
 
 KT_INT4_ROW_AVX512(row_f32_avx512, KT_FMT_AVX512, row_f32_scalar, KT_STORE_F32)
 KT_INT4_ROW_AVX512(row_bf16_avx512bf16, KT_FMT_AVX512BF16, row_bf16_scalar, KT_STORE_BF16_NATIVE)
@@ -99,62 +96,38 @@ KT_FMT_AVX2 inline __m256 unit8_avx2(const uint8_t* p, __m128i shift, __m256 s) 
 }
 
 template <bool Bf16>
-KT_FMT_AVX2 void row_avx2_impl(const RowArgs& a, int64_t group) {
+KT_FMT_AVX2 void row_avx2_impl(const RowArgs& a, int gshift) {
   const int64_t head = head_cols(a);
   const int64_t body = head + (a.cols - head) / 8 * 8;
   const __m128i shift = _mm_cvtsi32_si128(a.shift);
   for (int64_t j = head; j < body; j += 8) {
     const int64_t c = a.col0 + j;
     const __m256 w =
-        unit8_avx2(a.src + c, shift, _mm256_set1_ps(static_cast<float>(a.scale[c / group])));
-    if (Bf16) {
-      _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(a.out) + j),
-                       simd::f32_to_bf16_avx2(w));
-    } else {
-      _mm256_storeu_ps(static_cast<float*>(a.out) + j, w);
-    }
+        unit8_avx2(a.src + c, shift, _mm256_set1_ps(static_cast<float>(a.scale[c >> gshift])));
+    simd::store8_avx2<Bf16>(a.out, j, w);
   }
-  for (const auto& [j0, j1] : {std::pair<int64_t, int64_t>{0, head}, {body, a.cols}}) {
-    if (j1 <= j0) continue;
-    RowArgs r = a;
-    r.col0 = a.col0 + j0;
-    r.cols = j1 - j0;
-    r.out = Bf16 ? static_cast<void*>(static_cast<uint16_t*>(a.out) + j0)
-                 : static_cast<void*>(static_cast<float*>(a.out) + j0);
+  const auto scalar = [&](const RowArgs& r) {
     if (Bf16) {
-      row_bf16_scalar(r, group);
+      row_bf16_scalar(r, gshift);
     } else {
-      row_f32_scalar(r, group);
+      row_f32_scalar(r, gshift);
     }
-  }
+  };
+  simd::scalar_cols<Bf16>(a, 0, head, scalar);
+  simd::scalar_cols<Bf16>(a, body, a.cols, scalar);
 }
 
-KT_FMT_AVX2 void row_f32_avx2(const RowArgs& a, int64_t group) { row_avx2_impl<false>(a, group); }
-KT_FMT_AVX2 void row_bf16_avx2(const RowArgs& a, int64_t group) { row_avx2_impl<true>(a, group); }
+KT_FMT_AVX2 void row_f32_avx2(const RowArgs& a, int gshift) { row_avx2_impl<false>(a, gshift); }
+KT_FMT_AVX2 void row_bf16_avx2(const RowArgs& a, int gshift) { row_avx2_impl<true>(a, gshift); }
 #endif
 
-struct RowTable {
-  RowFn f32 = row_f32_scalar;
-  RowFn bf16 = row_bf16_scalar;
-};
-
-RowTable select_rows() {
-  RowTable t;
+const RowFns<RowFn>& rows_table() {
+  static const RowFns<RowFn> t = pick_rows<RowFn>({row_f32_scalar, row_bf16_scalar,
 #ifdef KT_FMT_SIMD
-  const Isa level = isa_level();
-  if (level == Isa::kAvx512) {
-    t.f32 = row_f32_avx512;
-    t.bf16 = has_avx512_bf16() ? row_bf16_avx512bf16 : row_bf16_avx512;
-  } else if (level == Isa::kAvx2) {
-    t.f32 = row_f32_avx2;
-    t.bf16 = row_bf16_avx2;
-  }
+                                                   row_f32_avx2, row_bf16_avx2, row_f32_avx512,
+                                                   row_bf16_avx512, row_bf16_avx512bf16
 #endif
-  return t;
-}
-
-const RowTable& rows_table() {
-  static const RowTable t = select_rows();
+  });
   return t;
 }
 
@@ -165,6 +138,8 @@ void load_int4(const ExpertView& w, int64_t row0, int64_t col0, int64_t rows, in
                    "int4 format: compute dtype must be float32 or bfloat16, got ", dt);
   const auto* packed = static_cast<const uint8_t*>(w.part[0]);
   const auto* scale = static_cast<const c10::BFloat16*>(w.part[1]);
+  static_assert(G > 0 && (G & (G - 1)) == 0, "the int4 group size must be a power of two");
+  constexpr int kShift = __builtin_ctz(G);
   const int64_t groups = (w.k + G - 1) / G;
   const bool bf16 = dt == c10::ScalarType::BFloat16;
   const RowFn fn = bf16 ? rows_table().bf16 : rows_table().f32;
@@ -173,7 +148,7 @@ void load_int4(const ExpertView& w, int64_t row0, int64_t col0, int64_t rows, in
     const int64_t n = row0 + r;
     RowArgs a{packed + (n >> 1) * w.k, static_cast<int>(n & 1) * 4, scale + n * groups, col0,
               cols, static_cast<char*>(out) + static_cast<size_t>(r * ldo) * esize};
-    fn(a, G);
+    fn(a, kShift);
   }
 }
 

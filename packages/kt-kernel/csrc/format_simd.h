@@ -1,4 +1,5 @@
-// Small SIMD helpers shared by the INT4 and FP8 tile loaders (format_int4.cpp, format_fp8.cpp).
+// What the INT4 and FP8 tile loaders (format_int4.cpp, format_fp8.cpp) share: the choice of
+// their per-row routines by ISA (pick_rows) and small SIMD helpers.
 // The extension is built without -march=native: every SIMD function carries a GCC target
 // attribute and is only called where isa_level() allows it.
 #pragma once
@@ -7,6 +8,40 @@
 #include <immintrin.h>
 
 #include <cstdint>
+
+#include "formats.h"
+
+namespace kt_kernel {
+namespace formats {
+
+// A tile loader's per-row routines, one per output dtype, as picked for this process.
+template <typename Fn>
+struct RowFns {
+  Fn f32, bf16;
+};
+
+// Every path of a loader's row routines; the SIMD entries are null where the build has none.
+template <typename Fn>
+struct RowPaths {
+  Fn f32_scalar, bf16_scalar;
+  Fn f32_avx2 = nullptr, bf16_avx2 = nullptr;
+  Fn f32_avx512 = nullptr, bf16_avx512 = nullptr, bf16_avx512bf16 = nullptr;
+};
+
+// The best of `p` that isa_level() (the CPU, capped by KT_KERNEL_ISA) allows; bf16 output on
+// AVX-512 uses vcvtneps2bf16 where the CPU has AVX512_BF16.
+template <typename Fn>
+RowFns<Fn> pick_rows(const RowPaths<Fn>& p) {
+  const Isa level = isa_level();
+  if (level == Isa::kAvx512 && p.f32_avx512 != nullptr) {
+    return {p.f32_avx512, has_avx512_bf16() ? p.bf16_avx512bf16 : p.bf16_avx512};
+  }
+  if (level == Isa::kAvx2 && p.f32_avx2 != nullptr) return {p.f32_avx2, p.bf16_avx2};
+  return {p.f32_scalar, p.bf16_scalar};
+}
+
+}  // namespace formats
+}  // namespace kt_kernel
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #define KT_FMT_SIMD 1
@@ -36,6 +71,37 @@ KT_FMT_AVX512 inline __m256i f32_to_bf16_avx512(__m512 v) {
       _mm512_add_epi32(_mm512_add_epi32(u, _mm512_set1_epi32(0x7FFF)), lsb), 16);
   return _mm512_cvtepi32_epi16(r);
 }
+
+// 8 weights w to output column j of a row of fp32 or (rounded to nearest even) bf16.
+template <bool Bf16>
+KT_FMT_AVX2 inline void store8_avx2(void* out, int64_t j, __m256 w) {
+  if (Bf16) {
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(static_cast<uint16_t*>(out) + j),
+                     f32_to_bf16_avx2(w));
+  } else {
+    _mm256_storeu_ps(static_cast<float*>(out) + j, w);
+  }
+}
+
+// Runs `scalar(r)` on columns [j0, j1) of the row `a` (a RowArgs with col0, cols and out): the
+// head and tail that a row routine's SIMD body leaves.
+template <bool Bf16, typename Args, typename Scalar>
+inline void scalar_cols(const Args& a, int64_t j0, int64_t j1, const Scalar& scalar) {
+  if (j1 <= j0) return;
+  Args r = a;
+  r.col0 = a.col0 + j0;
+  r.cols = j1 - j0;
+  r.out = static_cast<char*>(a.out) + j0 * (Bf16 ? 2 : 4);
+  scalar(r);
+}
+
+// Stores of a row routine's 16 (masked: m) weights w at output column j of `a.out`, for the
+// row macros of format_int4.cpp and format_fp8.cpp (each variant keeps only its own targets).
+#define KT_STORE_F32(j, m, w) _mm512_mask_storeu_ps(static_cast<float*>(a.out) + (j), m, w)
+#define KT_STORE_BF16_NATIVE(j, m, w) \
+  _mm256_mask_storeu_epi16(static_cast<uint16_t*>(a.out) + (j), m, (__m256i)_mm512_cvtneps_pbh(w))
+#define KT_STORE_BF16_INT(j, m, w) \
+  _mm256_mask_storeu_epi16(static_cast<uint16_t*>(a.out) + (j), m, simd::f32_to_bf16_avx512(w))
 
 }  // namespace simd
 }  // namespace formats

@@ -35,26 +35,20 @@ namespace {
 enum Phase {
   kRoute, kPrep, kGather, kGemmGateUp, kLoraGateUp, kAct, kGemmDown, kLoraDown, kScatter,
   kBwdGemmDown, kBwdLoraDown, kActBwd, kBwdLoraGateUp, kBwdGemmGateUp, kWeightGrad,
-  kBwdScatter, kRecompute, kPhaseCount
+  kBwdScatter, kRecompute, kDequant, kPhaseCount
 };
 const char* kPhaseNames[] = {
     "route", "prepare_lora", "gather", "gemm_gate_up", "lora_gate_up", "activation",
     "gemm_down", "lora_down", "scatter", "bwd_gemm_down", "bwd_lora_down", "activation_bwd",
-    "bwd_lora_gate_up", "bwd_gemm_gate_up", "lora_weight_grad", "bwd_scatter", "recompute"};
+    "bwd_lora_gate_up", "bwd_gemm_gate_up", "lora_weight_grad", "bwd_scatter", "recompute",
+    "dequantize"};  // dequantize: the tile loaders' part of the gemm phases
 std::atomic<int64_t> g_phase_ns[kPhaseCount];
-
-// Thread CPU time, not wall time: on a shared machine it measures the work, not the waiting.
-inline int64_t thread_ns() {
-  timespec ts;
-  clock_gettime(CLOCK_THREAD_CPUTIME_ID, &ts);
-  return static_cast<int64_t>(ts.tv_sec) * 1000000000 + ts.tv_nsec;
-}
 
 struct Timer {
   Phase phase;
-  int64_t t0 = thread_ns();
+  int64_t t0 = common::thread_ns();
   explicit Timer(Phase p) : phase(p) {}
-  ~Timer() { g_phase_ns[phase] += thread_ns() - t0; }
+  ~Timer() { g_phase_ns[phase] += common::thread_ns() - t0; }
 };
 #define KT_TIME(p) Timer kt_timer_##p(p)
 
@@ -204,6 +198,7 @@ Call prepare(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& w,
   }
   c.gu = Projection{c.fmt, gate_up, c.experts, 2 * c.inter, c.hidden};
   c.dn = Projection{c.fmt, down, c.experts, c.hidden, c.inter};
+  c.gu.load_ns = c.dn.load_ns = &g_phase_ns[kDequant];
   if (gate_up_bias.has_value() && gate_up_bias->defined()) {
     c.gu_bias = *gate_up_bias;
     TORCH_CHECK_VALUE(c.gu_bias.sizes() == at::IntArrayRef({c.experts, 2 * c.inter}),

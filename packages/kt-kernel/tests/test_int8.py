@@ -273,20 +273,6 @@ print(hwm() - base, full_bf16)
     assert growth < full_bf16 // 4, (growth, full_bf16)
 
 
-def test_thread_count_does_not_change_bits(kt) -> None:
-    p, _ = int8_problem(kt, torch.bfloat16, tokens=64)
-    before = torch.get_num_threads()
-    try:
-        torch.set_num_threads(1)
-        one = kt.run(p, "native")
-        torch.set_num_threads(2)
-        two = kt.run(p, "native")
-    finally:
-        torch.set_num_threads(before)
-    for name in one:
-        assert torch.equal(one[name], two[name]), name
-
-
 def test_inference_path_keeps_no_graph_and_matches(kt) -> None:
     p, _ = int8_problem(kt, torch.bfloat16)
     trained = kt.run(p, "native")["y"]

@@ -197,6 +197,20 @@ class Dense(StackedFormat):
 _QMAX = 127
 
 
+def _check_quantisable(w: object) -> None:
+    """The input check every format's ``quantize`` shares: a floating-point ``[..., N, K]``.
+
+    Raises:
+        KernelDTypeError: ``w`` is not a floating-point tensor.
+        KernelInputError: ``w`` has fewer than 2 dims.
+    """
+    if not isinstance(w, torch.Tensor) or not w.dtype.is_floating_point:
+        got = w.dtype if isinstance(w, torch.Tensor) else type(w).__name__
+        raise KernelDTypeError(f"w must be a floating-point tensor to quantise, got {got}")
+    if w.dim() < 2:
+        raise KernelInputError(f"w must be [..., N, K] with at least 2 dims, got {list(w.shape)}")
+
+
 def quantize_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """Symmetric per-output-channel INT8 quantisation of ``w [..., N, K]``.
 
@@ -214,11 +228,7 @@ def quantize_per_channel(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         KernelDTypeError: ``w`` is not floating point.
         KernelInputError: ``w`` has fewer than 2 dims or holds a non-finite value.
     """
-    if not isinstance(w, torch.Tensor) or not w.dtype.is_floating_point:
-        got = w.dtype if isinstance(w, torch.Tensor) else type(w).__name__
-        raise KernelDTypeError(f"w must be a floating-point tensor to quantise, got {got}")
-    if w.dim() < 2:
-        raise KernelInputError(f"w must be [..., N, K] with at least 2 dims, got {list(w.shape)}")
+    _check_quantisable(w)
     w32 = w.detach().to(torch.float32)
     scale = w32.abs().amax(dim=-1) / _QMAX
     if not bool(torch.isfinite(scale).all()):  # amax propagates NaN and inf: one small check

@@ -19,7 +19,13 @@ from __future__ import annotations
 import torch
 
 from kt_kernel.errors import KernelDTypeError, KernelInputError
-from kt_kernel.formats import TILED_COMPUTE_DTYPES, Parts, StackedFormat, register_format
+from kt_kernel.formats import (
+    TILED_COMPUTE_DTYPES,
+    Parts,
+    StackedFormat,
+    _check_quantisable,
+    register_format,
+)
 
 __all__ = ["FP8_BLOCK", "Fp8Block"]
 
@@ -62,13 +68,7 @@ class Fp8Block(StackedFormat):
             KernelDTypeError: ``w`` is not floating point.
             KernelInputError: ``w`` has fewer than 2 dims or holds NaN/inf.
         """
-        if not isinstance(w, torch.Tensor) or not w.dtype.is_floating_point:
-            got = w.dtype if isinstance(w, torch.Tensor) else type(w).__name__
-            raise KernelDTypeError(f"w must be a floating-point tensor to quantise, got {got}")
-        if w.dim() < 2:
-            raise KernelInputError(
-                f"w must be [..., N, K] with at least 2 dims, got {list(w.shape)}"
-            )
+        _check_quantisable(w)
         lead, (n, k) = w.shape[:-2], w.shape[-2:]
         nb, kb = _blocks(n), _blocks(k)
         w32 = torch.zeros((*lead, nb * FP8_BLOCK, kb * FP8_BLOCK), dtype=torch.float32)

@@ -26,6 +26,7 @@ from kt_kernel.formats import (
     TILED_COMPUTE_DTYPES,
     Parts,
     StackedFormat,
+    _check_quantisable,
     register_format,
 )
 
@@ -99,13 +100,7 @@ class Int4Grouped(StackedFormat):
             KernelDTypeError: ``w`` is not floating point.
             KernelInputError: ``w`` has fewer than 2 dims or holds NaN/inf.
         """
-        if not isinstance(w, torch.Tensor) or not w.dtype.is_floating_point:
-            got = w.dtype if isinstance(w, torch.Tensor) else type(w).__name__
-            raise KernelDTypeError(f"w must be a floating-point tensor to quantise, got {got}")
-        if w.dim() < 2:
-            raise KernelInputError(
-                f"w must be [..., N, K] with at least 2 dims, got {list(w.shape)}"
-            )
+        _check_quantisable(w)
         g, k = self.group_size, w.shape[-1]
         ng = -(-k // g)
         w32 = torch.zeros((*w.shape[:-1], ng * g), dtype=torch.float32)
