@@ -103,12 +103,23 @@ class _KeyMapper:
         self._renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
         self._converters = [t for t in transforms if isinstance(t, WeightConverter)]
         self._sites = {s.experts_name + ".": s for s in sites}
+        self._names = {n for n, _ in model.named_parameters(remove_duplicate=False)}
+        self._names.update(n for n, _ in model.named_buffers(remove_duplicate=False))
 
     def rename(self, key: str) -> str:
-        """Apply every renaming (e.g. Mixtral's ``block_sparse_moe`` -> ``mlp``)."""
+        """Apply every renaming (e.g. Mixtral's ``block_sparse_moe`` -> ``mlp``).
+
+        A key that already is a model name and that a renaming would turn into a non-name is
+        kept, as transformers' loader does: the renaming regexes are unanchored, so Laguna's
+        ``mlp.shared_expert.`` -> ``mlp.shared_experts.`` also matches the model's own
+        ``mlp.shared_experts.down_proj`` (``.`` matches the ``s``) and would mangle it.
+        """
         from transformers.core_model_loading import rename_source_key
 
-        return rename_source_key(key, self._renamings, [])[0]
+        renamed = rename_source_key(key, self._renamings, [])[0]
+        if renamed not in self._names and key in self._names:
+            return key
+        return renamed
 
     def _role(self, site: MoEBlockSite, renamed: str, proj: str) -> str | None:
         """``"gate"``/``"up"``/``"down"`` of a per-expert key, from transformers' converters."""
