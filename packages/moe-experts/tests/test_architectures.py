@@ -23,7 +23,8 @@ def test_registry_rows_have_tiny_configs_and_are_frozen() -> None:
     # parametrised suites (test_wrap, test_adapt) run it.
     required = {"qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3", "olmoe", "qwen3_5_moe",
                 "qwen3_next", "qwen3_vl_moe", "glm4_moe", "glm4v_moe", "deepseek_v2",
-                "ernie4_5_moe", "minimax", "hunyuan_v1_moe", "dots1", "phimoe", "granitemoe"}
+                "ernie4_5_moe", "minimax", "hunyuan_v1_moe", "dots1", "phimoe", "granitemoe",
+                "gpt_oss"}
     assert required <= set(ARCHITECTURES)
     assert set(TINY_CONFIGS) == set(ARCHITECTURES) == set(FAMILIES)
     assert not set(ARCHITECTURES) & set(UNSUPPORTED_FAMILIES)
@@ -43,9 +44,15 @@ def test_blocks_found_with_router_and_shared_experts(fresh, family: str) -> None
     for site in sites:
         experts = getattr(site.block, arch.experts_attr)
         gate_up = getattr(experts, arch.gate_up_param)
-        e, two_i, h = gate_up.shape
+        e, i, h = arch.expert_dims(gate_up)
         assert h == model.config.get_text_config().hidden_size
-        assert tuple(getattr(experts, arch.down_param).shape) == (e, h, two_i // 2)
+        # Every stored expert tensor (weights and any biases) has the spec's layout, and
+        # transformers' own layout flags agree with the spec's fields.
+        for name, shape in arch.stored_shapes(e, i, h).items():
+            assert tuple(getattr(experts, name).shape) == shape, name
+        assert getattr(experts, "is_transposed", False) == arch.transposed
+        assert getattr(experts, "is_concatenated", True) == (not arch.interleaved)
+        assert getattr(experts, "has_bias", False) == bool(arch.bias_params)
         router = site.block.get_submodule(arch.router_attr).get_parameter(arch.router_param)
         # The router's [E, H] weight is where router LoRA goes (router_targets).
         assert tuple(router.shape) == (e, h)
@@ -67,10 +74,39 @@ def test_unsupported_model_lists_families() -> None:
         assert family in msg
 
 
-@pytest.mark.parametrize("model_type", ["llama4", "gpt_oss", "aria", "longcat_flash"])
+@pytest.mark.parametrize("model_type", ["llama4", "longcat_flash", "muse_spark"])
 def test_refused_families_say_why(model_type: str) -> None:
     model = torch.nn.Module()
     model.config = type("Cfg", (), {"model_type": model_type})()
     with pytest.raises(UnsupportedModelError, match=model_type) as info:
         find_architecture(model)
     assert UNSUPPORTED_FAMILIES[model_type] in str(info.value)
+
+
+@pytest.mark.parametrize("transposed", [False, True])
+@pytest.mark.parametrize("interleaved", [False, True])
+def test_layout_fields_convert_to_kernel_layout(transposed: bool, interleaved: bool) -> None:
+    # kt-kernel's layout: gate_up [E, 2I, H] with gate rows first, down [E, H, I].
+    arch = dataclasses.replace(ARCHITECTURES["mixtral"], transposed=transposed,
+                               interleaved=interleaved)
+    e, i, h = 3, 5, 7
+    gate, up = torch.randn(e, i, h), torch.randn(e, i, h)
+    down = torch.randn(e, h, i)
+    bias = torch.randn(e, 2 * i)  # gate first, like the kernel's
+    rows = torch.stack([gate, up], dim=2).flatten(1, 2) if interleaved else torch.cat([gate, up], 1)
+    pairs = torch.stack(bias.unflatten(1, (2, i)).unbind(1), 2)  # [E, I, 2]
+    stored_bias = pairs.flatten(1, 2) if interleaved else bias
+    stored_gu = rows.transpose(1, 2) if transposed else rows
+    stored_dn = down.transpose(1, 2) if transposed else down
+    assert arch.expert_dims(stored_gu) == (e, i, h)
+    shapes = arch.stored_shapes(e, i, h)
+    assert shapes[arch.gate_up_param] == tuple(stored_gu.shape)
+    assert shapes[arch.down_param] == tuple(stored_dn.shape)
+    view = arch.kernel_gate_up(stored_gu)
+    assert view.data_ptr() == stored_gu.data_ptr()  # a view, no copy
+    assert torch.equal(view[:, 0], gate)
+    assert torch.equal(view[:, 1], up)
+    assert torch.equal(arch.kernel_down(stored_dn), down)
+    assert torch.equal(arch.kernel_rows(stored_bias), bias)
+    assert torch.equal(arch.kernel_rows(rows.transpose(0, 1), dim=0),
+                       torch.cat([gate, up], 1).transpose(0, 1))

@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
 from moe_experts import KernelExperts, LoadError, is_placeholder, load_pretrained, wrap
-from moe_experts.testing import tiny_config
+from moe_experts.testing import tiny_model
 
 from .conftest import FAMILIES, token_batch
 
@@ -28,7 +28,7 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str
     out = {}
     for family in CAUSAL_FAMILIES:
         torch.manual_seed(1234)
-        model = AutoModelForCausalLM.from_config(tiny_config(family))
+        model = tiny_model(family)  # random expert biases where the family has them
         for layout in LAYOUTS:
             path = tmp_path_factory.mktemp(f"ckpt-{family}-{layout}")
             model.save_pretrained(
@@ -59,7 +59,7 @@ def _kernels(model) -> dict[str, KernelExperts]:
 def test_checkpoints_really_use_both_layouts(checkpoints) -> None:
     # Families whose hub checkpoints store experts per expert (transformers converts them on
     # save_original_format); the newer families have no such conversion and save fused keys.
-    hub_per_expert = {"qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3", "olmoe"}
+    hub_per_expert = {"qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3", "olmoe", "deepseek_v4"}
     for (family, layout), path in checkpoints.items():
         index = json.loads((path / "model.safetensors.index.json").read_text())
         keys = list(index["weight_map"])
@@ -102,6 +102,10 @@ def test_bitwise_equal_to_from_pretrained_and_wrap(
         assert have.weight_dtype == want.expert_weights.weight_dtype
         assert torch.equal(have.gate_up, want.expert_weights.gate_up), name
         assert torch.equal(have.down, want.expert_weights.down), name
+        for bias in ("gate_up_bias", "down_bias"):  # GPT-OSS: converted like the weights
+            a, b = getattr(have, bias), getattr(want.expert_weights, bias)
+            assert (a is None) == (b is None), (name, bias)
+            assert a is None or (torch.equal(a, b) and a.abs().sum() > 0), (name, bias)
     ids = token_batch()
     with torch.no_grad():
         assert torch.equal(got(ids).logits, ref(ids).logits)
@@ -226,3 +230,28 @@ def test_dense_on_cuda_experts_on_cpu(checkpoints) -> None:
         want = ref(ids).logits
         have = got(ids.cuda()).logits
     torch.testing.assert_close(have.cpu(), want, rtol=1e-4, atol=1e-4)
+
+
+def test_keys_the_model_ignores_are_skipped(ckpt_copy) -> None:
+    # DeepSeek-V4 checkpoints ship multi-token-prediction layers (mtp.*) that the model class
+    # declares unexpected-and-ignored; from_pretrained skips them, so must load_pretrained.
+    path = ckpt_copy("deepseek_v4", "per_expert")
+    extra = {"mtp.0.ffn.experts.0.w1.weight": torch.ones(16, 32),
+             "mtp.0.norm.weight": torch.ones(32)}
+    save_file(extra, str(path / "mtp.safetensors"), metadata={"format": "pt"})
+    index_file = path / "model.safetensors.index.json"
+    index = json.loads(index_file.read_text())
+    index["weight_map"].update(dict.fromkeys(extra, "mtp.safetensors"))
+    index_file.write_text(json.dumps(index))
+    ref = _reference(path, torch.float32, "fp32")
+    got = load_pretrained(path, weight_dtype="fp32", dtype=torch.float32)
+    ids = token_batch()
+    with torch.no_grad():
+        assert torch.equal(got(ids).logits, ref(ids).logits)
+    # A key no pattern covers is still refused by name.
+    save_file({"extra.weight": torch.ones(2)}, str(path / "mtp.safetensors"))
+    index["weight_map"] = {k: v for k, v in index["weight_map"].items() if k not in extra}
+    index["weight_map"]["extra.weight"] = "mtp.safetensors"
+    index_file.write_text(json.dumps(index))
+    with pytest.raises(LoadError, match=r"does not have: \['extra\.weight'\]"):
+        load_pretrained(path, weight_dtype="fp32", dtype=torch.float32)

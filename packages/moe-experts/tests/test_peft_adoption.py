@@ -34,7 +34,8 @@ def _grads(model):
 
 
 @pytest.mark.timeout(60)
-@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])
+# gpt_oss: transposed, interleaved experts with biases (PEFT's B rows follow the stored order).
+@pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3", "gpt_oss"])
 def test_adopted_peft_matches_peft_and_shares_memory(fresh, family: str) -> None:
     pm = _peft_model(fresh, family)
     ids = token_batch()

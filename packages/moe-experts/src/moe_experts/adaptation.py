@@ -147,7 +147,9 @@ def adapt(
 
     ``layout="fused"`` (default) is PEFT ``target_parameters`` on transformers' fused experts:
     one adapter on ``gate_up_proj`` (``gate_up_lora_a [E, r, H]``, ``gate_up_lora_b [E, 2I, r]``)
-    and one on ``down_proj``; these export to PEFT's ``adapter_model.safetensors`` keys.
+    and one on ``down_proj``; these export to PEFT's ``adapter_model.safetensors`` keys. The
+    ``2I`` rows of ``gate_up_lora_b`` follow the stored weight's gate/up order, as PEFT's do
+    (interleaved for GPT-OSS; the kernel gets them reordered).
     ``layout="split"`` gives gate and up their own A (no PEFT export for gate/up, since PEFT
     cannot express that on a fused parameter). Values come from
     ``lora_core.init_lora_tensor("<experts>.<gate_up|down|gate|up>.lora_A", [E, r, in])``
@@ -211,8 +213,7 @@ def adapt(
             fqns = {id(p): n for n, p in model.named_parameters()}
             params += [(fqns[id(p)], p) for p in extra.parameters()]
         arch = site.arch
-        leaf = site.name.rsplit(".", 1)[-1]
-        rel = f"{leaf}.{arch.experts_attr}" if site.name else arch.experts_attr
+        rel = site.target(arch.experts_attr)
         if kernel.adopted_peft:
             repeated.append(site.experts_name)
             for name, p in model.named_parameters():
@@ -265,14 +266,15 @@ def router_targets(model: nn.Module) -> tuple[str, ...]:
 
     Returns:
         Dotted parameter suffixes such as ``("mlp.gate.weight",)``: the block's attribute name
-        in its layer, the router attribute and its ``weight``.
+        in its layer, the router attribute and its ``weight`` (``("router.proj.weight",)`` for
+        Gemma-4, whose block is the decoder layer; see :meth:`MoEBlockSite.target`).
 
     Raises:
         UnsupportedModelError: the model is not a supported MoE family.
     """
     arch = find_architecture(model)
     names = {
-        f"{site.name.rpartition('.')[2]}.{arch.router_attr}.{arch.router_param}"
+        site.target(f"{arch.router_attr}.{arch.router_param}")
         for site in iter_moe_blocks(model, arch)
     }
     return tuple(sorted(names))

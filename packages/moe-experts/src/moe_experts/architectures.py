@@ -1,10 +1,13 @@
 """Architecture specs: where each supported MoE family keeps its experts, router and weights.
 
 transformers 5.x stores the routed experts of every family below as one module holding fused
-3D parameters ``gate_up_proj [E, 2I, H]`` (rows ``[0, I)`` gate, ``[I, 2I)`` up, split with
-``chunk(2, dim=-1)`` after ``F.linear``) and ``down_proj [E, H, I]``, called by the MoE block
-as ``experts(hidden [T, H], top_k_index [T, k], top_k_weights [T, k])``. The block's router is
-left untouched by :func:`moe_experts.wrap`, so routing stays bit-identical to transformers.
+3D parameters, by default ``gate_up_proj [E, 2I, H]`` (rows ``[0, I)`` gate, ``[I, 2I)`` up,
+split with ``chunk(2, dim=-1)`` after ``F.linear``) and ``down_proj [E, H, I]``, called by the
+MoE block as ``experts(hidden [T, H], top_k_index [T, k], top_k_weights [T, k])``. A family
+that stores them otherwise (GPT-OSS: transposed ``[E, H, 2I]`` / ``[E, I, H]``, gate and up
+interleaved, with biases) says so in its spec's layout fields, and the spec's methods are the
+one place that converts that layout into kt-kernel's. The block's router is left untouched by
+:func:`moe_experts.wrap`, so routing stays bit-identical to transformers.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
 
+import torch
 from torch import nn
 
 from moe_experts.errors import UnsupportedModelError
@@ -45,9 +49,21 @@ class MoEArchitecture:
         shared_expert_attrs: attributes of the block with always-on dense experts; they stay
             ordinary modules that ``lora_core.enable_lora_training`` can target.
         shared_expert_gate_attr: attribute of the block with the shared experts' sigmoid gate.
-        gate_up_param: fused ``[E, 2I, H]`` parameter name inside the experts module.
-        down_param: ``[E, H, I]`` parameter name inside the experts module.
+        gate_up_param: fused gate/up parameter name inside the experts module.
+        down_param: down parameter name inside the experts module.
         router: one line on the routing function, for the documentation table.
+        block_enabled_attr: boolean attribute of the block saying whether this instance holds
+            routed experts, for a family whose block class also serves dense layers (Gemma-4's
+            decoder layer holds ``experts`` beside its dense ``mlp`` only when
+            ``enable_moe_block``); blocks where it is false are not MoE blocks.
+        transposed: experts are stored ``x @ W`` style, ``gate_up [E, H, 2I]`` and
+            ``down [E, I, H]`` (transformers' ``is_transposed``), instead of ``[E, 2I, H]`` /
+            ``[E, H, I]``.
+        interleaved: gate and up alternate along ``2I`` (gate ``0::2``, up ``1::2``;
+            transformers' ``is_concatenated=False``) instead of gate first.
+        gate_up_bias_param: frozen ``[E, 2I]`` bias of gate_up inside the experts module (same
+            gate/up order as ``gate_up_param``), or ``None``.
+        down_bias_param: frozen ``[E, H]`` bias of down, or ``None``.
     """
 
     family: str
@@ -62,9 +78,70 @@ class MoEArchitecture:
     gate_up_param: str = "gate_up_proj"
     down_param: str = "down_proj"
     router: str = "softmax top-k"
+    block_enabled_attr: str | None = None
     # Only fused 3D experts exist in transformers 5.x for these families; per-expert Linear
     # (transformers 4.x) would be a second layout.
     layout: Literal["fused_3d"] = "fused_3d"
+    # Why these are spec fields and not read from the module: load_pretrained converts the
+    # checkpoint before any module exists; the module's own flags are checked against them.
+    transposed: bool = False
+    interleaved: bool = False
+    gate_up_bias_param: str | None = None
+    down_bias_param: str | None = None
+
+    @property
+    def bias_params(self) -> tuple[str, ...]:
+        """The expert bias parameter names this family has (gate_up's first), maybe none."""
+        return tuple(p for p in (self.gate_up_bias_param, self.down_bias_param) if p)
+
+    def expert_dims(self, gate_up: torch.Tensor) -> tuple[int, int, int]:
+        """``(E, I, H)`` of a stored gate_up tensor (``[E, 2I, H]``, or ``[E, H, 2I]``)."""
+        e, a, b = gate_up.shape
+        two_i, h = (b, a) if self.transposed else (a, b)
+        return e, two_i // 2, h
+
+    def stored_shapes(self, e: int, i: int, h: int) -> dict[str, tuple[int, ...]]:
+        """The shape of every expert tensor this family stores, keyed by parameter name."""
+        shapes = {
+            self.gate_up_param: (e, h, 2 * i) if self.transposed else (e, 2 * i, h),
+            self.down_param: (e, i, h) if self.transposed else (e, h, i),
+        }
+        if self.gate_up_bias_param:
+            shapes[self.gate_up_bias_param] = (e, 2 * i)
+        if self.down_bias_param:
+            shapes[self.down_bias_param] = (e, h)
+        return shapes
+
+    def kernel_gate_up(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """A view ``[E, 2, I, H]`` of a stored gate_up: ``[:, 0]`` gate, ``[:, 1]`` up.
+
+        kt-kernel computes gate rows ``[0, I)`` then up rows ``[I, 2I)`` of ``[E, 2I, H]``;
+        this view reorders any stored layout into that without copying.
+        """
+        _, i, _ = self.expert_dims(gate_up)
+        if self.transposed:  # [E, H, 2I]
+            split = (i, 2) if self.interleaved else (2, i)
+            v = gate_up.unflatten(2, split)  # [E, H, (I, 2) | (2, I)]
+            return v.permute(0, 3, 2, 1) if self.interleaved else v.permute(0, 2, 3, 1)
+        if self.interleaved:  # [E, 2I, H] with rows gate0, up0, gate1, ...
+            return gate_up.unflatten(1, (i, 2)).transpose(1, 2)
+        return gate_up.unflatten(1, (2, i))
+
+    def kernel_down(self, down: torch.Tensor) -> torch.Tensor:
+        """A view ``[E, H, I]`` (kt-kernel's layout) of a stored down tensor."""
+        return down.transpose(1, 2) if self.transposed else down
+
+    def kernel_rows(self, t: torch.Tensor, dim: int = 1) -> torch.Tensor:
+        """Reorder ``dim`` (size 2I, in the family's gate/up order) to gate first, then up.
+
+        Used for the gate_up bias ``[E, 2I]`` and the fused LoRA ``B [E, 2I, r]``, whose rows
+        follow the stored weight's (as PEFT's do). Differentiable; a copy only when
+        interleaved, else ``t`` itself.
+        """
+        if not self.interleaved:
+            return t
+        i = t.shape[dim] // 2
+        return t.unflatten(dim, (i, 2)).transpose(dim, dim + 1).flatten(dim, dim + 1)
 
     def block_type(self) -> type[nn.Module]:
         """Import and return the MoE block class from transformers.
@@ -146,29 +223,46 @@ ARCHITECTURES: dict[str, MoEArchitecture] = {
         _spec("mellum", "MellumSparseMoeBlock"),
         _spec("kolibri1", "Kolibri1SparseMoeBlock", **_SHARED),
         _spec("lfm2_moe", "Lfm2MoeSparseMoeBlock", router="sigmoid top-k, bias"),
+        # Experts and router sit in the decoder layer itself, beside a dense mlp whose output
+        # is added; gated tanh-GELU experts (kt_kernel.GeluTanhGated).
+        _spec("gemma4", "Gemma4TextDecoderLayer", text=True, router_attr="router",
+              router_param="proj.weight", block_enabled_attr="enable_moe_block",
+              router="RMS-normed softmax top-k, renormalised, per-expert scale"),
+        # SwiGLU clamped at swiglu_limit (kt_kernel.SwiGLULimit). Hash layers pick experts by
+        # a token-id table but call the experts module the same way, so they run as well.
+        _spec("deepseek_v4", "DeepseekV4SparseMoeBlock",
+              router="sqrt-softplus top-k, bias, scaling (hash layers: token-id table)",
+              **_SHARED),
+        _spec("aria", "AriaTextMoELayer", text=True, router_attr="router",
+              router="top-k logits, softmax", transposed=True, **_SHARED),
+        _spec("gpt_oss", "GptOssMLP", router_attr="router", router="top-k logits, softmax, bias",
+              transposed=True, interleaved=True, gate_up_bias_param="gate_up_proj_bias",
+              down_bias_param="down_proj_bias"),
     )
 }
 
 # Families transformers ships whose experts kt-kernel cannot compute (yet): refused by name.
 UNSUPPORTED_FAMILIES: dict[str, str] = {
-    "gpt_oss": "clamped SwiGLU (alpha, limit) with gate_up/down biases, experts stored "
-    "transposed [E, H, 2I] with gate/up interleaved; kt-kernel's ExpertSpec has no "
-    "clamped_swiglu activation or expert biases yet",
-    "openai_privacy_filter": "GPT-OSS experts (clamped SwiGLU with biases, [E, H, 2I]); "
-    "kt-kernel has no clamped_swiglu activation or expert biases yet",
-    "gemma4": "gated GELU-tanh experts; kt-kernel has no gelu_tanh_gated activation yet",
-    "diffusion_gemma": "gated GELU-tanh experts; kt-kernel has no gelu_tanh_gated activation yet",
-    "deepseek_v4": "SwiGLU clamped at swiglu_limit; kt-kernel has no swiglu_limit activation yet",
-    "glm5_next": "SwiGLU clamped at swiglu_limit; kt-kernel has no swiglu_limit activation yet",
-    "hy_v4": "SwiGLU clamped at swiglu_limit; kt-kernel has no swiglu_limit activation yet",
-    "hy_v4_vl": "SwiGLU clamped at swiglu_limit; kt-kernel has no swiglu_limit activation yet",
+    "openai_privacy_filter": "a token-classification encoder, not a causal LM; moe-experts "
+    "fine-tunes causal LMs (its GPT-OSS-style experts would fit MoEArchitecture's layout "
+    "fields: transposed, concatenated, biases)",
+    "diffusion_gemma": "a block-diffusion model (DiffusionGemmaForBlockDiffusion), not a causal "
+    "LM, with its MoE in two layer classes (encoder and decoder); its gated tanh-GELU experts "
+    "are Gemma-4's, which kt-kernel computes, but no spec or equality test covers this model",
+    "glm5_next": "SwiGLU clamped at swiglu_limit, the formula of kt_kernel.SwiGLULimit, but "
+    "not yet registered with a tiny config and equality tests",
+    "hy_v4": "SwiGLU clamped at swiglu_limit, the formula of kt_kernel.SwiGLULimit, but "
+    "not yet registered with a tiny config and equality tests",
+    "hy_v4_vl": "SwiGLU clamped at swiglu_limit, the formula of kt_kernel.SwiGLULimit, but "
+    "not yet registered with a tiny config and equality tests",
     "step3p7": "SwiGLU clamped after the activation; kt-kernel has no such activation",
     "minimax_m3_vl": "clamped SwiGLU (alpha, limit); kt-kernel has no clamped_swiglu yet",
-    "llama4": "Llama 4 multiplies the *input* of its top-1 expert by the sigmoid routing "
-    "weight (expert(w * x), not w * expert(x)) and stores experts transposed [E, H, 2I]; "
-    "kt-kernel applies routing weights to expert outputs",
-    "aria": "experts stored transposed ([E, H, 2I] and [E, I, H]); kt-kernel's layout is "
-    "[E, 2I, H] / [E, H, I]",
+    "llama4": "Llama 4 scales each chosen expert's *input* by the sigmoid of its router logit "
+    "(expert(w * x), not w * expert(x); top-1 in the released models), and SwiGLU is not "
+    "linear, so the weight cannot move to the output; its experts module takes no expert ids "
+    "(every expert runs on every token, unchosen ones on zeroed inputs) and stores experts "
+    "transposed (gate_up_proj [E, H, 2I], down_proj [E, I, H]); kt-kernel applies routing "
+    "weights to expert outputs",
     "longcat_flash": "routes tokens to zero (identity) experts beside the SwiGLU experts; "
     "kt-kernel computes SwiGLU experts only",
     "muse_spark": "applies an RMSNorm inside every expert after down_proj; kt-kernel has no "
@@ -192,6 +286,17 @@ class MoEBlockSite:
     def experts_name(self) -> str:
         """Fully-qualified name of the routed experts module."""
         return f"{self.name}.{self.arch.experts_attr}" if self.name else self.arch.experts_attr
+
+    def target(self, path: str) -> str:
+        """The ``target_parameters`` suffix (PEFT, lora-core) naming ``path`` in every block.
+
+        The block's own attribute name comes first (``mlp.experts.gate_up_proj``), except for a
+        block that is a layer of a ``ModuleList`` (Gemma-4's decoder layer), whose name is an
+        index: there the suffix starts inside the block (``experts.gate_up_proj``), so one
+        entry still matches every layer.
+        """
+        leaf = self.name.rpartition(".")[2]
+        return f"{leaf}.{path}" if leaf and not leaf.isdigit() else path
 
 
 def _model_type(model: nn.Module) -> str | None:
@@ -240,6 +345,8 @@ def find_architecture(model: nn.Module) -> MoEArchitecture:
 def iter_moe_blocks(model: nn.Module, arch: MoEArchitecture) -> Iterator[MoEBlockSite]:
     """Yield every MoE block of ``arch`` in ``model`` in module order (dense layers are skipped)."""
     block_type = arch.block_type()
+    flag = arch.block_enabled_attr
     for name, module in model.named_modules():
-        if isinstance(module, block_type):
+        enabled = flag is None or getattr(module, flag, False) is True
+        if isinstance(module, block_type) and enabled:
             yield MoEBlockSite(name=name, block=module, arch=arch)

@@ -9,7 +9,7 @@ placeholders under the original parameter names.
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Literal
 
@@ -18,6 +18,7 @@ from torch import nn
 
 import kt_kernel
 from moe_experts import peft_mapping
+from moe_experts.architectures import MoEArchitecture
 from moe_experts.lora_experts import LoraExperts
 from moe_experts.placeholders import make_placeholder
 
@@ -74,8 +75,27 @@ class KernelExperts(nn.Module):
         down_name: str,
         label: str,
         policy: Policy = "save",
+        arch: MoEArchitecture | None = None,
+        bias_like: Mapping[str, torch.Tensor] | None = None,
+        order: Sequence[str] = (),
     ) -> None:
-        """Register placeholders named like the original parameters and keep the weights."""
+        """Register placeholders named like the original parameters and keep the weights.
+
+        Args:
+            weights: the frozen base in kernel storage (kt-kernel's layout, biases included).
+            gate_up_like: the original gate_up tensor (or its description), any layout.
+            down_like: the original down tensor (or its description).
+            gate_up_name: gate_up's parameter name in the original module.
+            down_name: down's parameter name in the original module.
+            label: the experts module's qualified name, for placeholder errors.
+            policy: kt-kernel activation policy.
+            arch: the family's spec; its gate/up row order decides how the fused LoRA B
+                (rows in the family's order, like PEFT's) reaches the kernel. ``None``:
+                gate rows first.
+            bias_like: ``{parameter name: original tensor}`` of the expert biases, which
+                get placeholders too (their values live in ``weights``).
+            order: the original module's parameter names in order; placeholders follow it.
+        """
         super().__init__()
         self.expert_weights = weights
         self.spec = weights.spec
@@ -89,6 +109,16 @@ class KernelExperts(nn.Module):
             gate_up_name, make_placeholder(gate_up_like, f"{label}.{gate_up_name}")
         )
         self.register_parameter(down_name, make_placeholder(down_like, f"{label}.{down_name}"))
+        for name, like in (bias_like or {}).items():
+            self.register_parameter(name, make_placeholder(like, f"{label}.{name}"))
+        if order:
+            # The original module's parameter order (GPT-OSS: each bias after its weight), so
+            # named_parameters() and state_dict() list the same names in the same order.
+            rank = {n: i for i, n in enumerate(order)}
+            self._parameters = dict(
+                sorted(self._parameters.items(), key=lambda kv: rank.get(kv[0], len(rank)))
+            )
+        self.arch = arch
         self.lora: kt_kernel.LoraBuffers | None = None
         # Extra dense "LoRA experts" (moe_experts.adapt(lora_experts=N)), child module
         # ``lora_experts``; their mean output is added to the routed experts' output.
@@ -136,22 +166,44 @@ class KernelExperts(nn.Module):
             e = self.spec.num_experts
             for name, (param, kind) in self._peft.sources.items():
                 # Differentiable views: autograd delivers the gradient to PEFT's own parameter.
-                views[f"lora.{name}"] = (
+                views[f"lora.{name}"] = self._kernel_factor(
+                    name,
                     peft_mapping.unstack_lora_a(param, e)
                     if kind == "a"
-                    else peft_mapping.unstack_lora_b(param, e)
+                    else peft_mapping.unstack_lora_b(param, e),
                 )
             y = torch.func.functional_call(
                 self._peft.caller, views, (x, ids, w, self.policy), strict=False
             )
         else:
-            lora = self.lora if use_lora else None
+            lora = self._kernel_buffers(self.lora) if use_lora else None
             y = kt_kernel.moe_experts_forward(
                 x, ids, w, self.expert_weights, lora, policy=self.policy
             )
         if use_lora and self.lora_experts is not None:
             return y.to(hidden.dtype) + self.lora_experts(hidden)
         return y.to(hidden.dtype)
+
+    def _kernel_factor(self, name: str, t: torch.Tensor) -> torch.Tensor:
+        """A LoRA factor as the kernel reads it: fused B rows reordered to gate first."""
+        if name != "gate_up_lora_b" or self.arch is None:
+            return t
+        return self.arch.kernel_rows(t, dim=1)
+
+    def _kernel_buffers(
+        self, lora: kt_kernel.LoraBuffers | None
+    ) -> kt_kernel.LoraBuffers | None:
+        """``lora``, or for an interleaved family the same tensors with B's rows reordered."""
+        if lora is None or self.arch is None or not self.arch.interleaved:
+            return lora
+        if lora.layout != "fused":  # split gate/up factors are already separate
+            return lora
+        tensors = {n: self._kernel_factor(n, getattr(lora, n)) for n in lora.names}
+        # Parameters stay the same objects (registered again here); the reordered B is a
+        # differentiable copy, so its gradient flows back into the trained B.
+        return kt_kernel.LoraBuffers.from_tensors(
+            lora.spec, lora.rank, lora.alpha, lora.layout, tensors
+        )
 
     def forward(
         self, hidden_states: torch.Tensor, top_k_index: torch.Tensor, top_k_weights: torch.Tensor

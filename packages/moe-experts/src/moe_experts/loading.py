@@ -9,7 +9,6 @@ time, and the experts are assembled one MoE block at a time: the block's expert 
 would, and handed to :class:`kt_kernel.ExpertWeights` the way ``wrap`` does it. The only
 transient beyond the final footprint is one block's experts in the model dtype, and the result is
 bitwise the same as ``from_pretrained(path, dtype=dtype)`` + ``wrap(model, weight_dtype=...)``.
-FP8-block checkpoints keep their experts as shipped (see :mod:`moe_experts.fp8_checkpoint`).
 """
 
 from __future__ import annotations
@@ -95,7 +94,8 @@ def _weight_map(path: Path) -> dict[str, Path]:
 class _ExpertKeys:
     """Where one experts module's weights are in the checkpoint."""
 
-    fused: dict[str, str] = field(default_factory=dict)  # "gate_up" | "down" -> key
+    # stored parameter name (gate_up_proj, down_proj, a bias) -> key
+    fused: dict[str, str] = field(default_factory=dict)
     # (expert, "gate" | "up" | "down") -> key
     per_expert: dict[tuple[int, str], str] = field(default_factory=dict)
 
@@ -117,10 +117,9 @@ class _KeyMapper:
     def rename(self, key: str) -> str:
         """Apply every renaming (e.g. Mixtral's ``block_sparse_moe`` -> ``mlp``).
 
-        A key that already is a model name and that a renaming would turn into a non-name is
-        kept, as transformers' loader does: the renaming regexes are unanchored, so Laguna's
-        ``mlp.shared_expert.`` -> ``mlp.shared_experts.`` also matches the model's own
-        ``mlp.shared_experts.down_proj`` (``.`` matches the ``s``) and would mangle it.
+        As transformers does, a key the model already has is kept when the renamings would
+        turn it into one it lacks (DeepSeek-V4's ``.norm.`` -> ``.kv_norm.`` also matches the
+        final ``model.norm.weight``).
         """
         from transformers.core_model_loading import rename_source_key
 
@@ -144,7 +143,9 @@ class _KeyMapper:
         return None
 
     def expert_key(self, key: str) -> tuple[MoEBlockSite, tuple[int, str] | str] | None:
-        """``(site, (expert, role))`` / ``(site, "gate_up"|"down")`` for an expert key, else None.
+        """``(site, (expert, role))`` / ``(site, stored parameter name)`` for an expert key.
+
+        Returns ``None`` for a key outside every experts module.
 
         Raises:
             LoadError: a key under an experts module that is neither layout.
@@ -154,10 +155,8 @@ class _KeyMapper:
             if not renamed.startswith(prefix):
                 continue
             rest = renamed[len(prefix) :]
-            if rest == site.arch.gate_up_param:
-                return site, "gate_up"
-            if rest == site.arch.down_param:
-                return site, "down"
+            if rest in site.arch.stored_shapes(0, 0, 0):  # gate_up, down and any bias
+                return site, rest
             match = _PER_EXPERT.match(rest)
             role = self._role(site, renamed, match.group(2)) if match else None
             if match is None or role is None:
@@ -184,10 +183,10 @@ def _slots(site: MoEBlockSite, keys: _ExpertKeys, e: int) -> list[tuple[str, str
         )
     out: list[tuple[str, str, int | None]] = []
     if keys.fused:
-        for part in ("gate_up", "down"):
-            key = keys.fused.get(part)
+        for part, param in (("gate_up", site.arch.gate_up_param), ("down", site.arch.down_param)):
+            key = keys.fused.get(param)
             if key is None:
-                raise LoadError(f"{name}: the checkpoint has no fused {part} tensor for it")
+                raise LoadError(f"{name}: the checkpoint has no fused {param} tensor for it")
             out.append((key, part, None))
         return out
     for x in range(e):
@@ -205,43 +204,84 @@ def _slots(site: MoEBlockSite, keys: _ExpertKeys, e: int) -> list[tuple[str, str
 
 
 def _assemble(
-    slots: list[tuple[str, str, int | None]],
+    site: MoEBlockSite,
+    keys: _ExpertKeys,
     reader: Fp8Reader,
-    meta: tuple[torch.Tensor, torch.Tensor],
+    meta: dict[str, torch.Tensor],
     storage: torch.dtype,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """One block's ``gate_up [E, 2I, H]`` and ``down [E, H, I]`` in the ``storage`` dtype.
+) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
+    """One block's ``gate_up [E, 2I, H]``, ``down [E, H, I]`` (kernel layout) and biases.
 
-    Each tensor is first cast to the model dtype (what ``from_pretrained`` holds; FP8 ones
-    dequantised to it, one tensor at a time), then to ``storage`` (what ``wrap`` copies it to),
-    so the values are exactly those of that path.
+    Each tensor is first cast to the model dtype (what ``from_pretrained`` holds), then to
+    ``storage`` (what ``wrap`` copies it to), so the values are exactly those of that path. A
+    family with another stored layout (``MoEArchitecture.transposed``/``interleaved``) is
+    converted while copying into the kernel-layout buffers; biases stay in the stored order,
+    in the model dtype (``wrap`` reads them from the module).
     """
-    gu_meta, dn_meta = meta
-    inter = gu_meta.shape[1] // 2
-    gate_up = torch.empty(gu_meta.shape, dtype=storage)
-    down = torch.empty(dn_meta.shape, dtype=storage)
-    for key, role, x in slots:
-        dst = down if role == "down" else gate_up
-        if x is not None:
-            dst = dst[x]
-        if role in ("gate", "up"):
-            dst = dst[:inter] if role == "gate" else dst[inter:]
-        t = reader.read(key, tuple(dst.shape), gu_meta.dtype)
-        dst.copy_(t)
-        del t
-    return gate_up, down
+    arch = site.arch
+    gu_meta = meta[arch.gate_up_param]
+    e, inter, h = arch.expert_dims(gu_meta)
+    model_dtype = gu_meta.dtype
+    name = site.experts_name
+    if keys.fused and keys.per_expert:
+        raise LoadError(
+            f"{name}: the checkpoint holds both fused ({sorted(keys.fused.values())[0]!r}) "
+            "and per-expert keys; it must use one layout per experts module"
+        )
+    gate_up = torch.empty((e, 2 * inter, h), dtype=storage)
+    down = torch.empty((e, h, inter), dtype=storage)
+    biases: dict[str, torch.Tensor] = {}
+    for param in arch.bias_params:
+        key = keys.fused.get(param)
+        if key is None:
+            raise LoadError(f"{name}: the checkpoint has no {param} tensor for it")
+        biases[param] = reader.read(key, tuple(meta[param].shape), model_dtype)
+    if keys.fused.keys() - set(arch.bias_params):
+        for param, dst in (
+            (arch.gate_up_param, gate_up.unflatten(1, (2, inter))),
+            (arch.down_param, down),
+        ):
+            key = keys.fused.get(param)
+            if key is None:
+                raise LoadError(f"{name}: the checkpoint has no fused {param} tensor for it")
+            t = reader.read(key, tuple(meta[param].shape), model_dtype)
+            view = arch.kernel_gate_up(t) if param == arch.gate_up_param else arch.kernel_down(t)
+            dst.copy_(view)
+            del t, view
+        return gate_up, down, biases
+    for x in range(e):
+        for role, dst in (
+            ("gate", gate_up[x, :inter]),
+            ("up", gate_up[x, inter:]),
+            ("down", down[x]),
+        ):
+            key = keys.per_expert.get((x, role))
+            if key is None:
+                raise LoadError(
+                    f"{name}: the checkpoint has no {role} weight for expert {x} (expected "
+                    f"a key like '{name}.{x}.<{role} proj>.weight'); it holds "
+                    f"{len(keys.per_expert)} of the {3 * e} per-expert tensors"
+                )
+            t = reader.read(key, tuple(dst.shape), model_dtype)
+            dst.copy_(t)
+            del t
+    return gate_up, down, biases
 
 
 def _adopt_dense(
-    spec: kt_kernel.ExpertSpec, gate_up: torch.Tensor, down: torch.Tensor
+    spec: kt_kernel.ExpertSpec,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    gate_up_bias: torch.Tensor | None = None,
+    down_bias: torch.Tensor | None = None,
 ) -> kt_kernel.ExpertWeights:
     """Dense :class:`kt_kernel.ExpertWeights` over already-filled storage, without a copy."""
-    from_parts = getattr(kt_kernel.ExpertWeights, "from_parts", None)
-    if from_parts is not None:  # kt-kernel with pluggable weight formats
-        from kt_kernel.formats import Dense
+    from kt_kernel.formats import Dense
 
-        return from_parts(spec, Dense(gate_up.dtype), (gate_up,), (down,))
-    return kt_kernel.ExpertWeights(spec, gate_up, down)
+    return kt_kernel.ExpertWeights.from_parts(
+        spec, Dense(gate_up.dtype), (gate_up,), (down,),
+        gate_up_bias=gate_up_bias, down_bias=down_bias,
+    )
 
 
 def _like(meta: torch.Tensor) -> torch.Tensor:
@@ -271,6 +311,54 @@ def _target_dtype(
     if any(re.search(rf"(^|\.){re.escape(p)}($|\.)", name) for p in keep):
         return torch.float32
     return current
+
+
+def _install(
+    site: MoEBlockSite,
+    experts: nn.Module,
+    weights: kt_kernel.ExpertWeights,
+    meta: dict[str, torch.Tensor],
+    policy: Policy,
+) -> None:
+    """Replace the block's meta experts module by a :class:`KernelExperts` over ``weights``."""
+    arch = site.arch
+    kernel = KernelExperts(
+        weights,
+        gate_up_like=_like(meta[arch.gate_up_param]),
+        down_like=_like(meta[arch.down_param]),
+        gate_up_name=arch.gate_up_param,
+        down_name=arch.down_param,
+        label=site.experts_name,
+        policy=policy,
+        arch=arch,
+        bias_like={p: _like(meta[p]) for p in arch.bias_params},
+        order=tuple(n for n, _ in experts.named_parameters(recurse=False)),
+    )
+    setattr(site.block, arch.experts_attr, kernel)
+
+
+def _fp8_weights(
+    site: MoEBlockSite, keys: _ExpertKeys, reader: Fp8Reader, spec: kt_kernel.ExpertSpec
+) -> kt_kernel.ExpertWeights:
+    """A FP8 block's experts as shipped: E4M3 bytes and scales adopted as ``Fp8Block`` parts.
+
+    Raises:
+        LoadError: a family whose experts are stored transposed, interleaved or with biases
+            (no FP8-block checkpoint of one exists; dequantise with ``weight_dtype="bf16"``).
+    """
+    arch = site.arch
+    if arch.transposed or arch.interleaved or arch.bias_params:
+        raise LoadError(
+            f"{site.experts_name}: FP8 experts are adopted as shipped only in the [E, 2I, H] "
+            f"gate-then-up layout without biases; {arch.family} stores them otherwise, so load "
+            "with weight_dtype='bf16' to dequantise them"
+        )
+    e, h, i = spec.num_experts, spec.hidden_size, spec.intermediate_size
+    slots = _slots(site, keys, e)
+    gu_parts, dn_parts = read_fp8_bank(
+        reader, slots, ((e, 2 * i, h), (e, h, i)), site.experts_name
+    )
+    return kt_kernel.ExpertWeights.from_parts(spec, Fp8Block(_DTYPES["fp8"]), gu_parts, dn_parts)
 
 
 def load_pretrained(
@@ -372,46 +460,45 @@ def load_pretrained(
             keys.per_expert[slot] = key
 
     # Experts first, one block at a time, so the meta experts never need storage. Dense
-    # formats are filled in place (the transient is one expert); FP8 blocks of a FP8
-    # checkpoint are read into their banks as shipped; other quantised formats quantise a
-    # block the way wrap does.
+    # formats are filled in place (the transient is one expert); int8 quantises a block.
+    quantised = storage_name in _QUANTISED
     for site in sites:
         experts = getattr(site.block, arch.experts_attr)
-        meta = (getattr(experts, arch.gate_up_param), getattr(experts, arch.down_param))
-        spec = _expert_spec(site, experts, meta[0], meta[1])
-        slots = _slots(site, expert_keys[site.experts_name], meta[0].shape[0])
-        shipped_fp8 = any(reader.is_fp8(key) for key, _, _ in slots)
-        if shipped_fp8 and storage_name == "fp8":
-            gu_parts, dn_parts = read_fp8_bank(
-                reader, slots, (tuple(meta[0].shape), tuple(meta[1].shape)), site.experts_name
-            )
-            fmt = Fp8Block(_DTYPES["fp8"])
-            weights = kt_kernel.ExpertWeights.from_parts(spec, fmt, gu_parts, dn_parts)
-            del gu_parts, dn_parts
-        elif storage_name in _QUANTISED:
-            gate_up, down = _assemble(slots, reader, meta, meta[0].dtype)
+        meta = {p: getattr(experts, p) for p in arch.stored_shapes(0, 0, 0)}
+        model_dtype = meta[arch.gate_up_param].dtype
+        keys = expert_keys[site.experts_name]
+        spec = _expert_spec(site, experts, meta[arch.gate_up_param], meta[arch.down_param])
+        shipped = [*keys.fused.values(), *keys.per_expert.values()]
+        if storage_name == "fp8" and any(reader.is_fp8(k) for k in shipped):
+            weights = _fp8_weights(site, keys, reader, spec)
+            _install(site, experts, weights, meta, policy)
+            del weights, experts, meta
+            continue
+        storage = model_dtype if quantised else _DTYPES[storage_name]
+        gate_up, down, biases = _assemble(site, keys, reader, meta, storage)
+        gate_up_bias = biases.get(arch.gate_up_bias_param or "")
+        if gate_up_bias is not None:
+            gate_up_bias = arch.kernel_rows(gate_up_bias, dim=1)
+        down_bias = biases.get(arch.down_bias_param or "")
+        if quantised:
             weights = kt_kernel.ExpertWeights.from_fused(
-                spec, gate_up, down, dtype=_DTYPES[storage_name], weight_dtype=storage_name
+                spec, gate_up, down, dtype=_DTYPES[storage_name], weight_dtype=storage_name,
+                gate_up_bias=gate_up_bias, down_bias=down_bias,
             )
-            del gate_up, down
         else:
-            gate_up, down = _assemble(slots, reader, meta, _DTYPES[storage_name])
-            weights = _adopt_dense(spec, gate_up, down)
-            del gate_up, down
-        kernel = KernelExperts(
-            weights,
-            gate_up_like=_like(meta[0]),
-            down_like=_like(meta[1]),
-            gate_up_name=arch.gate_up_param,
-            down_name=arch.down_param,
-            label=site.experts_name,
-            policy=policy,
-        )
-        setattr(site.block, arch.experts_attr, kernel)
-        del weights, experts, meta
+            weights = _adopt_dense(spec, gate_up, down, gate_up_bias, down_bias)
+        _install(site, experts, weights, meta, policy)
+        del gate_up, down, weights, experts, meta, biases
 
     state = dict(model.named_parameters(remove_duplicate=False))
     state.update(model.named_buffers(remove_duplicate=False))
+    # Keys the model class declares it does not load (DeepSeek-V4's multi-token-prediction
+    # ``mtp.*`` layers, DeepSeek-V3's extra layer), skipped as from_pretrained skips them.
+    ignored = [re.compile(p) for p in model._keys_to_ignore_on_load_unexpected or ()]
+    dense = {
+        n: k for n, k in dense.items()
+        if n in state or not any(r.search(n) or r.search(k) for r in ignored)
+    }
     unexpected = sorted(k for k in dense if k not in state)
     if unexpected:
         raise LoadError(

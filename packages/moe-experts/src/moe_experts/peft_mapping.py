@@ -16,6 +16,13 @@ and builds the per-expert delta as::
 so A is stacked expert-major but B is stacked **rank-major** (column ``j*E + e``). The
 functions here implement exactly that; the tests check it against a real PEFT model.
 
+Transposed experts (GPT-OSS, ``is_transposed=True``: ``gate_up_proj [E, H, 2I]``,
+``down_proj [E, I, H]``) give PEFT the same ``in``/``out`` without its swap, so the shapes and
+stacking are identical; only the ``2I`` output rows of gate_up's B follow the stored column
+order (gate/up interleaved for GPT-OSS). moe-experts keeps B in that order too, so these
+functions apply unchanged, and :class:`~moe_experts.KernelExperts` reorders the rows for the
+kernel (``MoEArchitecture.kernel_rows``).
+
 Split layout (PEFT ``target_modules`` on per-expert ``nn.Linear`` experts): expert ``e``'s
 ``gate_proj``/``up_proj``/``down_proj`` adapters are ``lora_A [r, in]`` and ``lora_B [out, r]``,
 i.e. ``gate_lora_a[e]`` and ``gate_lora_b[e]`` unchanged.

@@ -10,6 +10,7 @@ activation, clamp, layout or bias fails loudly instead of training a different m
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 
 import torch
@@ -17,6 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 import kt_kernel
+from moe_experts.architectures import MoEArchitecture
 from moe_experts.errors import SelfCheckError, WrapError
 
 __all__ = [
@@ -40,8 +42,8 @@ SELF_CHECK_TOLERANCE: dict[torch.dtype, float] = {
 # check batch) would hide a wrong activation: a dense twin of the batch's experts against the
 # original (the spec, at SELF_CHECK_TOLERANCE), then the quantised kernel against that twin
 # (the format's rounding only; a broken quantisation path errs by order one). Measured on the
-# 33 tiny families (gaussian weights, the worst case for max-scaled formats): int8 <= 2.4e-2,
-# fp8 <= 8.2e-2, int4 <= 0.25.
+# 37 tiny families (gaussian weights, the worst case for max-scaled formats): int8 <= 2.4e-2,
+# fp8 <= 8.2e-2, int4 <= 0.26.
 QUANTISED_TOLERANCE: dict[str, float] = {"int8": 5e-2, "fp8": 0.15, "int4": 0.4}
 _POOL = 4  # experts the check batch routes to (a dense twin of only these is built)
 _CLAMP_ATTRS = ("limit", "swiglu_limit")
@@ -100,29 +102,36 @@ def _custom_gate(experts: nn.Module) -> bool:
     return gate is not None and gate is not _default_apply_gate
 
 
-# Layout flags that transformers' ``use_experts_implementation`` sets on an experts module,
-# with the value kt-kernel's fused [E, 2I, H] / [E, H, I] layout needs.
-_LAYOUT_FLAGS = {
-    "is_transposed": (False, "experts stored transposed ([E, H, 2I])"),
-    "is_concatenated": (True, "gate and up interleaved instead of concatenated"),
-    "has_bias": (False, "expert biases"),
-    "has_gate": (True, "no gate projection (plain MLP experts)"),
-    "has_post_expert_norm": (False, "a norm after each expert"),
+# Layout flags that transformers' ``use_experts_implementation`` sets on an experts module:
+# what each means, and the value it must have for a family's spec (its layout fields).
+_LAYOUT_FLAGS: dict[str, tuple[str, Callable[[MoEArchitecture | None], bool]]] = {
+    "is_transposed": ("experts stored transposed ([E, H, 2I])",
+                      lambda a: a is not None and a.transposed),
+    "is_concatenated": ("gate and up concatenated, not interleaved",
+                        lambda a: a is None or not a.interleaved),
+    "has_bias": ("expert biases", lambda a: a is not None and bool(a.bias_params)),
+    "has_gate": ("a gate projection (gated experts)", lambda a: True),
+    "has_post_expert_norm": ("a norm after each expert", lambda a: False),
 }
 
 
-def _check_layout(experts: nn.Module, label: str) -> None:
-    for flag, (needed, what) in _LAYOUT_FLAGS.items():
+def _check_layout(experts: nn.Module, label: str, arch: MoEArchitecture | None) -> None:
+    for flag, (what, needed_for) in _LAYOUT_FLAGS.items():
+        needed = needed_for(arch)
         value = getattr(experts, flag, needed)
         if value != needed:
+            family = arch.family if arch is not None else "the default layout"
             raise WrapError(
-                f"{label} ({type(experts).__name__}) has {flag}={value} ({what}); kt-kernel's "
-                "expert layout is gate_up_proj [E, 2I, H] (gate rows first) and down_proj "
-                "[E, H, I] without biases"
+                f"{label} ({type(experts).__name__}) has {flag}={value} ({what}: {value}), but "
+                f"the spec of {family} says {needed}; kt-kernel computes the layout the "
+                "MoEArchitecture declares (transposed, interleaved, bias params), so fix the "
+                "family's row in moe_experts.ARCHITECTURES"
             )
 
 
-def expert_activation(experts: nn.Module, label: str) -> kt_kernel.Activation:
+def expert_activation(
+    experts: nn.Module, label: str, arch: MoEArchitecture | None = None
+) -> kt_kernel.Activation:
     """The kt-kernel activation that ``experts`` computes, read from the module itself.
 
     A module with its own ``_apply_gate`` (transformers' hook for clamped gates) maps to
@@ -134,16 +143,19 @@ def expert_activation(experts: nn.Module, label: str) -> kt_kernel.Activation:
     Args:
         experts: the transformers experts module (unwrapped from PEFT).
         label: its qualified name, for messages.
+        arch: the family's spec; the module's layout flags (``is_transposed``,
+            ``is_concatenated``, ``has_bias``) must match its layout fields. ``None``: the
+            default layout ``[E, 2I, H]`` / ``[E, H, I]`` without biases.
 
     Returns:
         The activation object for :class:`kt_kernel.ExpertSpec`.
 
     Raises:
-        WrapError: an activation kt-kernel does not implement; names the module and its
-            ``act_fn``.
+        WrapError: an activation kt-kernel does not implement (names the module and its
+            ``act_fn``), or layout flags the spec does not declare.
     """
     kind = type(experts).__name__
-    _check_layout(experts, label)
+    _check_layout(experts, label, arch)
     clamp = _attr(experts, _CLAMP_ATTRS)
     if _custom_gate(experts) or clamp is not None:
         alpha = _attr(experts, _ALPHA_ATTRS)
@@ -168,6 +180,10 @@ def expert_activation(experts: nn.Module, label: str) -> kt_kernel.Activation:
     )
 
 
+def _rows(bias: torch.Tensor | None, pool: torch.Tensor) -> torch.Tensor | None:
+    return None if bias is None else bias[pool.to(bias.device)]
+
+
 def _relative(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
     err = (got.float() - want.float()).abs().max().item()
     return err, err / max(want.float().abs().max().item(), 1e-12)
@@ -190,10 +206,11 @@ def self_check(
         original: the transformers experts module, weights still in place.
         kernel: the :class:`~moe_experts.KernelExperts` built from those weights (no LoRA).
         weight_dtype: kernel storage name (``"fp32"``, ``"bf16"``, ``"int8"``, ``"int4"``, ...).
-        gate_up: ``[E, 2I, H]`` tensor the kernel was built from; with ``down``, a quantised
+        gate_up: ``[E, 2I, H]`` tensor the kernel was built from, in kt-kernel's layout (gate
+            rows first; see :meth:`MoEArchitecture.kernel_gate_up`); with ``down``, a quantised
             kernel is checked through a dense twin of the batch's experts (see
             :data:`QUANTISED_TOLERANCE`). Without them, against the original directly.
-        down: ``[E, H, I]`` tensor the kernel was built from.
+        down: ``[E, H, I]`` tensor the kernel was built from (kt-kernel's layout).
         seed: seed of the check batch (8 tokens, top-2 of ``min(E, 4)`` experts).
 
     Returns:
@@ -227,6 +244,9 @@ def self_check(
                 gate_up[pool.to(gate_up.device)],
                 down[pool.to(down.device)],
                 dtype=compute,
+                # The kernel's own (frozen, compute-dtype) biases: the twin isolates the format.
+                gate_up_bias=_rows(weights.gate_up_bias, pool),
+                down_bias=_rows(weights.down_bias, pool),
             )
             twin = kt_kernel.moe_experts_forward(xd.to(compute), local, wd.to(compute), dense)
             twin = twin.float()

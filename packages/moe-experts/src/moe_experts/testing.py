@@ -9,9 +9,11 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import torch
 from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 
 from moe_experts.architectures import ARCHITECTURES
@@ -125,7 +127,56 @@ TINY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
     "lfm2_moe": ("lfm2_moe", {"intermediate_size": 48, "moe_intermediate_size": 16,
                               "num_experts": 4, "layer_types": ["conv", "full_attention"],
                               "num_dense_layers": 0}),
+    # Text model: dense mlp + experts in every decoder layer (sliding and full attention), no
+    # per-layer embeddings (their table would be 262144 rows).
+    "gemma4": ("gemma4_text", {"intermediate_size": 48, "moe_intermediate_size": 16,
+                               "num_experts": 8, "top_k_experts": 2, "enable_moe_block": True,
+                               "hidden_size_per_layer_input": 0, "global_head_dim": 8,
+                               "layer_types": ["sliding_attention", "full_attention"],
+                               "sliding_window": 8, "hidden_act": None}),
+    # One hash-routed and one top-k layer, both compressed attention types; a clamp of 1.0
+    # cuts many tiny gate/up values, so a missed or wrong clamp shows in every comparison.
+    "deepseek_v4": ("deepseek_v4", {
+        "moe_intermediate_size": 16, "n_routed_experts": 8, "num_key_value_heads": 1,
+        "q_lora_rank": 16, "o_groups": 2, "o_lora_rank": 8, "index_n_heads": 2,
+        "index_head_dim": 8, "index_topk": 4, "sliding_window": 4, "hc_mult": 2,
+        "hc_sinkhorn_iters": 3, "partial_rotary_factor": 0.5, "swiglu_limit": 1.0,
+        "layer_types": ["compressed_sparse_attention", "heavily_compressed_attention"],
+        "compress_rates": {"compressed_sparse_attention": 2, "heavily_compressed_attention": 4},
+        "mlp_layer_types": ["hash_moe", "moe"]}),
+    # Transposed, interleaved experts with biases and a clamped SwiGLU. A limit below the
+    # default 7.0 makes the clamps bite on tiny random weights (the self-check and the
+    # equality suite then prove them); full attention only, sliding windows are not ours.
+    # Text model of Aria: experts stored transposed ([E, H, 2I] / [E, I, H]), concatenated.
+    "aria": ("aria_text", {"intermediate_size": 16, "moe_num_experts": 4, "moe_topk": 2,
+                           "moe_num_shared_experts": 1}),
+    "gpt_oss": ("gpt_oss", {"intermediate_size": 24, "num_local_experts": 4,
+                            "swiglu_limit": 1.5, "layer_types": ["full_attention"] * 2,
+                            "rope_parameters": {"rope_type": "default",
+                                                "rope_theta": 10000.0}}),
 }
+
+
+def _hash_routes(model: PreTrainedModel) -> None:
+    """Give DeepSeek-V4's hash routers a random token -> distinct experts table.
+
+    transformers initialises ``tid2eid`` to zeros (real tables come from the checkpoint), which
+    would send every token to expert 0 twice and make the routing weights constant.
+    """
+    from transformers.models.deepseek_v4.modeling_deepseek_v4 import DeepseekV4HashRouter
+
+    gen = torch.Generator().manual_seed(4321)
+    for module in model.modules():
+        if isinstance(module, DeepseekV4HashRouter):
+            vocab, k = module.tid2eid.shape
+            table = torch.stack(
+                [torch.randperm(module.num_experts, generator=gen)[:k] for _ in range(vocab)]
+            )
+            module.tid2eid.copy_(table)
+
+
+# family -> what a real checkpoint would set after the random initialisation.
+_AFTER_INIT: dict[str, Callable[[PreTrainedModel], None]] = {"deepseek_v4": _hash_routes}
 
 
 def tiny_config(family: str, **overrides: Any) -> PretrainedConfig:
@@ -168,8 +219,31 @@ def tiny_model(family: str, **overrides: Any) -> PreTrainedModel:
 
     config = tiny_config(family, **overrides)
     if hasattr(config, "vision_config"):
-        return AutoModelForImageTextToText.from_config(config)
-    return AutoModelForCausalLM.from_config(config)
+        model = AutoModelForImageTextToText.from_config(config)
+    else:
+        model = AutoModelForCausalLM.from_config(config)
+    if family in _AFTER_INIT:
+        with torch.no_grad():
+            _AFTER_INIT[family](model)
+    _random_expert_biases(model, family, config)
+    return model
+
+
+def _random_expert_biases(model: PreTrainedModel, family: str, config: PretrainedConfig) -> None:
+    """Expert biases get random values: transformers initialises them to zero, and a zero
+    bias would let a kernel that drops or misorders biases pass every test."""
+    from moe_experts.architectures import iter_moe_blocks
+
+    arch = ARCHITECTURES[family]
+    if not arch.bias_params:
+        return
+    std = float(getattr(config.get_text_config(), "initializer_range", 0.02))
+    with torch.no_grad():
+        for site in iter_moe_blocks(model, arch):
+            experts = getattr(site.block, arch.experts_attr)
+            for name in arch.bias_params:
+                bias = getattr(experts, name)
+                bias.copy_(torch.randn(bias.shape, dtype=torch.float32).to(bias.dtype) * std)
 
 
 TINY_FAMILIES: tuple[str, ...] = tuple(ARCHITECTURES)

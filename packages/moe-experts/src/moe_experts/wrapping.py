@@ -11,6 +11,7 @@ from torch import nn
 import kt_kernel
 from moe_experts import peft_mapping
 from moe_experts.architectures import (
+    MoEArchitecture,
     MoEBlockSite,
     find_architecture,
     iter_moe_blocks,
@@ -105,23 +106,54 @@ def experts_sites(model: nn.Module) -> list[tuple[MoEBlockSite, KernelExperts]]:
 def _expert_spec(
     site: MoEBlockSite, base: nn.Module, gate_up: torch.Tensor, down: torch.Tensor
 ) -> kt_kernel.ExpertSpec:
+    """The kernel spec of one experts module, from its stored tensors (any declared layout).
+
+    Raises:
+        WrapError: the tensors are not 3-D, or their shapes disagree with the spec's layout.
+    """
     arch = site.arch
     if gate_up.dim() != 3 or down.dim() != 3:
         raise WrapError(
-            f"{site.experts_name}.{arch.gate_up_param} must be a fused 3D [E, 2I, H] parameter "
-            f"and {arch.down_param} [E, H, I]; got {list(gate_up.shape)} and {list(down.shape)}"
+            f"{site.experts_name}.{arch.gate_up_param} and {arch.down_param} must be fused 3D "
+            f"parameters; got {list(gate_up.shape)} and {list(down.shape)}"
         )
-    e, two_i, h = gate_up.shape
-    if two_i % 2 or tuple(down.shape) != (e, h, two_i // 2):
-        raise WrapError(
-            f"{site.experts_name}: gate_up_proj {list(gate_up.shape)} and down_proj "
-            f"{list(down.shape)} are not [E, 2I, H] and [E, H, I] for the same E, I, H"
-        )
+    e, i, h = arch.expert_dims(gate_up)
+    want = arch.stored_shapes(e, i, h)
+    have = {arch.gate_up_param: gate_up, arch.down_param: down}
+    have.update({p: getattr(base, p, None) for p in arch.bias_params})
+    for name, shape in want.items():
+        t = have[name]
+        if not isinstance(t, torch.Tensor) or tuple(t.shape) != shape:
+            got = list(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+            raise WrapError(
+                f"{site.experts_name}.{name} is {got}; the {arch.family} layout "
+                f"(transposed={arch.transposed}) needs {list(shape)} for E={e}, I={i}, H={h}"
+            )
     return kt_kernel.ExpertSpec(
         num_experts=e,
         hidden_size=h,
-        intermediate_size=two_i // 2,
-        activation=expert_activation(base, site.experts_name),
+        intermediate_size=i,
+        activation=expert_activation(base, site.experts_name, arch),
+    )
+
+
+def _kernel_weights(
+    arch: MoEArchitecture,
+    spec: kt_kernel.ExpertSpec,
+    tensors: dict[str, torch.Tensor],
+    **kwargs: object,
+) -> kt_kernel.ExpertWeights:
+    """kt-kernel storage from stored expert tensors, converted with views expert by expert."""
+    gate_up = arch.kernel_gate_up(tensors[arch.gate_up_param])  # [E, 2, I, H] view
+    gb = tensors.get(arch.gate_up_bias_param or "")
+    return kt_kernel.ExpertWeights.from_split(
+        spec,
+        gate_up[:, 0],
+        gate_up[:, 1],
+        arch.kernel_down(tensors[arch.down_param]),
+        gate_up_bias=None if gb is None else arch.kernel_rows(gb.detach(), dim=1),
+        down_bias=tensors.get(arch.down_bias_param or ""),
+        **kwargs,  # type: ignore[arg-type]
     )
 
 
@@ -254,10 +286,12 @@ def wrap(
                 "(transformers 4.x) are not supported by this spec"
             )
         spec = _expert_spec(site, base, gate_up, down)
-        weights = kt_kernel.ExpertWeights.from_fused(
+        stored = {arch.gate_up_param: gate_up, arch.down_param: down}
+        stored.update({p: getattr(base, p) for p in arch.bias_params})
+        weights = _kernel_weights(
+            arch,
             spec,
-            gate_up,
-            down,
+            stored,
             dtype=_DTYPES[weight_dtype],
             weight_dtype=weight_dtype if weight_dtype in _QUANTISED else None,
         )
@@ -271,15 +305,23 @@ def wrap(
             down_name=arch.down_param,
             label=site.experts_name,
             policy=policy,
+            arch=arch,
+            bias_like={p: stored[p] for p in arch.bias_params},
+            order=tuple(n for n, _ in base.named_parameters(recurse=False)),
         )
         if self_check:
-            # Before this block is replaced: a refused block keeps its original module.
+            # Before this block is replaced: a refused block keeps its original module. A
+            # quantised base is checked through a dense twin built from kernel-layout weights
+            # (a copy of this block's gate_up only where the stored layout is not kt-kernel's).
+            twin = weights.is_quantized
             checks.append(
                 self_check_block(
-                    site.experts_name, base, kernel, weight_dtype, gate_up=gate_up, down=down
+                    site.experts_name, base, kernel, weight_dtype,
+                    gate_up=arch.kernel_gate_up(gate_up).flatten(1, 2) if twin else None,
+                    down=arch.kernel_down(down) if twin else None,
                 )
             )
-        moved += gate_up.nbytes + down.nbytes
+        moved += sum(t.nbytes for t in stored.values())
         kernel_bytes += weights.nbytes
         if wrappers:
             _adopt(site, wrappers, kernel)  # validates first: a refusal leaves PEFT untouched
@@ -288,10 +330,17 @@ def wrap(
         else:
             setattr(site.block, arch.experts_attr, kernel)
         wrapped.append(site.experts_name)
-        del gate_up, down, base, outer  # the last block's experts must be gone before the trim
+        # The last block's experts must be gone before the trim.
+        del gate_up, down, base, outer, stored
     if not wrapped and not already:
+        dense = (
+            f" with {arch.block_enabled_attr}=True (a dense model of the family)"
+            if arch.block_enabled_attr
+            else ""
+        )
         raise WrapError(
-            f"{type(model).__name__} ({arch.family}) has no {arch.block_class} blocks to wrap"
+            f"{type(model).__name__} ({arch.family}) has no {arch.block_class} blocks{dense} "
+            "to wrap"
         )
     if wrapped:
         # Dense views of the checkpoint's file mapping would keep the freed experts' pages of

@@ -161,6 +161,11 @@ def _prepare(ns: argparse.Namespace) -> FinetuneArgs:
     checks.check_reporter(args.report_to)
     lora_source = sources.get("lora", "the lora settings")
     if ns.print_config:
+        from moe_experts.finetune.targets import model_skeleton, needs_model, resolve_targets
+
+        lora_config(args, lora_source)  # a bad lora setting is named before the model is built
+        if needs_model(args):  # show the targets "auto" stands for with this model
+            args = resolve_targets(args, model_skeleton(args.model))
         print(render_config(args, lora_config(args, lora_source)), end="")
         return args
     # File and path checks first: they need no torch, lora_config imports it (seconds).

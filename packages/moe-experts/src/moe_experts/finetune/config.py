@@ -39,10 +39,11 @@ DEFAULT_LORA: dict[str, Any] = {
     "enable": True,
     "rank": 8,
     "alpha": 16,
-    # lm_head too: the built-in model is random, and a frozen random head caps its logits.
-    "target_modules": ["q_proj", "k_proj", "v_proj", "o_proj", "lm_head"],
-    # Every supported family keeps its router at mlp.gate (a bare weight: LoRAParameter).
-    "target_parameters": ["mlp.gate.weight"],
+    # "auto" is resolved against the loaded model (finetune/targets.py): the attention
+    # projections here, every router (a bare weight: LoRAParameter) below. lm_head too: the
+    # built-in model is random, and a frozen random head caps its logits.
+    "target_modules": ["auto", "lm_head"],
+    "target_parameters": ["auto"],
     "init_seed": 0,
 }
 

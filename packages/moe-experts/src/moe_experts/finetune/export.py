@@ -63,11 +63,31 @@ def vllm_tensors(peft_model: Any) -> tuple[dict[str, Any], list[str], list[str]]
         ``(tensors, target_modules, skipped)``: keys under ``base_model.model.``, the module
         names for ``target_modules``, and adapted modules vLLM cannot load (routers,
         ``lm_head``), left out.
+
+    Raises:
+        FinetuneError: the family stores its experts in another layout (GPT-OSS).
     """
     import torch
     from peft.tuners.lora.layer import LoraLayer, ParamWrapper
 
+    from moe_experts.architectures import find_architecture
+    from moe_experts.errors import UnsupportedModelError
     from moe_experts.peft_mapping import unstack_lora_a, unstack_lora_b
+
+    try:
+        arch = find_architecture(peft_model)
+    except UnsupportedModelError:  # no MoE family: only dense LoRA to export
+        arch = None
+    if arch is not None and (arch.transposed or arch.interleaved):
+        # vLLM's GPT-OSS model declares is_3d_moe_weight: its LoRA loader reads the fused
+        # expert LoRA in PEFT's own target_parameters layout, not per-expert 2-D keys.
+        raise FinetuneError(
+            f"--format vllm: {arch.family} stores its experts transposed ([E, H, 2I]) with "
+            "gate and up interleaved, and vLLM loads its expert LoRA in PEFT's fused "
+            "target_parameters layout, not as the per-expert gate/up/down keys this export "
+            "writes; use --format peft (the adapter vLLM loads for this family) or --format "
+            "merged"
+        )
 
     cfg = peft_model.peft_config["default"]
     default_scale = (cfg.lora_alpha / cfg.r**0.5) if cfg.use_rslora else cfg.lora_alpha / cfg.r

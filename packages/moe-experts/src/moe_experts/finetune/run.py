@@ -25,6 +25,7 @@ from moe_experts.finetune.formats import Sample
 from moe_experts.finetune.interrupts import StopRequest
 from moe_experts.finetune.loop import FinetuneSummary, TrainingJob, restore_checkpoint, train
 from moe_experts.finetune.models import LoadedModel, load_model
+from moe_experts.finetune.targets import resolve_targets
 
 __all__ = ["run_finetune"]
 
@@ -105,14 +106,19 @@ def run_finetune(args: FinetuneArgs, stop: StopRequest | None = None) -> Finetun
         TrainingInterrupted: SIGINT/SIGTERM stopped the run after saving a checkpoint.
     """
     import moe_experts
-    from lora_core import rebind_parameters
+    from lora_core import LoraTargetError, rebind_parameters
 
-    lora = lora_config(args)
+    lora_config(args)  # a bad lora setting fails before the data and the model load
     samples, eval_samples = _read_samples(args)  # bad records fail before the model loads
     ranks = init_distributed()
     loaded = _load_on_ranks(args.model, ranks)
+    args = resolve_targets(args, loaded.model)  # "auto" targets: this model's routers, attention
+    lora = lora_config(args)
     torch.manual_seed(args.seed)
-    result = moe_experts.adapt_model(loaded.model, lora, weight_dtype=args.weight_dtype)
+    try:
+        result = moe_experts.adapt_model(loaded.model, lora, weight_dtype=args.weight_dtype)
+    except LoraTargetError as exc:  # a target the user wrote that this model does not have
+        raise FinetuneError(f"--model {args.model}: {exc}") from exc
     if ranks.rank == 0:
         print(moe_experts.coverage_summary(loaded.model, result), file=sys.stderr)
     if ranks.world > 1:

@@ -1,0 +1,108 @@
+"""The default LoRA targets follow the model: routers and attention of every family train.
+
+Each family's tiny model is saved locally and fine-tuned for one step through the real CLI
+path; the first-step gradient check stops a run whose router or attention LoRA gets no finite,
+non-zero gradient, and the saved PEFT adapter is read back to see what was adapted.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+from safetensors.torch import load_file
+
+from lora_checkpoint import resolve_checkpoint
+from moe_experts import find_architecture
+from moe_experts.adaptation import iter_moe_blocks
+from moe_experts.finetune.cli import finetune_main
+from moe_experts.finetune.data import ByteTokenizer
+from moe_experts.finetune.targets import attention_targets
+from moe_experts.finetune.tokenizer import save_byte_tokenizer
+from moe_experts.testing import tiny_model
+
+# family -> (router target, attention targets the default resolves to)
+EXPECTED = {
+    "gemma4": ("router.proj.weight", ["q_proj", "k_proj", "v_proj", "o_proj"]),
+    "deepseek_v4": ("mlp.gate.weight",
+                    ["q_a_proj", "self_attn.q_b_proj", "self_attn.kv_proj", "o_b_proj"]),
+    "phimoe": ("mlp.router.weight", ["q_proj", "k_proj", "v_proj", "o_proj"]),
+    "granitemoe": ("block_sparse_moe.router.weight", ["q_proj", "k_proj", "v_proj", "o_proj"]),
+    "deepseek_v3": ("mlp.gate.weight",
+                    ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]),
+}
+
+
+def _save(family: str, root: Path) -> Path:
+    out = root / family
+    tiny_model(family, vocab_size=ByteTokenizer.vocab_size).save_pretrained(out)
+    save_byte_tokenizer(out)
+    return out
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("family", sorted(EXPECTED))
+def test_default_targets_train_router_and_attention(family: str, tmp_path: Path,
+                                                    capsys) -> None:
+    model = _save(family, tmp_path)
+    out = tmp_path / "run"
+    args = ["--model", str(model), "--steps", "1", "--seq-len", "16", "--batch-size", "2",
+            "--output", str(out), "--no-progress"]
+    assert finetune_main([*args, "--print-config"]) == 0
+    shown = yaml.safe_load(capsys.readouterr().out)["lora"]
+    router, attention = EXPECTED[family]
+    assert shown["target_parameters"] == [router]
+    assert shown["target_modules"] == [*attention, "lm_head"]
+
+    assert finetune_main(args) == 0, capsys.readouterr().err  # first-step gradient check ran
+    ckpt = resolve_checkpoint(out / "checkpoints")
+    cfg = json.loads((ckpt / "adapter_config.json").read_text())
+    assert router in cfg["target_parameters"]
+    # lora-checkpoint writes PEFT's target_modules as the adapted modules' leaf names.
+    assert {t.rpartition(".")[2] for t in [*attention, "lm_head"]} <= set(cfg["target_modules"])
+    adapted = {k.split(".lora_")[0]
+               for k in load_file(str(ckpt / "adapter_model.safetensors"))}
+    # Every router and every layer's attention carry LoRA in the adapter PEFT loads.
+    reference = tiny_model(family)
+    blocks = list(iter_moe_blocks(reference, find_architecture(reference)))
+    routers = {k for k in adapted if k.endswith("." + router.removesuffix(".weight"))}
+    assert len(routers) == len(blocks), (sorted(routers), [b.name for b in blocks])
+    leaves = {a.rpartition(".")[2] for a in attention}
+    for i in range(reference.config.num_hidden_layers):
+        have = {k.rpartition(".")[2] for k in adapted if f".layers.{i}.self_attn." in k}
+        assert leaves <= have, (i, leaves, have)
+
+
+@pytest.mark.timeout(120)
+def test_a_written_target_is_kept_and_must_match(tmp_path: Path, capsys) -> None:
+    model = _save("gemma4", tmp_path)
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(yaml.safe_dump({"lora": {"target_parameters": ["mlp.gate.weight"]}}))
+    args = ["--config", str(cfg), "--model", str(model), "--steps", "1", "--seq-len", "16",
+            "--batch-size", "2", "--output", str(tmp_path / "run"), "--no-progress"]
+    assert finetune_main([*args, "--print-config"]) == 0
+    assert yaml.safe_load(capsys.readouterr().out)["lora"]["target_parameters"] == [
+        "mlp.gate.weight"]
+    assert finetune_main(args) == 1
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if line.startswith("error:")]
+    assert len(lines) == 1, err
+    assert "target_parameters ['mlp.gate.weight'] matched no parameter" in lines[0], err
+    assert "Traceback" not in err
+
+    # "auto" mixes with written entries and is expanded in place.
+    cfg.write_text(yaml.safe_dump({"lora": {"target_modules": ["auto", "mlp.gate_proj"]}}))
+    assert finetune_main([*args, "--print-config"]) == 0
+    shown = yaml.safe_load(capsys.readouterr().out)["lora"]
+    assert shown["target_modules"] == ["q_proj", "k_proj", "v_proj", "o_proj", "mlp.gate_proj"]
+    assert shown["target_parameters"] == ["router.proj.weight"]
+
+
+def test_attention_rule_on_hybrid_layers() -> None:
+    # LFM2: short-convolution layers also have an out_proj, so the attention one is qualified.
+    assert attention_targets(tiny_model("lfm2_moe")) == ("q_proj", "k_proj", "v_proj",
+                                                         "self_attn.out_proj")
+    # Qwen3-Next: linear-attention layers stay as they were, the full-attention ones keep q/k/v/o.
+    assert attention_targets(tiny_model("qwen3_next")) == ("q_proj", "k_proj", "v_proj", "o_proj")
