@@ -126,3 +126,39 @@ def test_sigterm_under_torchrun_saves_one_step_on_all_ranks(tmp_path: Path, cli)
                              check=False)
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     assert [r["step"] for r in cli.log(out)] == list(range(1, 121))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(400)
+def test_two_nodes_of_two_ranks_match_one_process(tmp_path: Path, cli) -> None:
+    """``torchrun --nnodes 2 --nproc-per-node 2`` launched twice on localhost, CLI unchanged.
+
+    Each "node" shares one copy of the experts between its two local ranks; gradients average
+    over all four ranks, so the loss curve is the single-process one.
+    """
+    import subprocess
+    import sys
+
+    common = ["--steps", "4", "--batch-size", "4", "--seq-len", "32", "--no-progress"]
+    single = cli.run([*common, "--output", str(tmp_path / "one")])
+    assert single.returncode == 0, single.stderr
+    port = _free_port()
+    nodes = [subprocess.Popen(
+        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank",
+         str(node), "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port",
+         str(port), "-m", "moe_experts.finetune", *common, "--output", str(tmp_path / "four")],
+        env=cli.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+        for node in range(2)]
+    try:
+        logs = [p.communicate(timeout=300)[0] for p in nodes]
+    finally:
+        for p in nodes:
+            if p.poll() is None:
+                p.kill()
+    for node, (p, log) in enumerate(zip(nodes, logs, strict=True)):
+        assert p.returncode == 0, f"node {node}:\n{log[-4000:]}"
+    one = [r["loss"] for r in cli.log(tmp_path / "one")]
+    four = [r["loss"] for r in cli.log(tmp_path / "four")]
+    assert len(one) == len(four) == 4
+    for step, (a, b) in enumerate(zip(one, four, strict=True), 1):
+        assert abs(a - b) <= LOSS_ATOL, f"step {step}: 1 process {a}, 2 x 2 ranks {b}"

@@ -8,6 +8,7 @@
 #include <omp.h>
 
 #include <algorithm>
+#include <atomic>
 #include <cstdlib>
 #include <cstring>
 #include <exception>
@@ -231,13 +232,31 @@ inline std::vector<Task> make_tasks(const at::Tensor& offsets, int64_t tile_rows
   return tasks;
 }
 
-// Runs fn(i) for i in [0, n) on up to at::get_num_threads() threads. Inside, nested
+// Threads of the kernel's parallel regions: set_num_threads(n > 0) (Python
+// kt_kernel.set_num_threads), else KT_KERNEL_THREADS, else torch's intra-op count. The kernel's
+// count is its own so that several processes sharing a machine can each take a slice of the
+// cores without changing how many threads torch's own ops use.
+inline std::atomic<int>& thread_override() {
+  static std::atomic<int> v{[] {
+    const char* s = std::getenv("KT_KERNEL_THREADS");
+    const int n = s ? std::atoi(s) : 0;
+    return n > 0 ? n : 0;
+  }()};
+  return v;
+}
+
+inline int kernel_threads() {
+  const int n = thread_override().load(std::memory_order_relaxed);
+  return n > 0 ? n : at::get_num_threads();
+}
+
+// Runs fn(i) for i in [0, n) on up to kernel_threads() threads. Inside, nested
 // parallelism is switched off (ICV set to one thread) so every ATen/MKL/oneDNN call computes
 // exactly as it would single-threaded: results do not depend on the thread count.
 template <typename Fn>
 inline void run_tasks(int64_t n, const Fn& fn) {
   if (n == 0) return;
-  const int threads = static_cast<int>(std::min<int64_t>(at::get_num_threads(), n));
+  const int threads = static_cast<int>(std::min<int64_t>(kernel_threads(), n));
   std::exception_ptr error;
   std::mutex mu;
 #pragma omp parallel num_threads(threads)

@@ -602,6 +602,10 @@ TORCH_LIBRARY(kt_kernel, m) {
   m.def("int8_isa", []() { return kt_kernel::formats::int8_isa(); });
   m.def("formats", []() { return kt_kernel::formats::format_names(); });
   m.def("cpu_features", []() { return kt_kernel::cpu_features(); });
+  m.def("set_num_threads", [](int64_t n) {
+    kt_kernel::common::thread_override().store(n > 0 ? static_cast<int>(n) : 0);
+  });
+  m.def("get_num_threads", []() { return static_cast<int64_t>(kt_kernel::common::kernel_threads()); });
   m.def("release_scratch", []() { kt_kernel::common::pool().clear(); });
   m.def("profile", [](bool reset) {
     std::vector<std::string> names;

@@ -6,7 +6,7 @@ activation), :class:`ExpertWeights` (in a :class:`WeightFormat`), :class:`LoraBu
 ``kt_kernel.reference`` holds the plain-PyTorch oracle.
 """
 
-from kt_kernel._native import BackendInfo, backend_info
+from kt_kernel._native import BackendInfo, backend_info, get_num_threads, set_num_threads
 from kt_kernel._version import __version__
 from kt_kernel.activations import (
     Activation,
@@ -35,6 +35,14 @@ from kt_kernel.quant import (
     quantize_per_channel,
 )
 from kt_kernel.reference import moe_experts_forward_reference
+from kt_kernel.shared import (
+    SegmentName,
+    SharedMemoryError,
+    map_shared,
+    remove_stale_segments,
+    unlink_shared,
+    write_shared,
+)
 from kt_kernel.spec import ExpertSpec
 from kt_kernel.weights import ExpertWeights
 
@@ -59,6 +67,8 @@ __all__ = [
     "NativeBackendError",
     "ProjectionQuantError",
     "QuantizationReport",
+    "SegmentName",
+    "SharedMemoryError",
     "SwiGLU",
     "SwiGLULimit",
     "WeightFormat",
@@ -66,10 +76,16 @@ __all__ = [
     "activation_memory_bytes",
     "backend_info",
     "dequantize_per_channel",
+    "get_num_threads",
     "int8_isa",
     "lora_shapes",
+    "map_shared",
     "moe_experts_forward",
     "moe_experts_forward_reference",
     "quantize_per_channel",
     "register_format",
+    "remove_stale_segments",
+    "set_num_threads",
+    "unlink_shared",
+    "write_shared",
 ]

@@ -9,9 +9,19 @@ from types import ModuleType
 
 from kt_kernel.errors import NativeBackendError
 
-__all__ = ["REQUIRE_NATIVE_ENV", "BackendInfo", "backend_info", "native_module"]
+__all__ = [
+    "REQUIRE_NATIVE_ENV",
+    "THREADS_ENV",
+    "BackendInfo",
+    "backend_info",
+    "get_num_threads",
+    "native_module",
+    "set_num_threads",
+]
 
 REQUIRE_NATIVE_ENV = "KT_KERNEL_REQUIRE_NATIVE"
+# Read once by the extension: the kernel's thread count unless set_num_threads overrides it.
+THREADS_ENV = "KT_KERNEL_THREADS"
 
 
 def _load() -> tuple[ModuleType | None, str | None]:
@@ -59,7 +69,8 @@ class BackendInfo:
             ``"scalar"``): the best the CPU has, capped by ``KT_KERNEL_ISA``; ``None``
             without the extension.
         cpu_features: the CPU features the dispatcher detected.
-        num_threads: OpenMP threads the extension will use (``torch.get_num_threads()``).
+        num_threads: OpenMP threads the kernel's parallel regions use
+            (:func:`get_num_threads`).
         torch_version: torch the extension was compiled against (``None`` without it).
     """
 
@@ -85,6 +96,37 @@ def backend_info() -> BackendInfo:
         native_error=None,
         isa=str(ops.isa()),
         cpu_features=tuple(ops.cpu_features()),
-        num_threads=torch.get_num_threads(),
+        num_threads=get_num_threads(),
         torch_version=str(ops.torch_version()),
     )
+
+
+def set_num_threads(n: int | None) -> None:
+    """Set the threads of the kernel's parallel regions (``None`` or 0: torch's count again).
+
+    The kernel's count is separate from ``torch.set_num_threads`` (dense layers keep theirs);
+    it starts from ``KT_KERNEL_THREADS`` when that is set. Results do not depend on it. Without
+    the compiled extension the reference runs on torch's threads and this has no effect.
+
+    Raises:
+        KernelInputError: ``n`` is not a non-negative int.
+    """
+    from kt_kernel.errors import KernelInputError
+
+    if n is None:
+        n = 0
+    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
+        raise KernelInputError(f"set_num_threads needs an int >= 0 or None, got {n!r}")
+    if _MODULE is not None:
+        import torch
+
+        torch.ops.kt_kernel.set_num_threads(n)
+
+
+def get_num_threads() -> int:
+    """Threads the kernel's parallel regions use now (``torch.get_num_threads()`` by default)."""
+    import torch
+
+    if _MODULE is None:
+        return torch.get_num_threads()
+    return int(torch.ops.kt_kernel.get_num_threads())

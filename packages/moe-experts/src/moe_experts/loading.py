@@ -36,7 +36,8 @@ from moe_experts.fp8_checkpoint import (
 )
 from moe_experts.kernel_experts import KernelExperts, Policy
 from moe_experts.memory import trim_host_heap
-from moe_experts.wrapping import _DTYPES, _QUANTISED, WeightDType, _expert_spec
+from moe_experts.sharing import ExpertSharing, default_kernel_threads, shared_or_local
+from moe_experts.wrapping import _DTYPES, _QUANTISED, WeightDType, _expert_spec, _weight_format
 
 __all__ = ["load_pretrained"]
 
@@ -368,6 +369,7 @@ def load_pretrained(
     dtype: torch.dtype = torch.bfloat16,
     dense_device: str | torch.device = "cpu",
     policy: Policy = "save",
+    share_experts: bool | None = None,
 ) -> nn.Module:
     """Build a causal LM from a local checkpoint with its experts streamed onto kt-kernel.
 
@@ -395,6 +397,8 @@ def load_pretrained(
         dense_device: device of the dense (non-expert) weights, e.g. ``"cuda:0"``; the experts
             stay on the CPU kernel and hidden states cross over and back (autograd too).
         policy: kt-kernel activation policy, ``"save"`` or ``"recompute"``.
+        share_experts: as in :func:`moe_experts.wrap`: under torchrun only local rank 0 reads
+            the checkpoint's experts, into one shared copy per machine (``False``: per rank).
 
     Returns:
         The model in eval mode, every supported MoE block's experts on the kernel.
@@ -462,6 +466,8 @@ def load_pretrained(
     # Experts first, one block at a time, so the meta experts never need storage. Dense
     # formats are filled in place (the transient is one expert); int8 quantises a block.
     quantised = storage_name in _QUANTISED
+    default_kernel_threads()
+    sharing = ExpertSharing.detect(share_experts)  # only its writers read the experts
     for site in sites:
         experts = getattr(site.block, arch.experts_attr)
         meta = {p: getattr(experts, p) for p in arch.stored_shapes(0, 0, 0)}
@@ -469,26 +475,28 @@ def load_pretrained(
         keys = expert_keys[site.experts_name]
         spec = _expert_spec(site, experts, meta[arch.gate_up_param], meta[arch.down_param])
         shipped = [*keys.fused.values(), *keys.per_expert.values()]
-        if storage_name == "fp8" and any(reader.is_fp8(k) for k in shipped):
-            weights = _fp8_weights(site, keys, reader, spec)
-            _install(site, experts, weights, meta, policy)
-            del weights, experts, meta
-            continue
+        fp8_shipped = storage_name == "fp8" and any(reader.is_fp8(k) for k in shipped)
         storage = model_dtype if quantised else _DTYPES[storage_name]
-        gate_up, down, biases = _assemble(site, keys, reader, meta, storage)
-        gate_up_bias = biases.get(arch.gate_up_bias_param or "")
-        if gate_up_bias is not None:
-            gate_up_bias = arch.kernel_rows(gate_up_bias, dim=1)
-        down_bias = biases.get(arch.down_bias_param or "")
-        if quantised:
-            weights = kt_kernel.ExpertWeights.from_fused(
-                spec, gate_up, down, dtype=_DTYPES[storage_name], weight_dtype=storage_name,
-                gate_up_bias=gate_up_bias, down_bias=down_bias,
-            )
-        else:
-            weights = _adopt_dense(spec, gate_up, down, gate_up_bias, down_bias)
+
+        def build(site=site, keys=keys, meta=meta, storage=storage, spec=spec, fp8=fp8_shipped):
+            if fp8:  # the checkpoint's E4M3 bytes and scales, as shipped
+                return _fp8_weights(site, keys, reader, spec)
+            gate_up, down, biases = _assemble(site, keys, reader, meta, storage)
+            gate_up_bias = biases.get(arch.gate_up_bias_param or "")
+            if gate_up_bias is not None:
+                gate_up_bias = arch.kernel_rows(gate_up_bias, dim=1)
+            down_bias = biases.get(arch.down_bias_param or "")
+            if quantised:
+                return kt_kernel.ExpertWeights.from_fused(
+                    spec, gate_up, down, dtype=_DTYPES[storage_name], weight_dtype=storage_name,
+                    gate_up_bias=gate_up_bias, down_bias=down_bias,
+                )
+            return _adopt_dense(spec, gate_up, down, gate_up_bias, down_bias)
+
+        fmt = _weight_format(storage_name, model_dtype)
+        weights = shared_or_local(sharing, build, spec, fmt, site.experts_name)
         _install(site, experts, weights, meta, policy)
-        del gate_up, down, weights, experts, meta, biases
+        del weights, experts, meta, build
 
     state = dict(model.named_parameters(remove_duplicate=False))
     state.update(model.named_buffers(remove_duplicate=False))

@@ -22,6 +22,7 @@ from moe_experts.memory import release_file_views, trim_host_heap
 from moe_experts.placeholders import named_placeholders
 from moe_experts.self_check import BlockCheck, expert_activation
 from moe_experts.self_check import self_check as self_check_block
+from moe_experts.sharing import ExpertSharing, default_kernel_threads, shared_or_local
 
 __all__ = ["WeightDType", "WrapReport", "experts_sites", "wrap"]
 
@@ -157,6 +158,14 @@ def _kernel_weights(
     )
 
 
+def _weight_format(weight_dtype: str, source: torch.dtype) -> kt_kernel.WeightFormat:
+    """The kernel format ``wrap``/``load_pretrained`` store ``weight_dtype`` in."""
+    from kt_kernel.formats import resolve_format
+
+    quantised = weight_dtype if weight_dtype in _QUANTISED else None
+    return resolve_format(quantised, _DTYPES[weight_dtype], source)
+
+
 def _adopt(
     site: MoEBlockSite, wrappers: tuple[nn.Module, ...], kernel: KernelExperts
 ) -> None:
@@ -227,6 +236,7 @@ def wrap(
     weight_dtype: WeightDType = "bf16",
     policy: Policy = "save",
     self_check: bool = True,
+    share_experts: bool | None = None,
 ) -> WrapReport:
     """Run every MoE block's routed experts on kt-kernel, in place.
 
@@ -250,6 +260,13 @@ def wrap(
             8 random tokens before the original weights are freed and refuse a disagreement
             (``SelfCheckError`` naming the block and the error). Turn it off only for a model
             verified another way; it costs one small forward per block.
+        share_experts: under torchrun with ``LOCAL_WORLD_SIZE`` > 1, local rank 0 builds each
+            block's kernel storage once in shared memory (``/dev/shm``) and every local rank
+            maps it read-only: one copy per machine. ``None`` (default) shares unless the
+            environment sets ``MOE_EXPERTS_SHARE_EXPERTS=0``; ``False`` keeps a copy per rank.
+            Every rank must call ``wrap`` on the same model. Under torchrun the kernel also
+            gets ``cores / LOCAL_WORLD_SIZE`` threads unless ``KT_KERNEL_THREADS`` (or an
+            ``OMP_NUM_THREADS`` other than torchrun's default 1) says otherwise.
 
     Returns:
         A :class:`WrapReport`, including how many bytes left the module tree.
@@ -265,6 +282,8 @@ def wrap(
     if policy not in ("save", "recompute"):
         raise WrapError(f"policy must be 'save' or 'recompute', got {policy!r}")
     arch = find_architecture(model)
+    default_kernel_threads()
+    sharing = ExpertSharing.detect(share_experts)
     checks: list[BlockCheck] = []
     wrapped: list[str] = []
     already: list[str] = []
@@ -288,13 +307,12 @@ def wrap(
         spec = _expert_spec(site, base, gate_up, down)
         stored = {arch.gate_up_param: gate_up, arch.down_param: down}
         stored.update({p: getattr(base, p) for p in arch.bias_params})
-        weights = _kernel_weights(
-            arch,
-            spec,
-            stored,
-            dtype=_DTYPES[weight_dtype],
-            weight_dtype=weight_dtype if weight_dtype in _QUANTISED else None,
-        )
+        fmt = _weight_format(weight_dtype, gate_up.dtype)
+
+        def build(spec=spec, stored=stored, fmt=fmt) -> kt_kernel.ExpertWeights:
+            return _kernel_weights(arch, spec, stored, weight_dtype=fmt)
+
+        weights = shared_or_local(sharing, build, spec, fmt, site.experts_name)
         if weights.is_quantized:
             reports.append((site.experts_name, weights.quantization_report()))
         kernel = KernelExperts(
@@ -331,7 +349,7 @@ def wrap(
             setattr(site.block, arch.experts_attr, kernel)
         wrapped.append(site.experts_name)
         # The last block's experts must be gone before the trim.
-        del gate_up, down, base, outer, stored
+        del gate_up, down, base, outer, stored, build
     if not wrapped and not already:
         dense = (
             f" with {arch.block_enabled_attr}=True (a dense model of the family)"
