@@ -6,7 +6,10 @@ sharded safetensors with per-expert keys (as hub checkpoints ship them). Each va
 loads it in its own child process (peak RSS is a per-process high-water mark):
 
 * ``from_pretrained+wrap``: ``AutoModelForCausalLM.from_pretrained(dtype=bf16)`` + ``wrap``;
-* ``load_pretrained``: ``moe_experts.load_pretrained(weight_dtype="bf16")``.
+* ``load_pretrained``: ``moe_experts.load_pretrained(weight_dtype="bf16")``;
+* ``load_pretrained fp8``: the same weights saved as a DeepSeek-V3-style FP8-block checkpoint
+  (``moe_experts.testing.save_fp8_checkpoint``: E4M3 + 128x128 ``weight_scale_inv``), loaded
+  with the default ``weight_dtype`` (experts kept as shipped, dense layers dequantised to bf16).
 
 Reported: load seconds, peak and final RSS above the process's post-import baseline, the peak
 over the final footprint, and resident bytes per component (kernel experts, dense weights)
@@ -26,7 +29,9 @@ import tempfile
 import time
 from pathlib import Path
 
-VARIANTS = ("from_pretrained+wrap", "load_pretrained")
+VARIANTS = ("from_pretrained+wrap", "load_pretrained", "load_pretrained fp8")
+# Kernel bytes per expert weight: bf16, or E4M3 plus one fp32 scale per 128x128 block.
+BYTES_PER_WEIGHT = {"bf16": 2.0, "fp8": 1.0 + 4.0 / 128**2}
 SHAPE = {"hidden_size": 2048, "moe_intermediate_size": 768, "num_experts": 128,
          "num_experts_per_tok": 8, "intermediate_size": 6144, "num_attention_heads": 32,
          "num_key_value_heads": 4, "head_dim": 128, "vocab_size": 32000,
@@ -66,18 +71,21 @@ def _config(quick: bool, layers: int):
     return tiny_config("qwen3_moe", **(QUICK if quick else SHAPE), num_hidden_layers=layers)
 
 
-def save(path: Path, quick: bool, layers: int) -> None:
-    """Write the random checkpoint (per-expert keys, 1 GB shards)."""
+def save(root: Path, quick: bool, layers: int) -> None:
+    """Write the random checkpoint twice (per-expert keys, 1 GB shards): bf16 and FP8 blocks."""
     import torch
     from transformers import AutoModelForCausalLM
 
+    from moe_experts.testing import save_fp8_checkpoint
+
     torch.manual_seed(0)
     model = AutoModelForCausalLM.from_config(_config(quick, layers), dtype=torch.bfloat16)
-    model.save_pretrained(path, max_shard_size="1GB")
+    model.save_pretrained(root / "bf16", max_shard_size="1GB")
+    save_fp8_checkpoint(model, root / "fp8", max_shard_size="1GB")
 
 
-def run_variant(variant: str, path: Path) -> dict:
-    """Load ``path`` the ``variant`` way in this process and account for its memory."""
+def run_variant(variant: str, root: Path) -> dict:
+    """Load the checkpoint under ``root`` the ``variant`` way and account for its memory."""
     import warnings
 
     import torch
@@ -93,8 +101,10 @@ def run_variant(variant: str, path: Path) -> dict:
     _reset_peak()
     base = _rss_mib()
     start = time.perf_counter()
-    if variant == "load_pretrained":
-        model = moe_experts.load_pretrained(path, weight_dtype="bf16", dtype=torch.bfloat16)
+    storage = "fp8" if variant.endswith("fp8") else "bf16"
+    path = root / storage
+    if variant.startswith("load_pretrained"):
+        model = moe_experts.load_pretrained(path, dtype=torch.bfloat16)
     else:
         model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.bfloat16)
         moe_experts.wrap(model, weight_dtype="bf16")
@@ -104,7 +114,7 @@ def run_variant(variant: str, path: Path) -> dict:
     kernel = sum(k.expert_weights.nbytes for _, k in moe_experts.experts_sites(model))
     dense = sum(p.nbytes for p in [*model.parameters(), *model.buffers()] if not is_placeholder(p))
     arithmetic = (cfg.num_hidden_layers * cfg.num_experts * 3 * cfg.hidden_size
-                  * cfg.moe_intermediate_size * 2)
+                  * cfg.moe_intermediate_size * BYTES_PER_WEIGHT[storage])
     return {"variant": variant, "seconds": seconds, "base_mib": base,
             "peak_mib": _peak_mib() - base, "final_mib": final - base,
             "kernel_mib": kernel / 2**20, "kernel_arithmetic_mib": arithmetic / 2**20,
@@ -127,7 +137,7 @@ def main() -> None:
     args.out.mkdir(parents=True, exist_ok=True)
     tmp = None if args.keep else tempfile.TemporaryDirectory(prefix="bench-load-")
     path = args.keep or Path(tmp.name)  # type: ignore[union-attr]
-    if not (path / "config.json").is_file():
+    if not (path / "fp8" / "config.json").is_file():
         save(path, args.quick, layers)
     rows = []
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
@@ -156,8 +166,8 @@ def main() -> None:
             f"| {r['peak_over_final']:.2f} | {r['peak_vs_from_pretrained']:.2f} | "
             f"{r['kernel_mib']:.0f} ({r['kernel_arithmetic_mib']:.0f}) | {r['dense_mib']:.0f} |"
         )
-    table = "\n".join([f"Qwen3-30B-A3B-shaped, {layers} layer(s), bf16 (RSS above the "
-                       "post-import baseline)", "", *lines])
+    table = "\n".join([f"Qwen3-30B-A3B-shaped, {layers} layer(s), bf16 and FP8-block "
+                       "checkpoints (RSS above the post-import baseline)", "", *lines])
     (args.out / "bench_load.md").write_text(table + "\n")
     print(table)
 

@@ -19,18 +19,25 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
 
 import kt_kernel
+from kt_kernel.formats_fp8 import Fp8Block
+from moe_experts._safetensors import Shards
 from moe_experts.architectures import MoEBlockSite, find_architecture, iter_moe_blocks
 from moe_experts.errors import LoadError
+from moe_experts.fp8_checkpoint import (
+    Fp8Reader,
+    check_quantization_config,
+    read_fp8_bank,
+    resolve_weight_dtype,
+)
 from moe_experts.kernel_experts import KernelExperts, Policy
 from moe_experts.memory import trim_host_heap
 from moe_experts.sharing import ExpertSharing, default_kernel_threads, shared_or_local
-from moe_experts.wrapping import _DTYPES, WeightDType, _expert_spec, _weight_format
+from moe_experts.wrapping import _DTYPES, _QUANTISED, WeightDType, _expert_spec, _weight_format
 
 __all__ = ["load_pretrained"]
 
@@ -163,90 +170,44 @@ class _KeyMapper:
         return None
 
 
-# safetensors dtype names -> torch dtypes (the ones a checkpoint of these families uses).
-_ST_DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64,
-    "F32": torch.float32,
-    "F16": torch.float16,
-    "BF16": torch.bfloat16,
-    "I64": torch.int64,
-    "I32": torch.int32,
-    "I16": torch.int16,
-    "I8": torch.int8,
-    "U8": torch.uint8,
-    "BOOL": torch.bool,
-    "F8_E4M3": torch.float8_e4m3fn,
-    "F8_E5M2": torch.float8_e5m2,
-}
+def _slots(site: MoEBlockSite, keys: _ExpertKeys, e: int) -> list[tuple[str, str, int | None]]:
+    """``(key, "gate"|"up"|"down"|"gate_up", expert or None)`` of one block, in storage order.
 
-
-class _Shards:
-    """Reads single tensors from safetensors files with plain reads into owned memory.
-
-    Not a memory map: the pages of a mapped shard count as resident while it is mapped (a
-    block's experts would stay resident once read), whereas ``readinto`` leaves them in the
-    page cache only and every tensor owns aligned memory.
+    Raises:
+        LoadError: both layouts, or a missing tensor.
     """
-
-    def __init__(self) -> None:
-        self._headers: dict[Path, tuple[dict[str, Any], int]] = {}
-
-    def _header(self, file: Path) -> tuple[dict[str, Any], int]:
-        if file not in self._headers:
-            try:
-                with file.open("rb") as f:
-                    size = int.from_bytes(f.read(8), "little")
-                    header = json.loads(f.read(size))
-                if not isinstance(header, dict):
-                    raise ValueError("the header is not a JSON object")
-            except (OSError, ValueError) as exc:
-                raise LoadError(f"cannot read {file} as safetensors: {exc}") from exc
-            header.pop("__metadata__", None)
-            self._headers[file] = (header, 8 + size)
-        return self._headers[file]
-
-    def info(self, file: Path, key: str) -> tuple[tuple[int, ...], torch.dtype, int, int]:
-        """``(shape, dtype, start, end)`` of ``key`` in ``file`` (absolute byte offsets)."""
-        header, base = self._header(file)
-        entry = header.get(key)
-        if not isinstance(entry, dict):
-            raise LoadError(f"{file.name} has no tensor {key!r} although the index names it")
-        dtype = _ST_DTYPES.get(entry.get("dtype", ""))
-        if dtype is None:
-            raise LoadError(f"{file.name}: tensor {key!r} has unsupported dtype {entry['dtype']}")
-        start, end = entry["data_offsets"]
-        return tuple(entry["shape"]), dtype, base + start, base + end
-
-    def read(self, file: Path, key: str, shape: tuple[int, ...] | None = None) -> torch.Tensor:
-        """The tensor ``key`` in owned memory; with ``shape``, a mismatch is a LoadError."""
-        have, dtype, start, end = self.info(file, key)
-        if shape is not None:
-            _expect(have, shape, key, file)
-        out = torch.empty(have, dtype=dtype)
-        buf = out.view(-1).view(torch.uint8).numpy() if out.numel() else None
-        if end - start != out.numel() * out.element_size():
-            raise LoadError(f"{file.name}: tensor {key!r} has a corrupt byte range")
-        if buf is not None:
-            with file.open("rb") as f:
-                f.seek(start)
-                if f.readinto(buf) != end - start:
-                    raise LoadError(f"{file.name} is truncated inside tensor {key!r}")
-        return out
-
-
-def _expect(have: tuple[int, ...], shape: tuple[int, ...], key: str, file: Path) -> None:
-    if tuple(have) != tuple(shape):
+    name = site.experts_name
+    if keys.fused and keys.per_expert:
         raise LoadError(
-            f"{file.name}: tensor {key!r} has shape {list(have)}, the model expects "
-            f"{list(shape)}; the checkpoint does not match its config.json"
+            f"{name}: the checkpoint holds both fused ({sorted(keys.fused.values())[0]!r}) "
+            "and per-expert keys; it must use one layout per experts module"
         )
+    out: list[tuple[str, str, int | None]] = []
+    if keys.fused:
+        for part, param in (("gate_up", site.arch.gate_up_param), ("down", site.arch.down_param)):
+            key = keys.fused.get(param)
+            if key is None:
+                raise LoadError(f"{name}: the checkpoint has no fused {param} tensor for it")
+            out.append((key, part, None))
+        return out
+    for x in range(e):
+        for role in ("gate", "up", "down"):
+            key = keys.per_expert.get((x, role))
+            if key is None:
+                raise LoadError(
+                    f"{name}: the checkpoint has no {role} weight for expert {x} (expected "
+                    f"a key like '{name}.{x}.<{role} proj>.weight'); it holds "
+                    f"{len(keys.per_expert)} of the {3 * e} per-expert tensors"
+                )
+            out.append((key, role, x))
+    # Down last, so the first and last slots name one tensor of each bank.
+    return sorted(out, key=lambda slot: slot[1] == "down")
 
 
 def _assemble(
     site: MoEBlockSite,
     keys: _ExpertKeys,
-    where: dict[str, Path],
-    shards: _Shards,
+    reader: Fp8Reader,
     meta: dict[str, torch.Tensor],
     storage: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
@@ -275,7 +236,7 @@ def _assemble(
         key = keys.fused.get(param)
         if key is None:
             raise LoadError(f"{name}: the checkpoint has no {param} tensor for it")
-        biases[param] = shards.read(where[key], key, tuple(meta[param].shape)).to(model_dtype)
+        biases[param] = reader.read(key, tuple(meta[param].shape), model_dtype)
     if keys.fused.keys() - set(arch.bias_params):
         for param, dst in (
             (arch.gate_up_param, gate_up.unflatten(1, (2, inter))),
@@ -284,7 +245,7 @@ def _assemble(
             key = keys.fused.get(param)
             if key is None:
                 raise LoadError(f"{name}: the checkpoint has no fused {param} tensor for it")
-            t = shards.read(where[key], key, tuple(meta[param].shape)).to(model_dtype)
+            t = reader.read(key, tuple(meta[param].shape), model_dtype)
             view = arch.kernel_gate_up(t) if param == arch.gate_up_param else arch.kernel_down(t)
             dst.copy_(view)
             del t, view
@@ -302,8 +263,8 @@ def _assemble(
                     f"a key like '{name}.{x}.<{role} proj>.weight'); it holds "
                     f"{len(keys.per_expert)} of the {3 * e} per-expert tensors"
                 )
-            t = shards.read(where[key], key, tuple(dst.shape))
-            dst.copy_(t.to(model_dtype))
+            t = reader.read(key, tuple(dst.shape), model_dtype)
+            dst.copy_(t)
             del t
     return gate_up, down, biases
 
@@ -353,10 +314,58 @@ def _target_dtype(
     return current
 
 
+def _install(
+    site: MoEBlockSite,
+    experts: nn.Module,
+    weights: kt_kernel.ExpertWeights,
+    meta: dict[str, torch.Tensor],
+    policy: Policy,
+) -> None:
+    """Replace the block's meta experts module by a :class:`KernelExperts` over ``weights``."""
+    arch = site.arch
+    kernel = KernelExperts(
+        weights,
+        gate_up_like=_like(meta[arch.gate_up_param]),
+        down_like=_like(meta[arch.down_param]),
+        gate_up_name=arch.gate_up_param,
+        down_name=arch.down_param,
+        label=site.experts_name,
+        policy=policy,
+        arch=arch,
+        bias_like={p: _like(meta[p]) for p in arch.bias_params},
+        order=tuple(n for n, _ in experts.named_parameters(recurse=False)),
+    )
+    setattr(site.block, arch.experts_attr, kernel)
+
+
+def _fp8_weights(
+    site: MoEBlockSite, keys: _ExpertKeys, reader: Fp8Reader, spec: kt_kernel.ExpertSpec
+) -> kt_kernel.ExpertWeights:
+    """A FP8 block's experts as shipped: E4M3 bytes and scales adopted as ``Fp8Block`` parts.
+
+    Raises:
+        LoadError: a family whose experts are stored transposed, interleaved or with biases
+            (no FP8-block checkpoint of one exists; dequantise with ``weight_dtype="bf16"``).
+    """
+    arch = site.arch
+    if arch.transposed or arch.interleaved or arch.bias_params:
+        raise LoadError(
+            f"{site.experts_name}: FP8 experts are adopted as shipped only in the [E, 2I, H] "
+            f"gate-then-up layout without biases; {arch.family} stores them otherwise, so load "
+            "with weight_dtype='bf16' to dequantise them"
+        )
+    e, h, i = spec.num_experts, spec.hidden_size, spec.intermediate_size
+    slots = _slots(site, keys, e)
+    gu_parts, dn_parts = read_fp8_bank(
+        reader, slots, ((e, 2 * i, h), (e, h, i)), site.experts_name
+    )
+    return kt_kernel.ExpertWeights.from_parts(spec, Fp8Block(_DTYPES["fp8"]), gu_parts, dn_parts)
+
+
 def load_pretrained(
     path: str | Path,
     *,
-    weight_dtype: WeightDType = "bf16",
+    weight_dtype: WeightDType | None = None,
     dtype: torch.dtype = torch.bfloat16,
     dense_device: str | torch.device = "cpu",
     policy: Policy = "save",
@@ -370,10 +379,20 @@ def load_pretrained(
     resident beyond the final footprint. Checkpoint experts may be per-expert 2-D keys (as hub
     checkpoints ship them, e.g. ``mlp.experts.{e}.gate_proj.weight``) or fused 3-D tensors.
 
+    FP8-block checkpoints (DeepSeek-V3 style: ``weight`` in float8_e4m3fn plus
+    ``weight_scale_inv`` per 128x128 block, ``quantization_config`` ``quant_method: fp8`` in
+    ``config.json``) keep their experts' bytes and scales as kt-kernel's FP8 format (nothing
+    is re-quantised and no bf16 copy is made); their dense FP8 weights are dequantised to
+    ``dtype`` as transformers does (``weight * scale_inv`` in fp32, rounded once).
+
     Args:
         path: a local directory with ``config.json`` and ``model.safetensors`` or a sharded
             ``model.safetensors.index.json``.
-        weight_dtype: kernel storage, ``"bf16"``, ``"fp32"`` or ``"int8"`` (as in ``wrap``).
+        weight_dtype: kernel storage. ``None`` (default): ``"fp8"`` for a FP8 checkpoint (the
+            shipped bytes), else ``"bf16"``. ``"bf16"``/``"fp32"``: dense storage (a FP8
+            checkpoint is dequantised expert by expert while streaming). ``"int8"``/``"int4"``
+            /``"fp8"`` quantise an unquantised checkpoint as ``wrap`` does; a FP8 checkpoint
+            is never quantised a second time.
         dtype: the model dtype (dense weights, and what ``from_pretrained`` would give experts).
         dense_device: device of the dense (non-expert) weights, e.g. ``"cuda:0"``; the experts
             stay on the CPU kernel and hidden states cross over and back (autograd too).
@@ -385,15 +404,17 @@ def load_pretrained(
         The model in eval mode, every supported MoE block's experts on the kernel.
 
     Raises:
-        LoadError: missing files, a missing or mis-shaped tensor (naming the key and file).
+        LoadError: missing files, a missing or mis-shaped tensor, a FP8 weight without a valid
+            128x128 scale grid (naming the key and file), an unsupported
+            ``quantization_config``, or ``"int8"``/``"int4"`` for a FP8 checkpoint.
         UnsupportedModelError: the checkpoint is not a supported MoE family.
-        WrapError: bad ``weight_dtype``/``policy`` or an unsupported activation.
+        WrapError: an unknown ``weight_dtype``/``policy`` or an unsupported activation.
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from moe_experts.errors import WrapError
 
-    if weight_dtype not in _DTYPES:
+    if weight_dtype is not None and weight_dtype not in _DTYPES:
         raise WrapError(f"weight_dtype must be one of {sorted(_DTYPES)}, got {weight_dtype!r}")
     if policy not in ("save", "recompute"):
         raise WrapError(f"policy must be 'save' or 'recompute', got {policy!r}")
@@ -410,16 +431,27 @@ def load_pretrained(
         raise LoadError(f"{path} has no config.json; pass a save_pretrained directory")
     where = _weight_map(path)
     config = AutoConfig.from_pretrained(path)
+    quant = getattr(config, "quantization_config", None)
+    fp8 = check_quantization_config(path / "config.json", quant)
+    storage_name = resolve_weight_dtype(weight_dtype, fp8, path / "config.json")
+    if quant is not None:
+        # The dense FP8 weights are dequantised here, so the model is built (and later saved)
+        # as a plain one; transformers' FP8 modules would expect the scales as parameters.
+        del config.quantization_config
     with _parameters_on_meta():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     arch = find_architecture(model)
     sites = list(iter_moe_blocks(model, arch))
     mapper = _KeyMapper(model, sites)
+    reader = Fp8Reader(Shards(), where, fp8)
+    scale_keys = set(reader.scales.values())
 
     # Sort every checkpoint key: expert tensors per block, the rest by model name.
     expert_keys: dict[str, _ExpertKeys] = {s.experts_name: _ExpertKeys() for s in sites}
     dense: dict[str, str] = {}
     for key in where:
+        if key in scale_keys:  # read beside its weight
+            continue
         hit = mapper.expert_key(key)
         if hit is None:
             dense[mapper.rename(key)] = key
@@ -433,46 +465,37 @@ def load_pretrained(
 
     # Experts first, one block at a time, so the meta experts never need storage. Dense
     # formats are filled in place (the transient is one expert); int8 quantises a block.
-    shards = _Shards()
-    quantised = weight_dtype == "int8"
+    quantised = storage_name in _QUANTISED
     default_kernel_threads()
     sharing = ExpertSharing.detect(share_experts)  # only its writers read the experts
     for site in sites:
         experts = getattr(site.block, arch.experts_attr)
         meta = {p: getattr(experts, p) for p in arch.stored_shapes(0, 0, 0)}
         model_dtype = meta[arch.gate_up_param].dtype
-        storage = model_dtype if quantised else _DTYPES[weight_dtype]
         keys = expert_keys[site.experts_name]
         spec = _expert_spec(site, experts, meta[arch.gate_up_param], meta[arch.down_param])
+        shipped = [*keys.fused.values(), *keys.per_expert.values()]
+        fp8_shipped = storage_name == "fp8" and any(reader.is_fp8(k) for k in shipped)
+        storage = model_dtype if quantised else _DTYPES[storage_name]
 
-        def build(site=site, keys=keys, meta=meta, storage=storage, spec=spec):
-            gate_up, down, biases = _assemble(site, keys, where, shards, meta, storage)
+        def build(site=site, keys=keys, meta=meta, storage=storage, spec=spec, fp8=fp8_shipped):
+            if fp8:  # the checkpoint's E4M3 bytes and scales, as shipped
+                return _fp8_weights(site, keys, reader, spec)
+            gate_up, down, biases = _assemble(site, keys, reader, meta, storage)
             gate_up_bias = biases.get(arch.gate_up_bias_param or "")
             if gate_up_bias is not None:
                 gate_up_bias = arch.kernel_rows(gate_up_bias, dim=1)
             down_bias = biases.get(arch.down_bias_param or "")
             if quantised:
                 return kt_kernel.ExpertWeights.from_fused(
-                    spec, gate_up, down, dtype=_DTYPES[weight_dtype], weight_dtype="int8",
+                    spec, gate_up, down, dtype=_DTYPES[storage_name], weight_dtype=storage_name,
                     gate_up_bias=gate_up_bias, down_bias=down_bias,
                 )
             return _adopt_dense(spec, gate_up, down, gate_up_bias, down_bias)
 
-        fmt = _weight_format(weight_dtype, model_dtype)
+        fmt = _weight_format(storage_name, model_dtype)
         weights = shared_or_local(sharing, build, spec, fmt, site.experts_name)
-        kernel = KernelExperts(
-            weights,
-            gate_up_like=_like(meta[arch.gate_up_param]),
-            down_like=_like(meta[arch.down_param]),
-            gate_up_name=arch.gate_up_param,
-            down_name=arch.down_param,
-            label=site.experts_name,
-            policy=policy,
-            arch=arch,
-            bias_like={p: _like(meta[p]) for p in arch.bias_params},
-            order=tuple(n for n, _ in experts.named_parameters(recurse=False)),
-        )
-        setattr(site.block, arch.experts_attr, kernel)
+        _install(site, experts, weights, meta, policy)
         del weights, experts, meta, build
 
     state = dict(model.named_parameters(remove_duplicate=False))
@@ -493,9 +516,9 @@ def load_pretrained(
     # Shard by shard, in file order.
     for name, key in sorted(dense.items(), key=lambda kv: str(where[kv[1]])):
         current = state[name]
-        t = shards.read(where[key], key, tuple(current.shape))
         target = _target_dtype(model, name, current.dtype, dtype)
-        _set_tensor(model, name, t.to(target) if t.dtype.is_floating_point else t)
+        t = reader.read(key, tuple(current.shape), target)
+        _set_tensor(model, name, t)
         del t
     model.tie_weights()
     missing = sorted(n for n, p in model.named_parameters() if p.device.type == "meta")

@@ -7,7 +7,10 @@ parametrised test suite runs every row.
 
 from __future__ import annotations
 
+import json
+import re
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -16,7 +19,14 @@ from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 from moe_experts.architectures import ARCHITECTURES
 from moe_experts.errors import UnsupportedModelError
 
-__all__ = ["TINY_CONFIGS", "TINY_FAMILIES", "tiny_config", "tiny_model"]
+__all__ = [
+    "FP8_QUANTIZATION_CONFIG",
+    "TINY_CONFIGS",
+    "TINY_FAMILIES",
+    "save_fp8_checkpoint",
+    "tiny_config",
+    "tiny_model",
+]
 
 _COMMON: dict[str, Any] = {
     "vocab_size": 96,
@@ -237,3 +247,69 @@ def _random_expert_biases(model: PreTrainedModel, family: str, config: Pretraine
 
 
 TINY_FAMILIES: tuple[str, ...] = tuple(ARCHITECTURES)
+
+
+# What DeepSeek-V3's config.json says about its FP8 weights.
+FP8_QUANTIZATION_CONFIG: dict[str, Any] = {
+    "quant_method": "fp8",
+    "activation_scheme": "dynamic",
+    "fmt": "e4m3",
+    "weight_block_size": [128, 128],
+}
+# Projections quantised like DeepSeek-V3's release: every *proj* linear (attention, dense and
+# shared MLPs, experts; fused expert tensors too), never embeddings, norms, routers or lm_head.
+_FP8_KEY = re.compile(r"(proj[a-z_]*\.weight|experts\.(gate_up_proj|down_proj|w1|w2|w3))$")
+
+
+def save_fp8_checkpoint(
+    model: PreTrainedModel,
+    path: str | Path,
+    *,
+    per_expert: bool = True,
+    max_shard_size: str = "5GB",
+) -> Path:
+    """Save ``model`` as a DeepSeek-V3-style FP8-block checkpoint (for tests and benchmarks).
+
+    Every projection weight ``W [..., N, K]`` is stored as ``float8_e4m3fn`` plus
+    ``<key>_scale_inv`` float32 ``[..., ceil(N/128), ceil(K/128)]`` (kt-kernel's
+    :meth:`~kt_kernel.formats_fp8.Fp8Block.quantize`: ``scale_inv = max|block| / 448``), and
+    ``config.json`` gets :data:`FP8_QUANTIZATION_CONFIG`.
+
+    Args:
+        model: the model to save (any dtype).
+        path: output directory.
+        per_expert: hub-style per-expert expert keys (``save_original_format``) or fused ones.
+        max_shard_size: as in ``save_pretrained``.
+
+    Returns:
+        ``path``.
+    """
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    from kt_kernel.formats_fp8 import Fp8Block
+
+    path = Path(path)
+    model.save_pretrained(path, max_shard_size=max_shard_size, save_original_format=per_expert)
+    index_file = path / "model.safetensors.index.json"
+    index = json.loads(index_file.read_text()) if index_file.is_file() else None
+    shards = sorted(set(index["weight_map"].values())) if index else ["model.safetensors"]
+    fmt = Fp8Block()
+    for shard in shards:
+        with safe_open(str(path / shard), framework="pt") as f:
+            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (not a dict)
+        out = {}
+        for key, t in tensors.items():
+            if t.dim() >= 2 and t.dtype.is_floating_point and _FP8_KEY.search(key):
+                out[key], out[key + "_scale_inv"] = fmt.quantize(t)
+                if index:
+                    index["weight_map"][key + "_scale_inv"] = shard
+            else:
+                out[key] = t
+        save_file(out, str(path / shard), metadata={"format": "pt"})
+    if index:
+        index_file.write_text(json.dumps(index, indent=2))
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = dict(FP8_QUANTIZATION_CONFIG)
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    return path
