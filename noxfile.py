@@ -35,6 +35,9 @@ LOCAL_DEPS: dict[str, tuple[str, ...]] = {
 EXTRA_LOCAL_DEPS: dict[tuple[str, str], tuple[str, ...]] = {
     ("moe-experts", "train"): ("lora-core", "lora-checkpoint"),
 }
+# The extras a package's own test session installs: moe-experts' tests cover its fine-tune CLI
+# and its LoRA-experts round trip, which need the package's own `train` extra.
+TEST_EXTRAS: dict[str, str] = {"moe-experts": "test,train"}
 # The packages whose wheels contain compiled code built against the session's torch.
 NATIVE = {"kt-kernel"}
 # Extras installed in the integration cells (all four packages, their test deps, the train CLI).
@@ -136,11 +139,13 @@ def _pytest(session: nox.Session, *paths: str) -> None:
 def _make_tests_session(package: str) -> None:
     def tests(session: nox.Session) -> None:
         _install_torch(session, DEFAULT_CONSTRAINTS)
-        _install_packages(session, [f"{package}[test]"], DEFAULT_CONSTRAINTS)
+        extras = TEST_EXTRAS.get(package, "test")
+        _install_packages(session, [f"{package}[{extras}]"], DEFAULT_CONSTRAINTS)
         session.chdir(ROOT / "packages" / package)  # so nothing imports from the source tree
         _pytest(session, "tests")
 
-    tests.__doc__ = f"Install {package} alone (with only its dependencies) and run its tests."
+    tests.__doc__ = (f"Install {package} with only its dependencies (and its extras in "
+                     "TEST_EXTRAS) and run its tests.")
     nox.session(name=f"tests-{package}")(tests)
 
 

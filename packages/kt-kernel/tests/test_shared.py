@@ -3,6 +3,7 @@ mismatches are refused, and segments of dead writers are found and removed."""
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 import os
 import signal
@@ -40,8 +41,14 @@ def _digest(w: kk.ExpertWeights) -> str:
     h = hashlib.sha256()
     for t in (*w.storage[0], *w.storage[1], w.gate_up_bias, w.down_bias):
         if t is not None:
-            h.update(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+            h.update(_raw(t))
     return h.hexdigest()
+
+
+def _raw(t: torch.Tensor) -> bytes:
+    # ctypes, not .numpy(): kt-kernel's test environment has no numpy.
+    t = t.contiguous()
+    return ctypes.string_at(t.data_ptr(), t.nbytes)
 
 
 @pytest.fixture
@@ -87,13 +94,14 @@ def test_another_process_maps_the_same_bytes(shm_dir: Path) -> None:
     name = kk.SegmentName("b1", directory=shm_dir)
     kk.write_shared(w, name)
     code = textwrap.dedent(f"""
-        import hashlib, torch, kt_kernel as kk
+        import ctypes, hashlib, torch, kt_kernel as kk
         from pathlib import Path
         spec = kk.ExpertSpec({E}, {H}, {I}, activation=kk.ClampedSwiGLU(alpha=1.702, limit=7.0))
         w = kk.map_shared(Path({str(name.path)!r}), spec, kk.Int4Grouped(torch.bfloat16))
         h = hashlib.sha256()
         for t in (*w.storage[0], *w.storage[1], w.gate_up_bias, w.down_bias):
-            h.update(t.contiguous().view(-1).view(torch.uint8).numpy().tobytes())
+            t = t.contiguous()
+            h.update(ctypes.string_at(t.data_ptr(), t.nbytes))
         print(h.hexdigest())
     """)
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
