@@ -16,7 +16,7 @@ import yaml
 from safetensors.torch import load_file
 
 from lora_checkpoint import resolve_checkpoint
-from moe_experts import UnsupportedModelError, WrapError, find_architecture, wrap
+from moe_experts import find_architecture
 from moe_experts.adaptation import iter_moe_blocks
 from moe_experts.finetune.cli import finetune_main
 from moe_experts.finetune.data import ByteTokenizer
@@ -43,14 +43,12 @@ def _pinned_transformers() -> str:
 
 def _save(family: str, root: Path) -> Path:
     out = root / family
-    try:
-        model = tiny_model(family, vocab_size=ByteTokenizer.vocab_size)
-        wrap(tiny_model(family))  # older transformers lack the family or lay it out otherwise
-    except (ValueError, AttributeError, UnsupportedModelError, WrapError) as exc:
-        if transformers.__version__ == _pinned_transformers():
-            raise
-        pytest.skip(f"{family} is not supported with transformers {transformers.__version__} "
-                    f"(the pinned {_pinned_transformers()} has it): {exc}"[:300])
+    pinned = _pinned_transformers()
+    if family != "deepseek_v3" and transformers.__version__ != pinned:
+        # transformers 5.1 has no gemma4/deepseek_v4, another granitemoe layout and a phimoe
+        # router without gradient; these families are verified at the pinned version.
+        pytest.skip(f"{family}: checked with the pinned transformers {pinned} only")
+    model = tiny_model(family, vocab_size=ByteTokenizer.vocab_size)
     model.save_pretrained(out)
     save_byte_tokenizer(out)
     return out
