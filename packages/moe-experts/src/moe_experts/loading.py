@@ -170,6 +170,18 @@ class _KeyMapper:
         return None
 
 
+def _per_expert_key(keys: _ExpertKeys, name: str, e: int, x: int, role: str) -> str:
+    """The checkpoint key of expert ``x``'s ``role`` weight; a missing one names what is there."""
+    key = keys.per_expert.get((x, role))
+    if key is None:
+        raise LoadError(
+            f"{name}: the checkpoint has no {role} weight for expert {x} (expected "
+            f"a key like '{name}.{x}.<{role} proj>.weight'); it holds "
+            f"{len(keys.per_expert)} of the {3 * e} per-expert tensors"
+        )
+    return key
+
+
 def _slots(site: MoEBlockSite, keys: _ExpertKeys, e: int) -> list[tuple[str, str, int | None]]:
     """``(key, "gate"|"up"|"down"|"gate_up", expert or None)`` of one block, in storage order.
 
@@ -192,13 +204,7 @@ def _slots(site: MoEBlockSite, keys: _ExpertKeys, e: int) -> list[tuple[str, str
         return out
     for x in range(e):
         for role in ("gate", "up", "down"):
-            key = keys.per_expert.get((x, role))
-            if key is None:
-                raise LoadError(
-                    f"{name}: the checkpoint has no {role} weight for expert {x} (expected "
-                    f"a key like '{name}.{x}.<{role} proj>.weight'); it holds "
-                    f"{len(keys.per_expert)} of the {3 * e} per-expert tensors"
-                )
+            key = _per_expert_key(keys, name, e, x, role)
             out.append((key, role, x))
     # Down last, so the first and last slots name one tensor of each bank.
     return sorted(out, key=lambda slot: slot[1] == "down")
@@ -256,13 +262,7 @@ def _assemble(
             ("up", gate_up[x, inter:]),
             ("down", down[x]),
         ):
-            key = keys.per_expert.get((x, role))
-            if key is None:
-                raise LoadError(
-                    f"{name}: the checkpoint has no {role} weight for expert {x} (expected "
-                    f"a key like '{name}.{x}.<{role} proj>.weight'); it holds "
-                    f"{len(keys.per_expert)} of the {3 * e} per-expert tensors"
-                )
+            key = _per_expert_key(keys, name, e, x, role)
             t = reader.read(key, tuple(dst.shape), model_dtype)
             dst.copy_(t)
             del t
