@@ -6,7 +6,9 @@ storage, stepped with the plain fp32 cross-entropy over full logits (``ours``) a
 :func:`moe_experts.losses.chunked_lm_cross_entropy` (``ours+chunked``). LoRA rank 16 on
 q/k/v/o, the routers and the experts; AdamW. Repetitions are interleaved (peft, ours,
 ours+chunked, peft, ...) so that load from other processes hits every variant alike, and
-ratios are taken per repetition before the median.
+ratios are taken per repetition before the median. Each step's wall time and this process's
+CPU time are both recorded (with the load average per repetition): on a shared machine the CPU
+time ratio is the steadier of the two.
 
 A profiled step of each variant splits the time into experts, attention (SDPA forward and
 backward), q/k/v/o, router, lm_head, loss, optimizer and the rest: forward ops are labelled
@@ -186,24 +188,37 @@ def run(quick: bool, lengths: list[int], reps: int, do_profile: bool,
     for t in lengths:
         ids = torch.randint(0, cfg.vocab_size, (1, t), generator=torch.Generator().manual_seed(t))
         times: dict[str, list[float]] = {v: [] for v in variants}
+        cpu: dict[str, list[float]] = {v: [] for v in variants}
+        load: list[float] = []
         losses: dict[str, float] = {}
         for v in variants:  # warm-up: allocator, oneDNN primitives, AdamW state
             losses[v] = steps[v](ids)
         for _ in range(reps):
+            load.append(os.getloadavg()[0])
             for v in variants:
-                t0 = time.perf_counter()
+                t0, c0 = time.perf_counter(), time.process_time()
                 steps[v](ids)
                 times[v].append(time.perf_counter() - t0)
-        res: dict[str, Any] = {"first_loss": losses, "step_s": times}
+                cpu[v].append(time.process_time() - c0)
+        # CPU time of this process: less exposed than wall time to other jobs taking the
+        # shared cores (not to their cache and memory-bandwidth pressure)
+        res: dict[str, Any] = {"first_loss": losses, "step_s": times, "step_cpu_s": cpu,
+                               "loadavg_per_rep": load}
         res["step_s_median"] = {v: statistics.median(x) for v, x in times.items()}
         res["tokens_per_s"] = {v: t / s for v, s in res["step_s_median"].items()}
         base = times.get("peft", times["ours"])  # without peft: ratios against plain "ours"
         res["speedup_vs_peft" if "peft" in times else "speedup_vs_ours"] = {
             v: statistics.median(p / o for p, o in zip(base, times[v], strict=True))
             for v in variants}
+        base_cpu = cpu.get("peft", cpu["ours"])
+        res["cpu_speedup_vs_peft" if "peft" in cpu else "cpu_speedup_vs_ours"] = {
+            v: statistics.median(p / o for p, o in zip(base_cpu, cpu[v], strict=True))
+            for v in variants}
         if "ours" in times and "ours+chunked" in times:
             res["chunked_vs_plain_loss"] = statistics.median(
                 a / b for a, b in zip(times["ours"], times["ours+chunked"], strict=True))
+            res["chunked_vs_plain_loss_cpu"] = statistics.median(
+                a / b for a, b in zip(cpu["ours"], cpu["ours+chunked"], strict=True))
         if do_profile:
             res["profile_s"] = {v: profile_step(steps[v], ids) for v in variants}
         out["lengths"][str(t)] = res
@@ -219,13 +234,18 @@ def _markdown(payload: dict) -> str:
              f"E={m['num_experts']}, k={m['num_experts_per_tok']}, I={m['moe_intermediate_size']}, "
              f"V={m['vocab_size']}, bf16, LoRA rank {RANK} on q/k/v/o + router + experts; "
              f"{payload['torch_threads']} threads, load average {payload['loadavg']}.", "",
-             "| T | variant | step (s) | tokens/s | x baseline (peft, else ours) |", "|---|---|---|---|---|"]
+             "| T | variant | step (s) | tokens/s | x baseline (peft, else ours) "
+             "| step CPU (s) | x baseline, CPU time |", "|---|---|---|---|---|---|---|"]
     vs = payload["variants"]
     for t, r in payload["lengths"].items():
         ratio = r.get("speedup_vs_peft") or r["speedup_vs_ours"]
+        cratio = r.get("cpu_speedup_vs_peft") or r.get("cpu_speedup_vs_ours") or {}
         for v in vs:
+            c_s = r.get("step_cpu_s", {}).get(v)
+            c_cell = f"{statistics.median(c_s):.2f}" if c_s else "-"
+            c_ratio = f"{cratio[v]:.2f}" if v in cratio else "-"
             lines.append(f"| {t} | {v} | {r['step_s_median'][v]:.2f} | "
-                         f"{r['tokens_per_s'][v]:.0f} | {ratio[v]:.2f} |")
+                         f"{r['tokens_per_s'][v]:.0f} | {ratio[v]:.2f} | {c_cell} | {c_ratio} |")
     for t, r in payload["lengths"].items():
         if "profile_s" not in r:
             continue
