@@ -5,12 +5,12 @@ layers, 2 by default; ``--quick``: 1 layer, E=16) with random bf16 weights is sa
 safetensors with per-expert keys, then loaded by ``moe_experts.load_pretrained`` in a
 ``torchrun --nproc-per-node 2`` job (gloo), twice:
 
-* ``shared`` (the default): local rank 0 reads the experts into one shared segment per block,
-  both ranks map it;
+* ``shared`` (the default): local rank 0 reads the experts into one anonymous shared memory
+  file (memfd) per block, both ranks map it;
 * ``per-rank`` (``MOE_EXPERTS_SHARE_EXPERTS=0``): each rank reads its own copy.
 
 Each rank reads every byte of its expert storage (so every page is resident in both), waits
-for the other, then reports the PSS of its kt-kernel segment mappings (``/proc/self/smaps``)
+for the other, then reports the PSS of its kt-kernel storage mappings (``/proc/self/smaps``)
 and the growth of its whole-process PSS over its post-import baseline
 (``/proc/self/smaps_rollup``) less its dense weights. The sums over the ranks are compared with one copy of the
 experts (the kernel's byte count). Target: shared summed PSS of the storage at most 1.15x one
@@ -53,7 +53,7 @@ def _segment_pss() -> int:
         for line in f:
             head = line.split()
             if head and "-" in head[0] and len(head) >= 5 and ":" not in head[0]:
-                inside = len(head) >= 6 and "/ktk-" in head[5]
+                inside = len(head) >= 6 and "/memfd:ktk-" in head[5]
             elif inside and line.startswith("Pss:"):
                 total += int(head[1]) * 1024
     return total

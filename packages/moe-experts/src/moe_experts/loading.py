@@ -497,6 +497,8 @@ def load_pretrained(
         weights = shared_or_local(sharing, build, spec, fmt, site.experts_name)
         _install(site, experts, weights, meta, policy)
         del weights, experts, meta, build
+    if sharing is not None:
+        sharing.close()  # the storage stays mapped; the sockets are done
 
     state = dict(model.named_parameters(remove_duplicate=False))
     state.update(model.named_buffers(remove_duplicate=False))
