@@ -122,6 +122,7 @@ class ExpertSharing:
         writer: whether this rank builds and writes the storage (local rank 0).
         token: the writer's random token (names its socket and memory files).
         group: the process group of the per-block collectives (gloo).
+        local_ranks: how many ranks of this machine map the storage.
         conns: the writer's connections to the other local ranks, or the reader's one
             connection to the writer.
     """
@@ -129,6 +130,7 @@ class ExpertSharing:
     writer: bool
     token: str
     group: Any
+    local_ranks: int
     conns: list[socket.socket] = field(default_factory=list)
     _count: int = 0
 
@@ -177,7 +179,8 @@ class ExpertSharing:
             writers.append(w)
         rank = dist.get_rank()
         writer_rank = writers[rank]
-        sharing = cls(writer=writer_rank == rank, token=peers[writer_rank][3], group=group)
+        sharing = cls(writer=writer_rank == rank, token=peers[writer_rank][3], group=group,
+                      local_ranks=writers.count(writer_rank))
         error: BaseException | None = None
         try:
             if not all(peers[w][5] for w in set(writers)):

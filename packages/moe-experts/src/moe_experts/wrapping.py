@@ -57,6 +57,8 @@ class WrapReport:
             block: each projection's max abs and relative Frobenius quantisation error.
         self_checks: the wrap-time comparison of kernel and original module per wrapped
             block (empty with ``self_check=False``).
+        shared_by: how many local ranks map this call's expert storage (one copy per
+            machine); 1 when every rank holds its own copy.
     """
 
     family: str
@@ -69,6 +71,7 @@ class WrapReport:
     adopted_peft: tuple[str, ...] = ()
     quantization: tuple[tuple[str, kt_kernel.QuantizationReport], ...] = ()
     self_checks: tuple[BlockCheck, ...] = ()
+    shared_by: int = 1
 
 
 def _peft_param_wrapper_type() -> type[nn.Module] | None:
@@ -379,4 +382,5 @@ def wrap(
         adopted_peft=tuple(adopted),
         quantization=tuple(reports),
         self_checks=tuple(checks),
+        shared_by=sharing.local_ranks if sharing is not None else 1,
     )
