@@ -113,11 +113,18 @@ def load_model(model: str, *, dtype: torch.dtype = torch.float32) -> LoadedModel
                 f"--model {model}: not a built-in model ({', '.join(BUILTIN_MODELS)}) and not a "
                 "local Hugging Face model directory (no config.json there)"
             )
+    from moe_experts import UnsupportedModelError, find_architecture
+    from moe_experts.architectures import _checkpoint_model_type, require_transformers
+
+    try:
+        # Before transformers parses the config: an old release does not know a new type.
+        require_transformers(_checkpoint_model_type(source))
+    except UnsupportedModelError as exc:
+        raise FinetuneError(f"--model {model}: {exc}") from exc
     try:
         lm = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
     except (OSError, ValueError, KeyError) as exc:
         raise FinetuneError(f"--model {model}: transformers could not load it: {exc}") from exc
-    from moe_experts import UnsupportedModelError, find_architecture
 
     try:
         find_architecture(lm)
