@@ -60,6 +60,9 @@ class LoadedAdapter:
 def load_with_adapter(model: str | None, ckpt: Path) -> LoadedAdapter:
     """``AutoModelForCausalLM.from_pretrained(base)`` + ``PeftModel.from_pretrained(..., ckpt)``.
 
+    A multimodal base loads with the class :func:`~moe_experts.finetune.models.pretrained_class`
+    picks, as training did.
+
     Args:
         model: built-in model name or local directory; None: the base the adapter names.
         ckpt: checkpoint root or one checkpoint directory.
@@ -71,12 +74,14 @@ def load_with_adapter(model: str | None, ckpt: Path) -> LoadedAdapter:
         from peft import PeftModel
     except ImportError as exc:
         raise FinetuneError("peft is not installed; install moe-experts[train]") from exc
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
+
+    from moe_experts.finetune.models import pretrained_class
 
     resolved = resolve_adapter(ckpt)
     base_dir = _base_source(model, resolved)
     try:
-        base = AutoModelForCausalLM.from_pretrained(base_dir)
+        base = pretrained_class(Path(base_dir)).from_pretrained(base_dir)
         tokenizer = AutoTokenizer.from_pretrained(base_dir)
         peft_model = PeftModel.from_pretrained(base, resolved)
     except (OSError, ValueError, KeyError, RuntimeError) as exc:
