@@ -126,3 +126,36 @@ def test_attention_rule_on_hybrid_layers() -> None:
                                                          "self_attn.out_proj")
     # Qwen3-Next: linear-attention layers stay as they were, the full-attention ones keep q/k/v/o.
     assert attention_targets(tiny_model("qwen3_next")) == ("q_proj", "k_proj", "v_proj", "o_proj")
+
+
+@pytest.mark.timeout(120)
+def test_shared_expert_targets_peft_cannot_load_are_refused(tmp_path: Path, capsys,
+                                                            monkeypatch) -> None:
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from moe_experts.finetune import targets
+
+    model = _save("deepseek_v3", tmp_path)
+    cfg = tmp_path / "run.yaml"
+    shared = [f"mlp.shared_experts.{p}" for p in ("gate_proj", "up_proj", "down_proj")]
+    cfg.write_text(yaml.safe_dump({"lora": {"target_modules": ["auto", *shared]}}))
+    args = ["--config", str(cfg), "--model", str(model), "--steps", "1", "--seq-len", "16",
+            "--batch-size", "2", "--no-progress"]
+    for extra in (["--print-config"], []):
+        assert finetune_main([*args, "--output", str(tmp_path / "run"), *extra]) == 1
+        err = capsys.readouterr().err
+        lines = [line for line in err.splitlines() if line.startswith("error:")]
+        assert len(lines) == 1, err
+        assert "Traceback" not in err
+        assert "lora.target_modules 'mlp.shared_experts.gate_proj'" in lines[0]
+        assert "fused experts' 'gate_up_proj'" in lines[0]
+    assert not list(tmp_path.glob("run/**/*.safetensors"))
+
+    # Why: without the check the run trains, but PEFT loads the shared experts' entries as the
+    # fused experts (gate_up rank doubled) and the adapter does not load back.
+    monkeypatch.setattr(targets, "check_peft_loadable", lambda lora, model: None)
+    assert finetune_main([*args, "--output", str(tmp_path / "unchecked")]) == 0
+    ckpt = resolve_checkpoint(tmp_path / "unchecked" / "checkpoints")
+    with pytest.raises(RuntimeError, match="size mismatch"):
+        PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(model), ckpt)
