@@ -3,7 +3,7 @@
 A tiny DeepSeek-V3 is fine-tuned for two steps with the default targets (MLA attention, routers,
 experts, lm_head), exported with ``--format vllm``, and the exported module list is compared
 with the trained one read back from the checkpoint with safetensors; every exported attention
-delta equals what PEFT merges from the checkpoint.
+delta equals what PEFT merges from the checkpoint, and the loader of generate/export runs it.
 """
 
 from __future__ import annotations
@@ -16,6 +16,7 @@ import torch
 from safetensors.torch import load_file
 
 from lora_checkpoint import resolve_checkpoint
+from moe_experts.finetune.adapters import load_with_adapter
 from moe_experts.finetune.cli import finetune_main
 from moe_experts.finetune.data import ByteTokenizer
 from moe_experts.finetune.export import export_main
@@ -96,3 +97,11 @@ def test_vllm_export_keeps_mla_attention_and_names_what_it_leaves_out(
             assert float(delta.abs().max()) > 0, name  # two steps moved every B
             checked += 1
     assert checked == n_layers * len(MLA_EXPORTED)
+
+    # generate/export's loader runs the adapter (router LoRA included) as PEFT does: on
+    # transformers < 5.17 the block reads gate.e_score_correction_bias through PEFT's wrapper.
+    loaded = load_with_adapter(None, run / "checkpoints")
+    ids = torch.tensor([[256, *b"hello"]])
+    with torch.no_grad():
+        torch.testing.assert_close(loaded.model(input_ids=ids).logits,
+                                   merged.eval()(input_ids=ids).logits, rtol=1e-4, atol=1e-5)
