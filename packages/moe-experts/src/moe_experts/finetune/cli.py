@@ -198,9 +198,12 @@ def _report(summary: object) -> None:
     if summary.eval_loss is not None:
         print(f"eval loss {summary.eval_loss:.4f}")
     print(f"checkpoint: {summary.checkpoint}")
+    from moe_experts.finetune.models import pretrained_class
+
+    auto = pretrained_class(Path(summary.model_source)).__name__
     print("load the adapter with PEFT:")
-    print("  from transformers import AutoModelForCausalLM; from peft import PeftModel")
-    print(f"  model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained("
+    print(f"  from transformers import {auto}; from peft import PeftModel")
+    print(f"  model = PeftModel.from_pretrained({auto}.from_pretrained("
           f"{str(summary.model_source)!r}), {str(summary.checkpoint)!r})")
 
 
