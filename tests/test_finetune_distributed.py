@@ -14,14 +14,6 @@ STEPS = 8
 LOSS_ATOL = 1e-4
 
 
-def _free_port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.multiprocess
 @pytest.mark.timeout(400)
 def test_two_ranks_match_one_process(tmp_path: Path, cli) -> None:
@@ -31,6 +23,8 @@ def test_two_ranks_match_one_process(tmp_path: Path, cli) -> None:
     double = cli.run([*common, "--output", str(tmp_path / "two"), "--save-every", "4",
                       "--keep-last", "3"], nproc=2, timeout=300)
     assert double.returncode == 0, double.stdout[-3000:] + double.stderr[-3000:]
+    # The default under torchrun: one copy of the frozen experts for the machine's two ranks.
+    assert "frozen experts: one copy per machine, shared by 2 local ranks" in double.stderr
     one = [r["loss"] for r in cli.log(tmp_path / "one")]
     two = [r["loss"] for r in cli.log(tmp_path / "two")]
     assert len(one) == len(two) == STEPS
@@ -40,10 +34,13 @@ def test_two_ranks_match_one_process(tmp_path: Path, cli) -> None:
 
     # Resume under torchrun from the step-4 checkpoint (FSDP-sharded AdamW state per rank):
     # steps 5-8 repeat the uninterrupted 2-rank run bitwise.
+    # With a copy of the experts per rank (--no-share-experts): the same bytes, so the same
+    # bits as the shared run.
     ckpt = tmp_path / "two" / "checkpoints" / "step-00000004"
-    resumed = cli.run([*common, "--output", str(tmp_path / "resumed"), "--resume", str(ckpt)],
-                      nproc=2, timeout=300)
+    resumed = cli.run([*common, "--output", str(tmp_path / "resumed"), "--resume", str(ckpt),
+                       "--no-share-experts"], nproc=2, timeout=300)
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
+    assert "frozen experts: one copy per rank" in resumed.stderr
     again = [r["loss"] for r in cli.log(tmp_path / "resumed")]
     assert again == two[4:]
 
@@ -53,20 +50,13 @@ def test_two_ranks_match_one_process(tmp_path: Path, cli) -> None:
 def test_dead_peer_is_named_by_the_survivor(tmp_path: Path, cli) -> None:
     """SIGKILL rank 1 mid-run: rank 0's one error line says rank 1 exited, not a timeout."""
     import signal
-    import subprocess
-    import sys
     import time
 
     import psutil
 
-    port = _free_port()
     out = tmp_path / "run"
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "--master-addr", "127.0.0.1", "--master-port", str(port),
-           "-m", "moe_experts.finetune", "--steps", "2000", "--batch-size", "4", "--seq-len",
-           "16", "--no-progress", "--output", str(out)]
-    proc = subprocess.Popen(cmd, env=cli.env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                            text=True)
+    proc = cli.launch(["--steps", "2000", "--batch-size", "4", "--seq-len", "16",
+                       "--no-progress", "--output", str(out)], nproc=2)
     log = out / "train_log.jsonl"
     deadline = time.monotonic() + 200  # a bound on waiting, not a pass criterion
     while not (log.is_file() and len(log.read_text().splitlines()) >= 3):
@@ -97,17 +87,12 @@ def test_sigterm_under_torchrun_saves_one_step_on_all_ranks(tmp_path: Path, cli)
     import shlex
     import signal
     import subprocess
-    import sys
     import time
 
     out = tmp_path / "run"
     flags = ["--steps", "120", "--batch-size", "4", "--seq-len", "16", "--no-progress",
              "--output", str(out)]
-    launcher = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-                "--master-addr", "127.0.0.1"]
-    proc = subprocess.Popen([*launcher, "--master-port", str(_free_port()), "-m",
-                             "moe_experts.finetune", *flags], env=cli.env,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    proc = cli.launch(flags, nproc=2)
     log = out / "train_log.jsonl"
     deadline = time.monotonic() + 200  # a bound on waiting, not a pass criterion
     while not (log.is_file() and len(log.read_text().splitlines()) >= 3):
@@ -121,9 +106,8 @@ def test_sigterm_under_torchrun_saves_one_step_on_all_ranks(tmp_path: Path, cli)
     assert (out / "checkpoints" / "latest").read_text().strip() == f"step-{stopped:08d}"
     command = shlex.split(stderr.split("resume with:\n")[1].strip().splitlines()[0])
     assert command[:5] == ["torchrun", "--nproc-per-node", "2", "-m", "moe_experts.finetune"]
-    resumed = subprocess.run([*launcher, "--master-port", str(_free_port()), *command[3:]],
-                             env=cli.env, capture_output=True, text=True, timeout=300,
-                             check=False)
+    resumed = subprocess.run(cli.command(command[5:], nproc=2), env=cli.env,
+                             capture_output=True, text=True, timeout=300, check=False)
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     assert [r["step"] for r in cli.log(out)] == list(range(1, 121))
 
@@ -136,19 +120,13 @@ def test_two_nodes_of_two_ranks_match_one_process(tmp_path: Path, cli) -> None:
     Each "node" shares one copy of the experts between its two local ranks; gradients average
     over all four ranks, so the loss curve is the single-process one.
     """
-    import subprocess
-    import sys
-
     common = ["--steps", "4", "--batch-size", "4", "--seq-len", "32", "--no-progress"]
     single = cli.run([*common, "--output", str(tmp_path / "one")])
     assert single.returncode == 0, single.stderr
-    port = _free_port()
-    nodes = [subprocess.Popen(
-        [sys.executable, "-m", "torch.distributed.run", "--nnodes", "2", "--node-rank",
-         str(node), "--nproc-per-node", "2", "--master-addr", "127.0.0.1", "--master-port",
-         str(port), "-m", "moe_experts.finetune", *common, "--output", str(tmp_path / "four")],
-        env=cli.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-        for node in range(2)]
+    port = cli.free_port()  # the two nodes meet there
+    nodes = [cli.launch([*common, "--output", str(tmp_path / "four")],
+                        merge=True, nproc=2, nnodes=2, node_rank=node, port=port)
+             for node in range(2)]
     try:
         logs = [p.communicate(timeout=300)[0] for p in nodes]
     finally:
@@ -157,6 +135,8 @@ def test_two_nodes_of_two_ranks_match_one_process(tmp_path: Path, cli) -> None:
                 p.kill()
     for node, (p, log) in enumerate(zip(nodes, logs, strict=True)):
         assert p.returncode == 0, f"node {node}:\n{log[-4000:]}"
+    assert "frozen experts: one copy per machine, shared by 2 local ranks" in logs[0], \
+        logs[0][-3000:]
     one = [r["loss"] for r in cli.log(tmp_path / "one")]
     four = [r["loss"] for r in cli.log(tmp_path / "four")]
     assert len(one) == len(four) == 4

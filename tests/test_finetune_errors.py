@@ -7,42 +7,32 @@ from pathlib import Path
 import pytest
 
 
-def _assert_clean_error(proc, *needles: str) -> None:
-    assert proc.returncode == 1, (proc.returncode, proc.stdout, proc.stderr)
-    err = proc.stderr.strip()
-    assert "Traceback" not in err, err
-    lines = [line for line in err.splitlines() if line.startswith("error:")]
-    assert len(lines) == 1, err
-    for needle in needles:
-        assert needle in lines[0], (needle, lines[0])
-
-
 @pytest.mark.timeout(120)
-def test_bad_config_names_the_key(tmp_path: Path, cli) -> None:
+def test_bad_config_names_the_key(tmp_path: Path, cli, assert_clean_error) -> None:
     cfg = tmp_path / "lora.yaml"
     cfg.write_text("models:\n  moe:\n    lora:\n      enable: true\n      rnak: 8\n")
-    _assert_clean_error(cli.run(["--config", str(cfg), "--steps", "1"]), "rnak", "rank")
+    assert_clean_error(cli.run(["--config", str(cfg), "--steps", "1"]), "rnak", "rank")
 
 
 @pytest.mark.timeout(120)
-def test_missing_data_file(tmp_path: Path, cli) -> None:
-    _assert_clean_error(cli.run(["--data", str(tmp_path / "nope.jsonl"), "--steps", "1"]),
+def test_missing_data_file(tmp_path: Path, cli, assert_clean_error) -> None:
+    assert_clean_error(cli.run(["--data", str(tmp_path / "nope.jsonl"), "--steps", "1"]),
                         "nope.jsonl")
 
 
 @pytest.mark.timeout(120)
-def test_unsupported_model(tmp_path: Path, cli) -> None:
+def test_unsupported_model(tmp_path: Path, cli, assert_clean_error) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     cfg = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
                       num_attention_heads=2, num_key_value_heads=1)
     LlamaForCausalLM(cfg).save_pretrained(tmp_path / "llama")
-    _assert_clean_error(cli.run(["--model", str(tmp_path / "llama"), "--steps", "1"]),
+    assert_clean_error(cli.run(["--model", str(tmp_path / "llama"), "--steps", "1"]),
                         "qwen3_moe")
 
 
 @pytest.mark.timeout(200)
-def test_corrupt_checkpoint_on_resume(tmp_path: Path, cli) -> None:
+def test_corrupt_checkpoint_on_resume(tmp_path: Path, cli, assert_clean_error) -> None:
     out = tmp_path / "run"
     first = cli.run(["--steps", "2", "--batch-size", "2", "--seq-len", "16", "--no-progress",
                      "--output", str(out)])
@@ -54,9 +44,46 @@ def test_corrupt_checkpoint_on_resume(tmp_path: Path, cli) -> None:
     victim.write_bytes(bytes(data))
     proc = cli.run(["--steps", "4", "--batch-size", "2", "--seq-len", "16", "--no-progress",
                     "--output", str(out), "--resume", str(ckpt)])
-    _assert_clean_error(proc, "adapter_model.safetensors")
+    assert_clean_error(proc, "adapter_model.safetensors")
     with_debug = cli.run(["--steps", "4", "--batch-size", "2", "--seq-len", "16",
                           "--no-progress", "--output", str(out), "--resume", str(ckpt),
                           "--debug"])
     assert with_debug.returncode == 1
     assert "Traceback" in with_debug.stderr
+
+
+@pytest.mark.timeout(120)
+def test_share_experts_misuse_is_named(tmp_path: Path, cli, assert_clean_error) -> None:
+    """--share-experts needs torchrun with several local ranks; the two flags exclude each
+    other; the YAML key takes true or false only."""
+    out = ["--output", str(tmp_path / "out"), "--steps", "1"]
+    assert_clean_error(cli.run(["--share-experts", *out]),
+                       "--share-experts", "LOCAL_WORLD_SIZE=1", "torchrun --nproc-per-node")
+    both = cli.run(["--share-experts", "--no-share-experts", *out])
+    assert both.returncode == 2, both.stderr
+    assert "--no-share-experts: not allowed with argument --share-experts" in both.stderr
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text("model:\n  share_experts: sometimes\n")
+    assert_clean_error(cli.run(["--config", str(cfg), *out]),
+                       "model.share_experts", "'sometimes'", "true or false")
+    cfg.write_text("model:\n  share_experts: true\n")
+    assert_clean_error(cli.run(["--config", str(cfg), *out]), "model.share_experts",
+                       "LOCAL_WORLD_SIZE=1")
+
+
+@pytest.mark.timeout(120)
+def test_share_experts_round_trips_through_print_config(tmp_path: Path, cli) -> None:
+    import yaml
+
+    shown = {}
+    for flags in ([], ["--no-share-experts"], ["--share-experts"]):
+        proc = cli.run([*flags, "--print-config"])
+        assert proc.returncode == 0, proc.stderr
+        shown[tuple(flags)] = yaml.safe_load(proc.stdout)["model"]["share_experts"]
+    assert shown == {(): None, ("--no-share-experts",): False, ("--share-experts",): True}
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text("model:\n  share_experts: false\n")
+    again = cli.run(["--config", str(cfg), "--print-config"])
+    assert yaml.safe_load(again.stdout)["model"]["share_experts"] is False
+    flag_wins = cli.run(["--config", str(cfg), "--share-experts", "--print-config"])
+    assert yaml.safe_load(flag_wins.stdout)["model"]["share_experts"] is True

@@ -12,17 +12,6 @@ import pytest
 from lora_checkpoint import load
 
 
-def _assert_clean_error(proc, *needles: str) -> str:
-    assert proc.returncode == 1, (proc.returncode, proc.stdout, proc.stderr)
-    err = proc.stderr.strip()
-    assert "Traceback" not in err, err
-    lines = [line for line in err.splitlines() if line.startswith("error:")]
-    assert len(lines) == 1, err
-    for needle in needles:
-        assert needle in lines[0], (needle, lines[0])
-    return lines[0]
-
-
 @pytest.fixture
 def cold(cli, tmp_path: Path):
     """A runner whose model cache is empty: if the model loaded, the cache would fill."""
@@ -47,19 +36,21 @@ def cold(cli, tmp_path: Path):
     (["--eval-every", "5"], ["--eval-every", "--eval-data"]),
 ], ids=["lr-nan", "lr-inf", "lr-zero", "lr-negative", "clip-nan", "clip-zero", "save-every-0",
         "keep-last-0", "accum-split", "schedule-typo", "eval-without-data"])
-def test_bad_value_refused_before_the_model_loads(cold, tmp_path: Path, flags, needles) -> None:
-    _assert_clean_error(cold.run([*flags, "--output", str(tmp_path / "out")]), *needles)
+def test_bad_value_refused_before_the_model_loads(
+    cold, tmp_path: Path, flags, needles, assert_clean_error
+) -> None:
+    assert_clean_error(cold.run([*flags, "--output", str(tmp_path / "out")]), *needles)
 
 
 @pytest.mark.timeout(120)
-def test_output_under_a_file(cold, tmp_path: Path) -> None:
+def test_output_under_a_file(cold, tmp_path: Path, assert_clean_error) -> None:
     blocker = tmp_path / "file.txt"
     blocker.write_text("not a directory")
-    _assert_clean_error(cold.run(["--output", str(blocker / "run")]), "--output", "file.txt")
+    assert_clean_error(cold.run(["--output", str(blocker / "run")]), "--output", "file.txt")
 
 
 @pytest.mark.timeout(120)
-def test_output_not_writable(cold, tmp_path: Path) -> None:
+def test_output_not_writable(cold, tmp_path: Path, assert_clean_error) -> None:
     if os.geteuid() == 0:
         # root writes through permission bits; sysfs refuses new entries even to root.
         target = Path("/sys/fs/moe-experts-test/run")
@@ -70,14 +61,14 @@ def test_output_not_writable(cold, tmp_path: Path) -> None:
         locked.mkdir()
         locked.chmod(0o500)
         target = locked / "run"
-    _assert_clean_error(cold.run(["--output", str(target)]), "--output", "cannot write")
+    assert_clean_error(cold.run(["--output", str(target)]), "--output", "cannot write")
 
 
 @pytest.mark.timeout(120)
-def test_data_not_utf8_names_file_and_line(cold, tmp_path: Path) -> None:
+def test_data_not_utf8_names_file_and_line(cold, tmp_path: Path, assert_clean_error) -> None:
     data = tmp_path / "latin1.txt"
     data.write_bytes("first line\nsecond line\ncaf\xe9 au lait\n".encode("latin-1"))
-    _assert_clean_error(cold.run(["--data", str(data), "--output", str(tmp_path / "out")]),
+    assert_clean_error(cold.run(["--data", str(data), "--output", str(tmp_path / "out")]),
                         "latin1.txt", "line 3", "UTF-8")
 
 
@@ -93,21 +84,23 @@ def test_data_not_utf8_names_file_and_line(cold, tmp_path: Path) -> None:
     ("output:\n  keep_last: 0\n", ["output.keep_last", ">= 1"]),
 ], ids=["training-key", "section", "near-key", "wrong-section", "lora-key", "legacy-lora-key",
         "legacy-block", "yaml-value"])
-def test_config_unknown_keys_suggest_the_nearest(cold, tmp_path: Path, yaml_text, needles) -> None:
+def test_config_unknown_keys_suggest_the_nearest(
+    cold, tmp_path: Path, yaml_text, needles, assert_clean_error
+) -> None:
     cfg = tmp_path / "run.yaml"
     cfg.write_text(yaml_text)
-    _assert_clean_error(cold.run(["--config", str(cfg), "--output", str(tmp_path / "out")]),
+    assert_clean_error(cold.run(["--config", str(cfg), "--output", str(tmp_path / "out")]),
                         *needles)
 
 
 @pytest.mark.timeout(300)
-def test_existing_output_needs_resume_or_overwrite(tmp_path: Path, cli) -> None:
+def test_existing_output_needs_resume_or_overwrite(tmp_path: Path, cli, assert_clean_error) -> None:
     out = tmp_path / "run"
     common = ["--batch-size", "2", "--seq-len", "16", "--no-progress", "--output", str(out)]
     first = cli.run([*common, "--steps", "3"])
     assert first.returncode == 0, first.stderr
     again = cli.run([*common, "--steps", "2"])
-    _assert_clean_error(again, "already holds checkpoints", "--resume", "--overwrite")
+    assert_clean_error(again, "already holds checkpoints", "--resume", "--overwrite")
     assert (out / "checkpoints" / "latest").read_text().strip() == "step-00000003"
     fresh = cli.run([*common, "--steps", "2", "--overwrite"])
     assert fresh.returncode == 0, fresh.stderr
@@ -117,7 +110,7 @@ def test_existing_output_needs_resume_or_overwrite(tmp_path: Path, cli) -> None:
 
 
 @pytest.mark.timeout(300)
-def test_resume_logs_each_step_once(tmp_path: Path, cli) -> None:
+def test_resume_logs_each_step_once(tmp_path: Path, cli, assert_clean_error) -> None:
     out = tmp_path / "run"
     common = ["--batch-size", "2", "--seq-len", "16", "--no-progress", "--output", str(out),
               "--keep-last", "5"]
@@ -136,17 +129,19 @@ def test_resume_logs_each_step_once(tmp_path: Path, cli) -> None:
     # Resuming from an older checkpoint while later ones exist is refused (they would clash).
     older = cli.run([*common, "--steps", "6", "--resume", str(out / "checkpoints" /
                                                               "step-00000003")])
-    _assert_clean_error(older, "later checkpoints", "step-00000006")
+    assert_clean_error(older, "later checkpoints", "step-00000006")
 
 
 @pytest.mark.timeout(300)
-def test_divergence_stops_with_the_step_and_saves_nothing(tmp_path: Path, cli) -> None:
+def test_divergence_stops_with_the_step_and_saves_nothing(
+    tmp_path: Path, cli, assert_clean_error
+) -> None:
     out = tmp_path / "run"
     # lr 1e6: after one step the adapters are ~1e6, the activations overflow and the
     # gradient vanishes (today: exit 0 with a flat loss and adapters of 5e6 saved as latest).
     proc = cli.run(["--lr", "1e6", "--steps", "20", "--save-every", "1", "--batch-size", "2",
                     "--seq-len", "16", "--no-progress", "--output", str(out)])
-    line = _assert_clean_error(proc, "diverged", "step 2", "--lr")
+    line = assert_clean_error(proc, "diverged", "step 2", "--lr")
     assert "1e+06" in line or "1000000" in line
     # Only the step-1 checkpoint exists (finite), and it is what latest names.
     assert (out / "checkpoints" / "latest").read_text().strip() == "step-00000001"

@@ -45,13 +45,11 @@ EXPECTED_ALL = {
     "moe_experts_forward",
     "moe_experts_forward_reference",
     "quantize_per_channel",
-    "SegmentName",
+    "SharedExperts",
     "SharedMemoryError",
     "get_num_threads",
     "map_shared",
-    "remove_stale_segments",
     "set_num_threads",
-    "unlink_shared",
     "write_shared",
 }
 

@@ -1,9 +1,10 @@
-"""Expert storage in a shared-memory file: every format round-trips bitwise, across processes,
-mismatches are refused, and segments of dead writers are found and removed."""
+"""Expert storage in anonymous shared memory: every format round-trips bitwise, across
+processes, nothing is ever named or left behind, mismatches and a lack of room are clear errors."""
 
 from __future__ import annotations
 
 import ctypes
+import fcntl
 import hashlib
 import os
 import signal
@@ -16,7 +17,6 @@ import pytest
 import torch
 
 import kt_kernel as kk
-from kt_kernel.shared import SHARED_DIR
 
 FORMATS = ["float32", "bfloat16", *sorted(kk.FORMATS)]
 E, H, I = 4, 128, 128  # noqa: E741 (I: the intermediate size); multiples of 128 for FP8 blocks
@@ -51,34 +51,40 @@ def _raw(t: torch.Tensor) -> bytes:
     return ctypes.string_at(t.data_ptr(), t.nbytes)
 
 
-@pytest.fixture
-def shm_dir(tmp_path: Path) -> Path:
-    """A private segment directory on tmpfs when there is one (the real case), else tmp."""
-    base = SHARED_DIR if SHARED_DIR.is_dir() else tmp_path
-    d = Path(base) / f"kttest-{os.getpid()}-{tmp_path.name}"
-    d.mkdir()
-    yield d
-    for f in d.iterdir():
-        f.unlink()
-    d.rmdir()
+def _memfd_holders(label: str) -> list[int]:
+    """Pids of live processes that map or hold a descriptor of the labelled storage."""
+    needle = f"/memfd:ktk-{label} "
+    pids = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            held = needle in (proc / "maps").read_text() or any(
+                os.readlink(fd).startswith(needle.rstrip()) for fd in (proc / "fd").iterdir())
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+        if held:
+            pids.append(int(proc.name))
+    return pids
 
 
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_round_trip_is_bitwise_and_computes_the_same(shm_dir: Path, fmt: str, bias: bool) -> None:
+def test_round_trip_is_bitwise_and_computes_the_same(fmt: str, bias: bool) -> None:
     w = _weights(fmt, bias)
-    name = kk.SegmentName("b0", directory=shm_dir)
-    shared = kk.write_shared(w, name)
-    mapped = kk.map_shared(name, w.spec, w.format)
-    kk.unlink_shared(name)
-    assert not name.path.exists()  # the mappings keep the memory, the name is gone
-    for other in (shared, mapped):
+    made = kk.write_shared(w)
+    try:
+        mapped = kk.map_shared(made.fd, w.spec, w.format)
+    finally:
+        os.close(made.fd)  # the mappings keep the memory
+    assert made.nbytes >= w.nbytes
+    for other in (made.weights, mapped):
         assert other.format == w.format
         assert other.spec == w.spec
         assert other.nbytes == w.nbytes
         assert _digest(other) == _digest(w)
         assert other.storage[0][0].data_ptr() % 4096 == 0
-    assert shared.is_quantized == w.is_quantized
+    assert made.weights.is_quantized == w.is_quantized
     if w.is_quantized:  # the report travels with the storage
         assert mapped.quantization_report() == w.quantization_report()
     gen = torch.Generator().manual_seed(1)
@@ -89,73 +95,112 @@ def test_round_trip_is_bitwise_and_computes_the_same(shm_dir: Path, fmt: str, bi
     assert torch.equal(kk.moe_experts_forward(x, ids, tw, mapped), ref)
 
 
-def test_another_process_maps_the_same_bytes(shm_dir: Path) -> None:
+_CHILD = textwrap.dedent(f"""
+    import ctypes, hashlib, sys, torch, kt_kernel as kk
+    spec = kk.ExpertSpec({E}, {H}, {I}, activation=kk.ClampedSwiGLU(alpha=1.702, limit=7.0))
+    src = sys.argv[1]
+    w = kk.map_shared(int(src) if src.isdigit() else src, spec, kk.Int4Grouped(torch.bfloat16))
+    h = hashlib.sha256()
+    for t in (*w.storage[0], *w.storage[1], w.gate_up_bias, w.down_bias):
+        t = t.contiguous()
+        h.update(ctypes.string_at(t.data_ptr(), t.nbytes))
+    print(h.hexdigest())
+""")
+
+
+@pytest.mark.parametrize("how", ["inherited-fd", "proc-path"])
+def test_another_process_maps_the_same_bytes(how: str) -> None:
     w = _weights("int4", bias=True)
-    name = kk.SegmentName("b1", directory=shm_dir)
-    kk.write_shared(w, name)
-    code = textwrap.dedent(f"""
-        import ctypes, hashlib, torch, kt_kernel as kk
-        from pathlib import Path
-        spec = kk.ExpertSpec({E}, {H}, {I}, activation=kk.ClampedSwiGLU(alpha=1.702, limit=7.0))
-        w = kk.map_shared(Path({str(name.path)!r}), spec, kk.Int4Grouped(torch.bfloat16))
-        h = hashlib.sha256()
-        for t in (*w.storage[0], *w.storage[1], w.gate_up_bias, w.down_bias):
-            t = t.contiguous()
-            h.update(ctypes.string_at(t.data_ptr(), t.nbytes))
-        print(h.hexdigest())
-    """)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=120, check=False)
-    kk.unlink_shared(name)
+    made = kk.write_shared(w)
+    try:
+        if how == "inherited-fd":
+            arg, fds = str(made.fd), (made.fd,)
+        else:
+            arg, fds = f"/proc/{os.getpid()}/fd/{made.fd}", ()
+        out = subprocess.run([sys.executable, "-c", _CHILD, arg], capture_output=True,
+                             text=True, timeout=120, check=False, pass_fds=fds)
+    finally:
+        os.close(made.fd)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == _digest(w)
 
 
-def test_mismatches_and_misuse_are_refused(shm_dir: Path) -> None:
-    w = _weights("int8", bias=False)
-    name = kk.SegmentName("b2", directory=shm_dir)
-    kk.write_shared(w, name)
-    with pytest.raises(kk.SharedMemoryError, match="File exists"):
-        kk.write_shared(w, name)  # never overwrite a live segment
-    with pytest.raises(kk.SharedMemoryError, match="expected 'dense'"):
-        kk.map_shared(name, w.spec, kk.Dense(torch.bfloat16))
-    with pytest.raises(kk.SharedMemoryError, match=r"\(4, 256, 128\)"):
-        kk.map_shared(name, kk.ExpertSpec(E, 2 * H, I), w.format)
-    kk.unlink_shared(name)
-    with pytest.raises(kk.SharedMemoryError, match="cannot open"):
-        kk.map_shared(name, w.spec, w.format)
-    foreign = kk.SegmentName("b3", owner_pid=os.getppid(), directory=shm_dir)
-    with pytest.raises(kk.SharedMemoryError, match="only that process"):
-        kk.write_shared(w, foreign)
-    (shm_dir / "junk").write_bytes(b"x" * 64)
-    with pytest.raises(kk.SharedMemoryError, match="bad magic"):
-        kk.map_shared(shm_dir / "junk", w.spec, w.format)
-    with pytest.raises(kk.SharedMemoryError, match="key"):
-        kk.SegmentName("a/b")
-
-
-def test_a_killed_writer_leaves_a_segment_that_the_next_sweep_removes(shm_dir: Path) -> None:
-    # A writer SIGKILLed between writing and unlinking: the only way a segment can outlive
-    # its job. Its pid is dead, so the sweep removes it; a live writer's segment stays.
+def test_nothing_is_ever_named_and_a_killed_writer_leaves_nothing() -> None:
+    # The storage lives in an anonymous memory file: no name under /dev/shm at any time, and
+    # a writer SIGKILLed while holding it (mapped and open) leaves no holder behind.
+    shm = Path("/dev/shm")
+    before = set(shm.iterdir()) if shm.is_dir() else set()
+    label = f"test{os.getpid()}"
     code = textwrap.dedent(f"""
-        import os, signal, torch, kt_kernel as kk
-        from pathlib import Path
+        import signal, torch, kt_kernel as kk
         w = kk.ExpertWeights.from_fused(kk.ExpertSpec(2, 16, 8), torch.ones(2, 16, 16),
                                         torch.ones(2, 16, 8))
-        kk.write_shared(w, kk.SegmentName("b0", directory=Path({str(shm_dir)!r})))
-        os.kill(os.getpid(), signal.SIGKILL)
+        made = kk.write_shared(w, label={label!r})
+        print("ready", flush=True)
+        signal.pause()
     """)
-    proc = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                          timeout=120, check=False)
-    assert proc.returncode == -signal.SIGKILL, proc.stderr
-    left = list(shm_dir.iterdir())
-    assert len(left) == 1
-    assert kk.SegmentName.parse(left[0]).owner_pid != os.getpid()
-    mine = kk.SegmentName("b9", directory=shm_dir)
-    kk.write_shared(_weights("float32", bias=False), mine)
-    assert kk.remove_stale_segments(shm_dir) == left
-    assert list(shm_dir.iterdir()) == [mine.path]
-    kk.unlink_shared(mine)
+    proc = subprocess.Popen([sys.executable, "-c", code], stdout=subprocess.PIPE, text=True)
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        assert _memfd_holders(label) == [proc.pid]  # it holds the storage ...
+        if shm.is_dir():
+            assert set(shm.iterdir()) <= before  # ... which has no name
+    finally:
+        proc.kill()
+        proc.wait(timeout=60)
+    assert proc.returncode == -signal.SIGKILL
+    assert _memfd_holders(label) == []
+
+
+def test_mismatches_and_misuse_are_refused(tmp_path: Path) -> None:
+    w = _weights("int8", bias=False)
+    made = kk.write_shared(w)
+    try:
+        with pytest.raises(kk.SharedMemoryError, match="expected 'dense'"):
+            kk.map_shared(made.fd, w.spec, kk.Dense(torch.bfloat16))
+        with pytest.raises(kk.SharedMemoryError, match=r"\(4, 256, 128\)"):
+            kk.map_shared(made.fd, kk.ExpertSpec(E, 2 * H, I), w.format)
+        with pytest.raises(OSError):  # sealed: not even the writer's descriptor can change it
+            os.write(made.fd, b"x")
+    finally:
+        os.close(made.fd)
+    with pytest.raises(kk.SharedMemoryError, match="cannot open"):
+        kk.map_shared(tmp_path / "missing", w.spec, w.format)
+    junk = tmp_path / "junk"
+    junk.write_bytes(b"x" * 64)
+    with pytest.raises(kk.SharedMemoryError, match="not sealed"):
+        kk.map_shared(junk, w.spec, w.format)
+    fd = os.memfd_create("ktk-junk", os.MFD_ALLOW_SEALING)
+    try:
+        os.write(fd, b"x" * 64)
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+                    | fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SEAL)
+        with pytest.raises(kk.SharedMemoryError, match="bad magic"):
+            kk.map_shared(fd, w.spec, w.format)
+    finally:
+        os.close(fd)
+
+
+def test_no_room_is_one_clear_error_at_creation() -> None:
+    # RLIMIT_FSIZE caps the reservation (posix_fallocate) as a full machine would: the error
+    # comes from write_shared, names the size and where it is charged, and nothing is left.
+    code = textwrap.dedent("""
+        import resource, torch, kt_kernel as kk
+        w = kk.ExpertWeights.from_fused(kk.ExpertSpec(4, 256, 256), torch.ones(4, 512, 256),
+                                        torch.ones(4, 256, 256))
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, resource.RLIM_INFINITY))
+        try:
+            kk.write_shared(w)
+        except kk.SharedMemoryError as exc:
+            print("ERROR", exc)
+            print("CAUSE", type(exc.__cause__).__name__)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, check=False)
+    assert out.returncode == 0, out.stderr
+    assert "cannot reserve 3.0 MiB of anonymous shared memory (memfd)" in out.stdout, out.stdout
+    assert "container's memory limit" in out.stdout
+    assert "CAUSE OSError" in out.stdout
 
 
 def test_kernel_thread_count_is_its_own_and_does_not_change_results(kt) -> None:

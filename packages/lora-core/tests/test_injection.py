@@ -429,3 +429,35 @@ def test_adapter_internals_are_never_targets() -> None:
     with pytest.raises(LoraTargetError) as info:
         enable_lora_training(model, LoraConfig(enable=True, rank=2, target_modules=["lora_B"]))
     assert "lora_B" not in str(info.value).split("exist:")[1]
+
+
+class _TwoDownProjs(nn.Module):
+    """Two blocks with a ``down_proj`` Linear and a bare ``down_proj`` parameter elsewhere."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.dense = nn.ModuleDict({"down_proj": nn.Linear(4, 4, bias=False)})
+        self.moe = nn.ModuleDict({"shared": nn.ModuleDict({"down_proj": nn.Linear(4, 4,
+                                                                                  bias=False)}),
+                                  "q_proj": nn.Linear(4, 4, bias=False)})
+        self.experts = nn.Module()
+        self.experts.down_proj = nn.Parameter(torch.zeros(2, 4, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.moe["shared"]["down_proj"](self.dense["down_proj"](x)) + self.moe["q_proj"](x)
+
+
+def test_peft_target_modules_qualify_a_leaf_that_names_something_else() -> None:
+    from peft import LoraConfig as PeftLoraConfig
+    from peft import get_peft_model
+
+    model = _TwoDownProjs()
+    cfg = LoraConfig(enable=True, rank=2, target_modules=["shared.down_proj", "q_proj"])
+    result = enable_lora_training(model, cfg)
+    # A bare "down_proj" would make PEFT adapt dense.down_proj too; q_proj is unambiguous.
+    assert result.peft_target_modules == ("q_proj", "shared.down_proj")
+    peft_model = get_peft_model(_TwoDownProjs(), PeftLoraConfig(
+        r=2, target_modules=list(result.peft_target_modules)))
+    adapted = {n.removeprefix("base_model.model.").split(".lora_A")[0]
+               for n, _ in peft_model.named_parameters() if ".lora_A." in n}
+    assert adapted == {"moe.shared.down_proj", "moe.q_proj"}

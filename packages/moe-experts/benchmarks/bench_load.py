@@ -29,22 +29,16 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling _common module
+from _common import config, rollup_bytes, shape
+
 VARIANTS = ("from_pretrained+wrap", "load_pretrained", "load_pretrained fp8")
 # Kernel bytes per expert weight: bf16, or E4M3 plus one fp32 scale per 128x128 block.
 BYTES_PER_WEIGHT = {"bf16": 2.0, "fp8": 1.0 + 4.0 / 128**2}
-SHAPE = {"hidden_size": 2048, "moe_intermediate_size": 768, "num_experts": 128,
-         "num_experts_per_tok": 8, "intermediate_size": 6144, "num_attention_heads": 32,
-         "num_key_value_heads": 4, "head_dim": 128, "vocab_size": 32000,
-         "max_position_embeddings": 4096, "initializer_range": 0.02}
-QUICK = {**SHAPE, "num_experts": 16}
 
 
 def _rss_mib() -> float:
-    with open("/proc/self/smaps_rollup") as f:
-        for line in f:
-            if line.startswith("Rss:"):
-                return int(line.split()[1]) / 1024
-    raise RuntimeError("no Rss in /proc/self/smaps_rollup")
+    return rollup_bytes("Rss") / 2**20
 
 
 def _peak_mib() -> float:
@@ -65,12 +59,6 @@ def _reset_peak() -> None:
         pass  # then the peak includes the warm-up, which is small
 
 
-def _config(quick: bool, layers: int):
-    from moe_experts.testing import tiny_config
-
-    return tiny_config("qwen3_moe", **(QUICK if quick else SHAPE), num_hidden_layers=layers)
-
-
 def save(root: Path, quick: bool, layers: int) -> None:
     """Write the random checkpoint twice (per-expert keys, 1 GB shards): bf16 and FP8 blocks."""
     import torch
@@ -79,7 +67,7 @@ def save(root: Path, quick: bool, layers: int) -> None:
     from moe_experts.testing import save_fp8_checkpoint
 
     torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(_config(quick, layers), dtype=torch.bfloat16)
+    model = AutoModelForCausalLM.from_config(config(quick, layers), dtype=torch.bfloat16)
     model.save_pretrained(root / "bf16", max_shard_size="1GB")
     save_fp8_checkpoint(model, root / "fp8", max_shard_size="1GB")
 
@@ -154,7 +142,7 @@ def main() -> None:
     for r in rows:
         r["peak_over_final"] = r["peak_mib"] / r["final_mib"]
         r["peak_vs_from_pretrained"] = ref["peak_mib"] / r["peak_mib"]
-    meta = {"layers": layers, "quick": args.quick, "shape": QUICK if args.quick else SHAPE,
+    meta = {"layers": layers, "quick": args.quick, "shape": shape(args.quick),
             "targets": {"peak_over_final": 1.15, "peak_vs_from_pretrained": 2.0}}
     (args.out / "bench_load.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     lines = ["| variant | load s | peak MiB | final MiB | peak/final | x less peak than "

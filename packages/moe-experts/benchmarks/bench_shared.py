@@ -5,12 +5,12 @@ layers, 2 by default; ``--quick``: 1 layer, E=16) with random bf16 weights is sa
 safetensors with per-expert keys, then loaded by ``moe_experts.load_pretrained`` in a
 ``torchrun --nproc-per-node 2`` job (gloo), twice:
 
-* ``shared`` (the default): local rank 0 reads the experts into one shared segment per block,
-  both ranks map it;
+* ``shared`` (the default): local rank 0 reads the experts into one anonymous shared memory
+  file (memfd) per block, both ranks map it;
 * ``per-rank`` (``MOE_EXPERTS_SHARE_EXPERTS=0``): each rank reads its own copy.
 
 Each rank reads every byte of its expert storage (so every page is resident in both), waits
-for the other, then reports the PSS of its kt-kernel segment mappings (``/proc/self/smaps``)
+for the other, then reports the PSS of its kt-kernel storage mappings (``/proc/self/smaps``)
 and the growth of its whole-process PSS over its post-import baseline
 (``/proc/self/smaps_rollup``) less its dense weights. The sums over the ranks are compared with one copy of the
 experts (the kernel's byte count). Target: shared summed PSS of the storage at most 1.15x one
@@ -31,20 +31,10 @@ import tempfile
 import time
 from pathlib import Path
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling _common module
+from _common import config, rollup_bytes, shape
+
 VARIANTS = {"shared": "1", "per-rank": "0"}
-SHAPE = {"hidden_size": 2048, "moe_intermediate_size": 768, "num_experts": 128,
-         "num_experts_per_tok": 8, "intermediate_size": 6144, "num_attention_heads": 32,
-         "num_key_value_heads": 4, "head_dim": 128, "vocab_size": 32000,
-         "max_position_embeddings": 4096, "initializer_range": 0.02}
-QUICK = {**SHAPE, "num_experts": 16}
-
-
-def _rollup_pss() -> int:
-    with open("/proc/self/smaps_rollup") as f:
-        for line in f:
-            if line.startswith("Pss:"):
-                return int(line.split()[1]) * 1024
-    raise RuntimeError("no Pss in /proc/self/smaps_rollup")
 
 
 def _segment_pss() -> int:
@@ -53,7 +43,7 @@ def _segment_pss() -> int:
         for line in f:
             head = line.split()
             if head and "-" in head[0] and len(head) >= 5 and ":" not in head[0]:
-                inside = len(head) >= 6 and "/ktk-" in head[5]
+                inside = len(head) >= 6 and "/memfd:ktk-" in head[5]
             elif inside and line.startswith("Pss:"):
                 total += int(head[1]) * 1024
     return total
@@ -72,7 +62,7 @@ def rank_main(path: Path, out: Path) -> None:
     warnings.filterwarnings("ignore")
     dist.init_process_group("gloo", timeout=timedelta(seconds=600))
     dist.barrier()
-    base = _rollup_pss()
+    base = rollup_bytes("Pss")
     start = time.perf_counter()
     model = moe_experts.load_pretrained(path, weight_dtype="bf16", dtype=torch.bfloat16)
     seconds = time.perf_counter() - start
@@ -86,7 +76,7 @@ def rank_main(path: Path, out: Path) -> None:
             t.view(-1).view(torch.uint8)[::4096].sum()  # one read per page: all resident
     dist.barrier()
     row = {"rank": dist.get_rank(), "seconds": seconds, "kernel_bytes": kernel,
-           "dense_bytes": dense, "segment_pss": _segment_pss(), "pss_growth": _rollup_pss() - base}
+           "dense_bytes": dense, "segment_pss": _segment_pss(), "pss_growth": rollup_bytes("Pss") - base}
     (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(row))
     dist.barrier()
     dist.destroy_process_group()
@@ -97,10 +87,8 @@ def save(path: Path, quick: bool, layers: int) -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
-    from moe_experts.testing import tiny_config
-
     torch.manual_seed(0)
-    cfg = tiny_config("qwen3_moe", **(QUICK if quick else SHAPE), num_hidden_layers=layers)
+    cfg = config(quick, layers)
     AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).save_pretrained(
         path, max_shard_size="1GB")
 
@@ -156,11 +144,11 @@ def main() -> None:
             save(path, args.quick, layers)
         rows = [run_variant(v, path, Path(tmp)) for v in VARIANTS]
     meta = {"layers": layers, "quick": args.quick, "ranks": 2,
-            "shape": QUICK if args.quick else SHAPE,
+            "shape": shape(args.quick),
             "targets": {"shared segment_pss_over_one_copy": 1.15}}
     (args.out / "bench_shared.json").write_text(json.dumps({"meta": meta, "rows": rows},
                                                            indent=2))
-    lines = ["| variant | one copy MiB | summed PSS of segments MiB (x one copy) | "
+    lines = ["| variant | one copy MiB | summed PSS of the shared storage MiB (x one copy) | "
              "summed PSS growth less dense MiB (x one copy) | load s |", "|---|---|---|---|---|"]
     for r in rows:
         lines.append(

@@ -5,8 +5,11 @@ MODE ``load`` builds the model with ``load_pretrained``, ``wrap`` with ``from_pr
 makes every page resident), the proportional set size of the shared segments it maps, then
 trains a few steps of expert LoRA with gradients averaged over all ranks.
 
-CRASH ``map`` makes local rank 1 SIGKILL itself while mapping the second block (inside the
-window where the segment still has a name); ``train`` after its first training step.
+CRASH ``map`` makes local rank 1 SIGKILL itself while mapping the second block (it holds the
+descriptor, local rank 0 has handed it over); ``train`` after its first training step. (The
+test pauses local rank 0 right after it creates a block's storage through
+``MOE_EXPERTS_TEST_PAUSE_AFTER_CREATE`` and SIGKILLs it there.) ``nomem`` caps local rank 0's
+file size (RLIMIT_FSIZE) below one block, as a machine without the memory would refuse it.
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ import hashlib
 import json
 import os
 import re
+import resource
 import signal
 import sys
 import warnings
@@ -76,13 +80,13 @@ _HEAD = re.compile(r"^([0-9a-f]+)-([0-9a-f]+) \S+ \S+ \S+ \S+\s*(.*)$")
 
 
 def shared_mappings() -> list[dict]:
-    """Every mapping of a kt-kernel segment: path, address range, Pss and Rss in bytes."""
+    """Every mapping of kt-kernel shared storage: name, address range, Pss and Rss in bytes."""
     out, cur = [], None
     for line in Path("/proc/self/smaps").read_text().splitlines():
         m = _HEAD.match(line)
         if m:
             cur = None
-            if "/ktk-" in m.group(3):
+            if "/memfd:ktk-" in m.group(3):
                 cur = {"path": m.group(3), "start": int(m.group(1), 16),
                        "end": int(m.group(2), 16), "pss": 0, "rss": 0}
                 out.append(cur)
@@ -107,6 +111,8 @@ def main() -> None:
             return real(*args, **kwargs)
 
         kt_kernel.map_shared = dying
+    if crash == "nomem" and local_rank == 0:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (1 << 20, resource.RLIM_INFINITY))
     model = build(model_dir, mode)
     digest, ptrs = storage_digest(model)  # reads every page of this rank's storage
     dist.barrier()  # every rank has touched every page before any measures its share

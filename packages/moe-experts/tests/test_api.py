@@ -10,7 +10,7 @@ def test_all_is_curated() -> None:
             "LoadError", "load_pretrained",
             "BlockCheck", "BlockCoverage", "GradientCheckError",
             "MoECoverage", "check_gradients", "coverage_report", "coverage_summary",
-            "SelfCheckError", "UNSUPPORTED_FAMILIES",
+            "SelfCheckError", "TransformersVersionError", "UNSUPPORTED_FAMILIES",
             "ChunkedLossError",
             "MoEArchitecture", "MoEBlockSite", "PlaceholderAccessError",
             "UnsupportedModelError", "WrapError", "WrapReport", "__version__", "adapt",

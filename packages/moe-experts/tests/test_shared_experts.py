@@ -1,18 +1,21 @@
 """Real torchrun/gloo runs: one copy of the frozen experts per machine, shared by local ranks.
 
 Two local ranks (and two "nodes" of two ranks on localhost): the ranks' expert storage is
-the same bytes, lives in a shared segment whose summed PSS is one copy, training equals one
-process on all ranks' batches, and no segment is left in /dev/shm after a normal exit or a
-SIGKILLed rank.
+the same bytes, lives in anonymous shared memory (memfd) whose summed PSS is one copy,
+training equals one process on all ranks' batches, nothing is ever named under /dev/shm, and
+no process holds the storage after a normal exit, after local rank 0 is SIGKILLed right after
+creating a block's storage, or after another rank is SIGKILLed.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import signal
 import socket
 import subprocess
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -21,11 +24,12 @@ import torch
 
 import kt_kernel
 import moe_experts
-from moe_experts.sharing import default_kernel_threads
+from moe_experts.sharing import PAUSE_ENV, default_kernel_threads
 
 WORKER = Path(__file__).with_name("shm_worker.py")
 SHM = Path("/dev/shm")
-pytestmark = pytest.mark.skipif(not SHM.is_dir(), reason="needs /dev/shm (Linux tmpfs)")
+MEMFD = "/memfd:ktk-moe-"  # how the storage shows in /proc/<pid>/maps and fd links
+pytestmark = pytest.mark.skipif(not hasattr(os, "memfd_create"), reason="needs Linux memfd")
 
 
 def _free_port() -> int:
@@ -49,14 +53,33 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def _segments() -> set[Path]:
-    return {p for p in SHM.glob("ktk-*") if kt_kernel.SegmentName.parse(p) is not None}
+def _names() -> set[Path]:
+    """Everything under /dev/shm (sharing must never add anything there)."""
+    return set(SHM.iterdir()) if SHM.is_dir() else set()
 
 
-def _torchrun(model_dir: Path, out: Path, mode: str, crash: str = "", *, nnodes: int = 1,
-              timeout: float = 240) -> list[subprocess.CompletedProcess[str]]:
+def _holders(needle: str = MEMFD) -> dict[int, list[str]]:
+    """Live processes that map or hold a descriptor of expert storage: pid -> what they hold."""
+    found = {}
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            held = [line.split(None, 5)[-1] for line in (proc / "maps").read_text().splitlines()
+                    if needle in line]
+            held += [os.readlink(fd) for fd in (proc / "fd").iterdir()
+                     if os.readlink(fd).startswith(needle)]
+        except OSError:  # gone meanwhile, or not ours to read
+            continue
+        if held:
+            found[int(proc.name)] = held
+    return found
+
+
+def _launch(model_dir: Path, out: Path, mode: str, crash: str = "", *, nnodes: int = 1,
+            env: dict[str, str] | None = None) -> list[subprocess.Popen[str]]:
     port = _free_port()
-    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore"}
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **(env or {})}
     env.pop("KT_KERNEL_THREADS", None)
     procs = []
     for node in range(nnodes):
@@ -65,6 +88,11 @@ def _torchrun(model_dir: Path, out: Path, mode: str, crash: str = "", *, nnodes:
                "--master-port", str(port), str(WORKER), str(model_dir), str(out), mode, crash]
         procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
                                       stderr=subprocess.STDOUT, text=True))
+    return procs
+
+
+def _finish(procs: list[subprocess.Popen[str]],
+            timeout: float = 240) -> list[subprocess.CompletedProcess[str]]:
     done = []
     try:
         for p in procs:
@@ -75,6 +103,11 @@ def _torchrun(model_dir: Path, out: Path, mode: str, crash: str = "", *, nnodes:
             if p.poll() is None:
                 p.kill()
     return done
+
+
+def _torchrun(model_dir: Path, out: Path, mode: str, crash: str = "", *, nnodes: int = 1,
+              timeout: float = 240) -> list[subprocess.CompletedProcess[str]]:
+    return _finish(_launch(model_dir, out, mode, crash, nnodes=nnodes), timeout)
 
 
 def _reference(model_dir: Path, world: int) -> tuple[str, list[float], dict[str, torch.Tensor]]:
@@ -112,7 +145,7 @@ def _check_run(runs, out: Path, world: int, model_dir: Path) -> list[dict]:
     for r, rank in enumerate(info):
         assert rank["digest"] == digest, f"rank {r}: its experts differ from one process's"
         assert rank["inside_shared"], f"rank {r}: its storage is not in a shared segment"
-        # Every segment was unlinked while mapped: nothing can be left behind from here on.
+        # Anonymous memory: no name anywhere, freed with the last mapping.
         assert rank["maps"]
         assert all(m["path"].endswith("(deleted)") for m in rank["maps"]), rank["maps"]
         assert rank["kernel_threads"] == max(1, len(os.sched_getaffinity(0)) // 2)
@@ -130,13 +163,12 @@ def _check_run(runs, out: Path, world: int, model_dir: Path) -> list[dict]:
 def test_two_local_ranks_map_one_copy_and_train_as_one_process(
     model_dir: Path, tmp_path: Path, mode: str
 ) -> None:
-    before = _segments()
+    before = _names()
     info = _check_run(_torchrun(model_dir, tmp_path, mode), tmp_path, 2, model_dir)
-    # Both ranks map the same segments (local rank 0 wrote them) ...
+    # Both ranks map the same storage (local rank 0 wrote it, one memory file per block) ...
     paths = [sorted(m["path"] for m in rank["maps"]) for rank in info]
     assert paths[0] == paths[1]
-    owner = kt_kernel.SegmentName.parse(Path(paths[0][0].split(" ")[0])).owner_pid
-    assert owner == next(rank["pid"] for rank in info if rank["local_rank"] == 0)
+    assert len(set(paths[0])) == 2  # two MoE blocks
     # ... and together hold one copy: PSS splits each shared page between its two mappers.
     one_copy = info[0]["kernel_bytes"]
     assert one_copy > 5 * 2**20
@@ -144,41 +176,85 @@ def test_two_local_ranks_map_one_copy_and_train_as_one_process(
     rss = [sum(m["rss"] for m in rank["maps"]) for rank in info]
     assert pss <= 1.15 * one_copy, (pss, one_copy)
     assert min(rss) >= one_copy  # each rank really reads all of it through the mapping
-    assert _segments() <= before  # normal exit: no segment left
+    token = paths[0][0].split(MEMFD)[1].split("-")[0]
+    assert not _holders(MEMFD + token)  # normal exit: nobody holds the storage any more
+    assert _names() <= before  # and nothing was ever named under /dev/shm
 
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("crash", ["train", "map"])
-def test_a_sigkilled_rank_leaves_no_segment(model_dir: Path, tmp_path: Path, crash: str) -> None:
-    """Local rank 1 SIGKILLs itself while training, or while mapping block 2 (named window)."""
-    before = _segments()
+def test_a_sigkilled_rank_leaves_nothing(model_dir: Path, tmp_path: Path, crash: str) -> None:
+    """Local rank 1 SIGKILLs itself while training, or while mapping block 2."""
+    before, held = _names(), _holders()
     runs = _torchrun(model_dir, tmp_path, "wrap" if crash == "train" else "load", crash)
     assert runs[0].returncode != 0
     assert "SIGKILL" in runs[0].stdout, runs[0].stdout[-3000:]  # it died the intended way
-    left = _segments() - before
-    if crash == "train":
-        assert not left, left  # the names were gone before training started
-    else:
-        # The writer unlinks in its error path; if torchrun's SIGTERM beat it, the next job's
-        # start-up sweep removes what a dead writer left (never a live writer's segment).
-        kt_kernel.remove_stale_segments()
-        assert not (_segments() - before)
+    assert _holders().keys() <= held.keys()
+    assert _names() <= before
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_local_rank_0_sigkilled_right_after_creating_storage_leaves_nothing(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """The worst moment: block 2's storage exists, no other rank has its descriptor yet."""
+    before = _names()
+    pause = tmp_path / "paused.json"
+    procs = _launch(model_dir, tmp_path, "load", env={PAUSE_ENV: f"2:{pause}"})
+    try:
+        deadline = time.monotonic() + 200  # a wait for the run to get there, not a verdict
+        while not pause.exists() and procs[0].poll() is None and time.monotonic() < deadline:
+            time.sleep(0.2)
+        assert pause.exists(), procs[0].communicate(timeout=60)[0][-3000:]
+        paused = json.loads(pause.read_text())
+        holders = _holders(MEMFD)
+        block2 = f"/memfd:ktk-{paused['label']}"
+        # Local rank 0 holds block 2's storage (rank 1 maps block 1 only) ...
+        assert [p for p, held in holders.items() if any(h.startswith(block2) for h in held)] \
+            == [paused["pid"]]
+        assert len(holders) == 2  # ... both ranks map block 1 ...
+        assert _names() <= before  # ... and it has no name anywhere
+        os.kill(paused["pid"], signal.SIGKILL)
+    finally:
+        runs = _finish(procs)
+    assert runs[0].returncode != 0
+    token = paused["label"].split("-")[1]
+    assert not _holders(MEMFD + token), "a process of the job still holds its storage"
+    assert _names() <= before
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_no_memory_for_the_copy_is_one_clear_error_on_every_rank(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """Local rank 0 cannot reserve a block (RLIMIT_FSIZE): every rank stops, none hangs."""
+    before = _names()
+    runs = _torchrun(model_dir, tmp_path, "load", "nomem")
+    out = runs[0].stdout
+    assert runs[0].returncode != 0
+    assert "WrapError: model.layers.0.mlp.experts: cannot reserve 3.0 MiB of anonymous shared " \
+        "memory (memfd)" in out, out[-4000:]
+    assert "--no-share-experts" in out
+    assert "local rank 0 failed to build the shared expert storage" in out  # rank 1's error
+    assert "SIGBUS" not in out
+    assert _names() <= before
 
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_two_nodes_of_two_ranks_one_copy_per_node(model_dir: Path, tmp_path: Path) -> None:
     """``torchrun --nnodes 2 --nproc-per-node 2`` twice on localhost (static rendezvous)."""
-    before = _segments()
+    before = _names()
     info = _check_run(_torchrun(model_dir, tmp_path, "load", nnodes=2), tmp_path, 4, model_dir)
-    tokens = [{kt_kernel.SegmentName.parse(Path(m["path"].split(" ")[0])).token
-               for m in rank["maps"]} for rank in info]
+    tokens = [{m["path"].split(MEMFD)[1].split("-")[0] for m in rank["maps"]} for rank in info]
     # Ranks 0-1 are node 0 and share its copy; ranks 2-3 share node 1's, a different one.
     assert tokens[0] == tokens[1]
     assert tokens[2] == tokens[3]
     assert not tokens[0] & tokens[2]
-    assert _segments() <= before
+    assert _names() <= before
 
 
 def test_kernel_threads_default_to_a_share_of_the_cores(monkeypatch: pytest.MonkeyPatch) -> None:

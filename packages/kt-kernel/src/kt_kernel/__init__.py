@@ -36,11 +36,9 @@ from kt_kernel.quant import (
 )
 from kt_kernel.reference import moe_experts_forward_reference
 from kt_kernel.shared import (
-    SegmentName,
+    SharedExperts,
     SharedMemoryError,
     map_shared,
-    remove_stale_segments,
-    unlink_shared,
     write_shared,
 )
 from kt_kernel.spec import ExpertSpec
@@ -67,7 +65,7 @@ __all__ = [
     "NativeBackendError",
     "ProjectionQuantError",
     "QuantizationReport",
-    "SegmentName",
+    "SharedExperts",
     "SharedMemoryError",
     "SwiGLU",
     "SwiGLULimit",
@@ -84,8 +82,6 @@ __all__ = [
     "moe_experts_forward_reference",
     "quantize_per_channel",
     "register_format",
-    "remove_stale_segments",
     "set_num_threads",
-    "unlink_shared",
     "write_shared",
 ]

@@ -1,31 +1,33 @@
-"""Frozen expert storage in a named shared-memory file, written once and mapped read-only.
+"""Frozen expert storage in anonymous shared memory: written once, mapped read-only anywhere.
 
-One process writes an :class:`~kt_kernel.ExpertWeights`' parts (any format), biases and
-quantisation report into a new file (by default under ``/dev/shm``) with
-:func:`write_shared`; other processes on the same machine map it read-only with
-:func:`map_shared` and get an :class:`~kt_kernel.ExpertWeights` whose storage *is* the shared
-pages (one physical copy, whatever the number of processes). Once every process has mapped it,
-the writer calls :func:`unlink_shared`: the mappings keep the memory alive and nothing is left
-behind when the processes exit or crash.
+One process copies an :class:`~kt_kernel.ExpertWeights`' parts (any format), biases and
+quantisation report into a new anonymous memory file (``memfd_create``) with
+:func:`write_shared`, and gets back weights over those pages plus the file descriptor. Other
+processes on the machine map the same pages with :func:`map_shared` once they hold the
+descriptor (passed over a Unix-domain socket with ``SCM_RIGHTS``, or opened as
+``/proc/<pid>/fd/<n>``): one physical copy whatever the number of processes.
 
-A file is named by a :class:`SegmentName` that records its writer's pid namespace and pid, so
-:func:`remove_stale_segments` can delete the files of writers that died before unlinking.
-This module knows files and tensors only; who writes and when the others map is the caller's.
+The file never has a name in any file system, so nothing can be left behind: the kernel
+frees the memory when the last descriptor and the last mapping are gone, however the
+processes end (normal exit, exception, SIGKILL). Its size is reserved up front
+(``posix_fallocate``), so a machine without the memory fails at creation with a
+:class:`SharedMemoryError` naming the size, never later with SIGBUS, and the file is sealed
+(no writes, no resizing) before anyone else sees it. This module knows descriptors and
+tensors only; who writes and how the descriptor travels is the caller's business.
 
-File layout: an 8-byte magic, an 8-byte little-endian header length, a JSON header (format,
-shapes, every tensor's dtype, shape and offset, the quantisation report), then every tensor at
-a 4096-byte aligned offset.
+Layout: an 8-byte magic, an 8-byte little-endian header length, a JSON header (format, shapes,
+every tensor's dtype, shape and offset, the quantisation report), then every tensor at a
+4096-byte aligned offset.
 """
 
 from __future__ import annotations
 
+import fcntl
 import json
 import mmap
 import os
-import re
-import secrets
 import warnings
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -37,78 +39,34 @@ from kt_kernel.quant import ProjectionQuantError, QuantizationReport
 from kt_kernel.spec import ExpertSpec
 from kt_kernel.weights import ExpertWeights
 
-__all__ = [
-    "SHARED_DIR",
-    "SegmentName",
-    "SharedMemoryError",
-    "map_shared",
-    "remove_stale_segments",
-    "unlink_shared",
-    "write_shared",
-]
+__all__ = ["SharedExperts", "SharedMemoryError", "map_shared", "write_shared"]
 
-SHARED_DIR = Path("/dev/shm")
 _MAGIC = b"KTKSHM01"
 _ALIGN = 4096
-_PREFIX = "ktk"
-# ktk-<pid namespace inode>-<pid>-<token>-<key>
-_NAME = re.compile(rf"^{_PREFIX}-(\d+)-(\d+)-([0-9a-f]+)-([A-Za-z0-9_.]+)$")
+# Shown in /proc/<pid>/fd and /proc/<pid>/maps as "/memfd:ktk-<label> (deleted)".
+MEMFD_PREFIX = "ktk-"
+# Readers may rely on these: the pages can neither change nor shrink under a mapping.
+_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SEAL
 
 
 class SharedMemoryError(KernelInputError):
-    """A shared expert segment cannot be created, read or does not match what was expected."""
-
-
-def _pid_namespace() -> int:
-    try:
-        return os.stat("/proc/self/ns/pid").st_ino
-    except OSError:  # no procfs: every writer counts as one namespace
-        return 0
+    """Shared expert storage cannot be created or mapped, or does not match what was expected."""
 
 
 @dataclass(frozen=True)
-class SegmentName:
-    """The name of one shared segment: who wrote it (for stale detection) and which it is.
+class SharedExperts:
+    """What :func:`write_shared` made: the weights over the shared pages and their descriptor.
 
     Attributes:
-        key: the caller's name for the segment (letters, digits, ``_`` and ``.``), e.g. the
-            block index.
-        token: random hex shared by the processes of one job, so two jobs never collide.
-        owner_pid: pid of the writing process.
-        pid_namespace: inode of the writer's pid namespace (pids are only comparable within
-            one).
-        directory: where the file lives (a tmpfs such as ``/dev/shm``).
+        weights: equal to the written weights; their storage is the shared pages (read-only).
+        fd: the sealed anonymous memory file (close-on-exec). The caller owns it: hand it to
+            other processes, then ``os.close`` it (the mapping keeps the memory alive).
+        nbytes: the file's size, header included.
     """
 
-    key: str
-    token: str = field(default_factory=lambda: secrets.token_hex(6))
-    owner_pid: int = field(default_factory=os.getpid)
-    pid_namespace: int = field(default_factory=_pid_namespace)
-    directory: Path = SHARED_DIR
-
-    def __post_init__(self) -> None:
-        """Reject keys and tokens that would not round-trip through the file name."""
-        if not re.fullmatch(r"[A-Za-z0-9_.]+", self.key):
-            raise SharedMemoryError(
-                f"SegmentName.key must be letters, digits, '_' or '.', got {self.key!r}"
-            )
-        if not re.fullmatch(r"[0-9a-f]+", self.token):
-            raise SharedMemoryError(f"SegmentName.token must be lowercase hex, got {self.token!r}")
-
-    @property
-    def path(self) -> Path:
-        """The file's path."""
-        name = f"{_PREFIX}-{self.pid_namespace}-{self.owner_pid}-{self.token}-{self.key}"
-        return Path(self.directory) / name
-
-    @classmethod
-    def parse(cls, path: Path) -> SegmentName | None:
-        """The name of a segment file, or ``None`` for a file that is not one."""
-        m = _NAME.match(Path(path).name)
-        if m is None:
-            return None
-        ns, pid, token, key = m.groups()
-        return cls(key, token, int(pid), int(ns), Path(path).parent)
+    weights: ExpertWeights
+    fd: int
+    nbytes: int
 
 
 def _dtype_name(dtype: torch.dtype) -> str:
@@ -138,27 +96,22 @@ def _report_dict(weights: ExpertWeights) -> dict[str, dict[str, float]] | None:
         return None
 
 
-def write_shared(weights: ExpertWeights, name: SegmentName) -> ExpertWeights:
-    """Copy ``weights`` into a new shared file and return weights that map it read-only.
+def write_shared(weights: ExpertWeights, *, label: str = "experts") -> SharedExperts:
+    """Copy ``weights`` into a new sealed anonymous memory file mapped read-only.
 
     Args:
         weights: any :class:`ExpertWeights` (every format; biases and the quantisation report
             travel along).
-        name: the segment's name; its ``owner_pid`` must be this process.
+        label: a debugging name, visible in ``/proc/<pid>/maps`` as ``memfd:ktk-<label>``.
 
     Returns:
-        An :class:`ExpertWeights` equal to ``weights`` whose storage is the shared file's
-        pages. ``weights`` can be dropped afterwards.
+        :class:`SharedExperts`: weights equal to ``weights`` over the shared pages (``weights``
+        can be dropped afterwards) and the file descriptor, which the caller must close.
 
     Raises:
-        SharedMemoryError: the name is not this process's, the file exists, or the directory
-            has no room (the message says how much is needed).
+        SharedMemoryError: the memory cannot be created or reserved (the message says how much
+            was needed, where it is charged and how to make room).
     """
-    if name.owner_pid != os.getpid() or name.pid_namespace != _pid_namespace():
-        raise SharedMemoryError(
-            f"{name.path.name} names pid {name.owner_pid} as its writer; only that process may "
-            "write it (stale detection relies on the pid)"
-        )
     entries = _entries(weights)
     table: list[dict[str, Any]] = []
     offset = 0
@@ -176,21 +129,23 @@ def write_shared(weights: ExpertWeights, name: SegmentName) -> ExpertWeights:
     }).encode()
     data_start = _round_up(16 + len(header))
     total = data_start + offset
-    path = name.path
+    where = "anonymous shared memory (memfd)"
     try:
-        fd = os.open(path, os.O_CREAT | os.O_EXCL | os.O_RDWR, 0o600)
+        fd = os.memfd_create(MEMFD_PREFIX + label, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     except OSError as exc:
-        raise SharedMemoryError(f"cannot create the shared expert segment {path}: {exc}") from exc
+        raise SharedMemoryError(f"cannot create {where} for the shared expert storage: {exc}") \
+            from exc
     try:
         try:
-            # Reserve every page now: a full tmpfs fails here, not with SIGBUS on a write.
+            # Reserve every page now: a machine without the memory fails here, not with
+            # SIGBUS on a later write or read.
             os.posix_fallocate(fd, 0, total)
         except OSError as exc:
-            free = _free_bytes(path.parent)
             raise SharedMemoryError(
-                f"{path.parent} has no room for {total / 2**20:.1f} MiB of shared experts "
-                f"({free / 2**20:.1f} MiB free): enlarge it (e.g. docker --shm-size) or turn "
-                f"expert sharing off [{exc}]"
+                f"cannot reserve {total / 2**20:.1f} MiB of {where} for the shared expert "
+                f"storage ({_available_bytes() / 2**20:.0f} MiB of RAM available): {exc}. It is "
+                "charged to the machine's RAM and to the container's memory limit (not to "
+                "/dev/shm); free memory or raise that limit"
             ) from exc
         with mmap.mmap(fd, total, prot=mmap.PROT_READ | mmap.PROT_WRITE) as m:
             m[:8] = _MAGIC
@@ -202,43 +157,56 @@ def write_shared(weights: ExpertWeights, name: SegmentName) -> ExpertWeights:
                 src = t.detach().contiguous().reshape(-1).view(torch.uint8)
                 flat[start : start + t.nbytes].copy_(src)
             del flat, src
+        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
+        shared = _assemble(_read_segment(fd, "the new shared expert storage", total),
+                           weights.spec, weights.format, "the new shared expert storage")
     except BaseException:
         os.close(fd)
-        path.unlink(missing_ok=True)
         raise
+    return SharedExperts(shared, fd, total)
+
+
+def _available_bytes() -> int:
     try:
-        return _assemble(_read_segment(fd, path, total), weights.spec, weights.format, path)
-    except BaseException:
-        path.unlink(missing_ok=True)
-        raise
+        for line in Path("/proc/meminfo").read_text().splitlines():
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    return 0
 
 
-def _free_bytes(directory: Path) -> int:
-    try:
-        st = os.statvfs(directory)
-    except OSError:
-        return 0
-    return st.f_bavail * st.f_frsize
-
-
-def _read_segment(fd: int, path: Path, size: int | None = None) -> dict[str, Any]:
-    """Map ``fd`` read-only (closing it): the header, with its tensors under ``"_tensors"``."""
+def _read_segment(fd: int, what: str, size: int | None = None) -> dict[str, Any]:
+    """Map ``fd`` read-only (the mapping keeps its own reference to the file): the header,
+    with its tensors under ``"_tensors"``."""
     try:
         real = os.fstat(fd).st_size
-        if size is not None and real != size:
-            raise SharedMemoryError(f"{path} is {real} bytes, expected {size}")
-        if real < 16:
-            raise SharedMemoryError(f"{path} is too short ({real} bytes) to be a segment")
-        m = mmap.mmap(fd, real, prot=mmap.PROT_READ)
-    finally:
-        os.close(fd)
+    except OSError as exc:
+        raise SharedMemoryError(f"cannot read {what}: {exc}") from exc
+    if size is not None and real != size:
+        raise SharedMemoryError(f"{what} is {real} bytes, expected {size}")
+    if real < 16:
+        raise SharedMemoryError(f"{what} is too short ({real} bytes) to be shared expert storage")
+    try:
+        seals = fcntl.fcntl(fd, fcntl.F_GET_SEALS)
+    except OSError:  # not a memfd at all (a regular file)
+        seals = 0
+    if seals & _SEALS != _SEALS:
+        raise SharedMemoryError(
+            f"{what} is not sealed against writes and truncation; map only storage made by "
+            "kt_kernel.write_shared"
+        )
+    try:
+        m = mmap.mmap(fd, real, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+    except OSError as exc:
+        raise SharedMemoryError(f"cannot map {what}: {exc}") from exc
     if m[:8] != _MAGIC:
-        raise SharedMemoryError(f"{path} is not a kt-kernel shared expert segment (bad magic)")
+        raise SharedMemoryError(f"{what} is not kt-kernel shared expert storage (bad magic)")
     hlen = int.from_bytes(m[8:16], "little")
     try:
         header = json.loads(m[16 : 16 + hlen])
     except ValueError as exc:
-        raise SharedMemoryError(f"{path} has a corrupt header: {exc}") from exc
+        raise SharedMemoryError(f"{what} has a corrupt header: {exc}") from exc
     data_start = _round_up(16 + hlen)
     with warnings.catch_warnings():
         # The pages are read-only on purpose: the kernel never writes its base weights.
@@ -251,7 +219,7 @@ def _read_segment(fd: int, path: Path, size: int | None = None) -> dict[str, Any
                 count *= d
             start = data_start + row["offset"]
             if start + count * dtype.itemsize > real:
-                raise SharedMemoryError(f"{path}: tensor {row['name']} runs past the end")
+                raise SharedMemoryError(f"{what}: tensor {row['name']} runs past the end")
             flat = torch.frombuffer(m, dtype=torch.uint8, count=count * dtype.itemsize,
                                     offset=start) if count else torch.empty(0, dtype=torch.uint8)
             tensors[row["name"]] = flat.view(dtype).view(row["shape"])
@@ -260,11 +228,11 @@ def _read_segment(fd: int, path: Path, size: int | None = None) -> dict[str, Any
 
 
 def _assemble(header: dict[str, Any], spec: ExpertSpec, fmt: WeightFormat,
-              path: Path) -> ExpertWeights:
+              what: str) -> ExpertWeights:
     e, h, i = spec.num_experts, spec.hidden_size, spec.intermediate_size
     if header["format"] != fmt.name or header["shape"] != [e, h, i]:
         raise SharedMemoryError(
-            f"{path} holds format {header['format']!r} experts of shape (E, H, I) = "
+            f"{what} holds format {header['format']!r} experts of shape (E, H, I) = "
             f"{tuple(header['shape'])}, expected {fmt.name!r} {(e, h, i)}; the writer and this "
             "process disagree about the model"
         )
@@ -276,7 +244,7 @@ def _assemble(header: dict[str, Any], spec: ExpertSpec, fmt: WeightFormat,
         dn = check_parts(fmt, tuple(t.get(f"down.{k}") for k in range(n_parts)), (e,), h, i,
                          "down")
     except KernelInputError as exc:
-        raise SharedMemoryError(f"{path} does not hold {fmt!r} experts: {exc}") from exc
+        raise SharedMemoryError(f"{what} does not hold {fmt!r} experts: {exc}") from exc
     report = None
     if header.get("report"):
         r = header["report"]
@@ -285,11 +253,13 @@ def _assemble(header: dict[str, Any], spec: ExpertSpec, fmt: WeightFormat,
                          down_bias=t.get("down_bias"), report=report)
 
 
-def map_shared(name: SegmentName | Path, spec: ExpertSpec, fmt: WeightFormat) -> ExpertWeights:
-    """Map a segment written by :func:`write_shared` read-only, checked against spec and format.
+def map_shared(source: int | str | os.PathLike[str], spec: ExpertSpec,
+               fmt: WeightFormat) -> ExpertWeights:
+    """Map storage written by :func:`write_shared` read-only, checked against spec and format.
 
     Args:
-        name: the segment (or its path).
+        source: a descriptor of the storage (received from the writer; it stays open and
+            remains the caller's to close) or a path that opens it (``/proc/<pid>/fd/<n>``).
         spec: the experts' spec as this process knows it (the activation is taken from here).
         fmt: the weight format this process expects.
 
@@ -297,53 +267,18 @@ def map_shared(name: SegmentName | Path, spec: ExpertSpec, fmt: WeightFormat) ->
         :class:`ExpertWeights` whose storage views the shared pages (do not modify them).
 
     Raises:
-        SharedMemoryError: the file is missing, corrupt, or holds other shapes or format.
+        SharedMemoryError: the storage cannot be opened, is corrupt or unsealed, or holds other
+            shapes or another format.
     """
-    path = name.path if isinstance(name, SegmentName) else Path(name)
+    if isinstance(source, int):
+        return _assemble(_read_segment(source, f"shared expert storage (fd {source})"), spec,
+                         fmt, f"shared expert storage (fd {source})")
+    path = Path(source)
     try:
-        fd = os.open(path, os.O_RDONLY)
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except OSError as exc:
-        raise SharedMemoryError(f"cannot open the shared expert segment {path}: {exc}") from exc
-    return _assemble(_read_segment(fd, path), spec, fmt, path)
-
-
-def unlink_shared(name: SegmentName) -> None:
-    """Remove the segment's name (existing mappings stay valid; memory goes with the last)."""
-    name.path.unlink(missing_ok=True)
-
-
-def _alive(pid: int) -> bool:
+        raise SharedMemoryError(f"cannot open the shared expert storage {path}: {exc}") from exc
     try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:  # another user's live process
-        return True
-    return True
-
-
-def remove_stale_segments(directory: Path = SHARED_DIR) -> list[Path]:
-    """Delete segments whose writer (in this pid namespace) is gone; return what was removed.
-
-    A writer that crashed between creating a segment and unlinking it leaves the file behind;
-    its memory is only freed once the name is gone. Segments of live writers and of other pid
-    namespaces are never touched.
-    """
-    removed: list[Path] = []
-    ns = _pid_namespace()
-    try:
-        candidates = list(Path(directory).glob(f"{_PREFIX}-*"))
-    except OSError:
-        return removed
-    for path in candidates:
-        name = SegmentName.parse(path)
-        if name is None or name.pid_namespace != ns or _alive(name.owner_pid):
-            continue
-        try:
-            path.unlink()
-        except FileNotFoundError:
-            continue
-        except OSError:
-            continue  # not ours to remove (permissions): leave it
-        removed.append(path)
-    return removed
+        return _assemble(_read_segment(fd, str(path)), spec, fmt, str(path))
+    finally:
+        os.close(fd)

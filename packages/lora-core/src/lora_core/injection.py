@@ -253,8 +253,9 @@ def enable_lora_training(
         adapters in module order), all ``REPLICATED``; checkpoint key aliases
         ``<fqn>.<key> -> <fqn>.base_layer.<key>`` for every state-dict key of a wrapped
         module; PEFT export keys ``base_model.model.<fqn>.lora_A.weight``; sorted unique
-        Linear leaf names as ``peft_target_modules`` and the matching ``target_parameters``
-        patterns as ``peft_target_parameters``.
+        Linear leaf names as ``peft_target_modules`` (a leaf that also names another module or
+        parameter is qualified with its parents, e.g. ``shared_experts.down_proj``) and the
+        matching ``target_parameters`` patterns as ``peft_target_parameters``.
 
     Raises:
         TypeError: if ``config`` is not a :class:`LoraConfig`.
@@ -341,12 +342,42 @@ def enable_lora_training(
         lora_config=config,
         checkpoint_key_aliases=aliases,
         peft_exports=exports,
-        peft_target_modules=sorted(
-            {name.rpartition(".")[2] for name, m in layers if isinstance(m, LoRALinear)}
+        peft_target_modules=_peft_target_modules(
+            model, [name for name, m in layers if isinstance(m, LoRALinear)]
         ),
         peft_target_parameters=sorted(set(matched_patterns)),
         missing_parameter_initializer=initializer,
     )
+
+
+def _peft_target_modules(model: nn.Module, linear_names: list[str]) -> list[str]:
+    """The shortest suffix of each adapted Linear that PEFT matches to adapted layers only.
+
+    PEFT adapts every module whose name ends with a ``target_modules`` entry, and re-reads
+    bare ``gate_proj``/``up_proj``/``down_proj`` entries as the fused expert parameters of
+    transformers 5 MoE models. So a leaf name is written bare only when no other module or
+    parameter of the model ends with it; otherwise it is qualified with its parents
+    (``shared_experts.down_proj``) until it is unambiguous.
+    """
+    adapted = set(linear_names)
+    inside = tuple(f"{n}." for n in linear_names)
+    others: dict[str, list[str]] = {}  # leaf -> names of other modules/parameters with it
+    for name in (*(n for n, _ in model.named_modules()), *(n for n, _ in model.named_parameters())):
+        if name and name not in adapted and not name.startswith(inside):
+            others.setdefault(name.rpartition(".")[2], []).append(name)
+    out: set[str] = set()
+    for name in linear_names:
+        parts = name.split(".")
+        clashes = others.get(parts[-1], [])
+        depth = 1
+        while depth < len(parts):
+            suffix = ".".join(parts[-depth:])
+            clashes = [c for c in clashes if c == suffix or c.endswith("." + suffix)]
+            if not clashes:
+                break
+            depth += 1
+        out.add(".".join(parts[-depth:]))
+    return sorted(out)
 
 
 class _Initializer:

@@ -39,6 +39,7 @@ if TYPE_CHECKING:
         LoadError,
         PlaceholderAccessError,
         SelfCheckError,
+        TransformersVersionError,
         UnsupportedModelError,
         WrapError,
     )
@@ -70,6 +71,7 @@ _WHERE = {
     "MoECoverage": "coverage",
     "PlaceholderAccessError": "errors",
     "SelfCheckError": "errors",
+    "TransformersVersionError": "errors",
     "UNSUPPORTED_FAMILIES": "architectures",
     "UnsupportedModelError": "errors",
     "WrapError": "errors",
@@ -108,6 +110,7 @@ __all__ = [
     "MoECoverage",
     "PlaceholderAccessError",
     "SelfCheckError",
+    "TransformersVersionError",
     "UnsupportedModelError",
     "WrapError",
     "WrapReport",

@@ -13,6 +13,7 @@ one place that converts that layout into kt-kernel's. The block's router is left
 from __future__ import annotations
 
 import importlib
+import json
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, Literal
@@ -20,16 +21,29 @@ from typing import Any, Literal
 import torch
 from torch import nn
 
-from moe_experts.errors import UnsupportedModelError
+from moe_experts.errors import TransformersVersionError, UnsupportedModelError
 
 __all__ = [
     "ARCHITECTURES",
+    "TRANSFORMERS_FLOOR",
     "UNSUPPORTED_FAMILIES",
     "MoEArchitecture",
     "MoEBlockSite",
     "find_architecture",
     "iter_moe_blocks",
+    "require_transformers",
 ]
+
+# moe-experts' own transformers floor (``transformers>=5.1`` in its pyproject.toml): the
+# minimum of every family that does not ask for more.
+TRANSFORMERS_FLOOR = "5.1"
+
+
+def _installed_transformers() -> str:
+    """The version of the transformers that ``import transformers`` gives."""
+    import transformers
+
+    return str(transformers.__version__)
 
 
 @dataclass(frozen=True)
@@ -64,6 +78,8 @@ class MoEArchitecture:
         gate_up_bias_param: frozen ``[E, 2I]`` bias of gate_up inside the experts module (same
             gate/up order as ``gate_up_param``), or ``None``.
         down_bias_param: frozen ``[E, H]`` bias of down, or ``None``.
+        min_transformers: the oldest transformers release whose modeling code for this family
+            matches this spec; older ones are refused by :meth:`check_transformers`.
     """
 
     family: str
@@ -88,6 +104,10 @@ class MoEArchitecture:
     interleaved: bool = False
     gate_up_bias_param: str | None = None
     down_bias_param: str | None = None
+    # Why a field: an older transformers may lack the family, or define the block with another
+    # layout (per-expert Linear, no ``experts`` attribute), which would otherwise surface as a
+    # raw AttributeError deep inside wrap.
+    min_transformers: str = TRANSFORMERS_FLOOR
 
     @property
     def bias_params(self) -> tuple[str, ...]:
@@ -143,19 +163,44 @@ class MoEArchitecture:
         i = t.shape[dim] // 2
         return t.unflatten(dim, (i, 2)).transpose(dim, dim + 1).flatten(dim, dim + 1)
 
+    def check_transformers(self) -> None:
+        """Refuse an installed transformers older than :attr:`min_transformers`.
+
+        Raises:
+            TransformersVersionError: names the family, both versions and the pip command.
+        """
+        from packaging.version import InvalidVersion, Version
+
+        installed = _installed_transformers()
+        try:
+            # Compare release numbers only, so a 5.17.0.dev0 source build counts as 5.17.
+            too_old = Version(installed).release < Version(self.min_transformers).release
+        except InvalidVersion:
+            return  # an unparsable local build: let the block-class lookup decide
+        if too_old:
+            raise TransformersVersionError(
+                f"architecture {self.family!r} needs transformers>={self.min_transformers}, but "
+                f"transformers {installed} is installed (older releases lack this family or "
+                "define its MoE block with another layout); upgrade with: "
+                f"pip install -U 'transformers>={self.min_transformers}'"
+            )
+
     def block_type(self) -> type[nn.Module]:
         """Import and return the MoE block class from transformers.
 
         Raises:
+            TransformersVersionError: the installed transformers is older than this family needs.
             UnsupportedModelError: the installed transformers lacks the module or class.
         """
+        self.check_transformers()
         try:
             module = importlib.import_module(self.modeling_module)
             return getattr(module, self.block_class)
         except (ImportError, AttributeError) as exc:
             raise UnsupportedModelError(
                 f"architecture {self.family!r} expects {self.modeling_module}.{self.block_class}, "
-                "which the installed transformers does not provide; install transformers>=5.0"
+                "which the installed transformers does not provide; upgrade with: "
+                f"pip install -U 'transformers>={self.min_transformers}'"
             ) from exc
 
 
@@ -175,6 +220,12 @@ _SHARED = {"shared_expert_attrs": ("shared_experts",)}
 _QWEN_SHARED = {"shared_expert_attrs": ("shared_expert",),
                 "shared_expert_gate_attr": "shared_expert_gate"}
 _GROUPED = "sigmoid, grouped top-k, bias, scaling"
+# min_transformers: the lowest release each family was verified with (its tiny model wrapped,
+# self-checked and fine-tuned one step through the CLI) among 5.1, 5.17, 5.18 and 5.24. A
+# family absent from 5.1 (or laid out otherwise there) and passing on 5.17 gets 5.17, although
+# it may have appeared in a release in between; a too-high minimum refuses with an upgrade
+# hint, a too-low one would let a mismatched layout through.
+_V5_17 = "5.17"
 
 # One row per family; every row is run by the shared parametrised test suite
 # (tests/test_adapt.py, test_wrap.py, test_architectures.py) through moe_experts.testing.
@@ -184,7 +235,7 @@ ARCHITECTURES: dict[str, MoEArchitecture] = {
         _spec("qwen3_moe", "Qwen3MoeSparseMoeBlock", router="softmax top-k (norm_topk_prob)"),
         _spec("qwen2_moe", "Qwen2MoeSparseMoeBlock", **_QWEN_SHARED),
         _spec("qwen3_5_moe", "Qwen3_5MoeSparseMoeBlock", text=True,
-              router="softmax top-k, renormalised", **_QWEN_SHARED),
+              router="softmax top-k, renormalised", min_transformers=_V5_17, **_QWEN_SHARED),
         _spec("qwen3_next", "Qwen3NextSparseMoeBlock", router="softmax top-k (norm_topk_prob)",
               **_QWEN_SHARED),
         _spec("qwen3_vl_moe", "Qwen3VLMoeTextSparseMoeBlock", text=True,
@@ -198,43 +249,54 @@ ARCHITECTURES: dict[str, MoEArchitecture] = {
         _spec("deepseek_v2", "DeepseekV2Moe", router="softmax (group-limited) top-k, scaling",
               **_SHARED),
         _spec("deepseek_v3", "DeepseekV3MoE", router=_GROUPED, **_SHARED),
-        _spec("deepseek_v32", "DeepseekV32MoE", router=_GROUPED, **_SHARED),
+        _spec("deepseek_v32", "DeepseekV32MoE", router=_GROUPED, min_transformers=_V5_17,
+              **_SHARED),
         _spec("glm4_moe", "Glm4MoeMoE", router=_GROUPED, **_SHARED),
         _spec("glm4_moe_lite", "Glm4MoeLiteMoE", router=_GROUPED, **_SHARED),
         _spec("glm4v_moe", "Glm4vMoeTextMoE", text=True, router=_GROUPED, **_SHARED),
         _spec("dots1", "Dots1MoE", router=_GROUPED, **_SHARED),
         _spec("exaone_moe", "ExaoneMoeSparseMoEBlock", router=_GROUPED, **_SHARED),
         _spec("solar_open", "SolarOpenMoE", router=_GROUPED, **_SHARED),
-        _spec("mimo_v2_flash", "MiMoV2FlashMoE", router=_GROUPED),
-        _spec("hy_v3", "HYV3MoE", router="sigmoid top-k, bias", **_SHARED),
-        _spec("laguna", "LagunaSparseMoeBlock", router="sigmoid top-k, bias", **_SHARED),
+        _spec("mimo_v2_flash", "MiMoV2FlashMoE", router=_GROUPED, min_transformers=_V5_17),
+        _spec("hy_v3", "HYV3MoE", router="sigmoid top-k, bias", min_transformers=_V5_17,
+              **_SHARED),
+        _spec("laguna", "LagunaSparseMoeBlock", router="sigmoid top-k, bias",
+              min_transformers=_V5_17, **_SHARED),
+        # 5.1 has afmoe without an AfmoeSparseMoeBlock.
         _spec("afmoe", "AfmoeSparseMoeBlock", router_attr="router", router_param="gate.weight",
-              router="sigmoid top-k, bias", **_SHARED),
+              router="sigmoid top-k, bias", min_transformers=_V5_17, **_SHARED),
         _spec("ernie4_5_moe", "Ernie4_5_MoeSparseMoeBlock", router="softmax top-k, bias",
               **_SHARED),
         _spec("hunyuan_v1_moe", "HunYuanMoEV1Moe", router_param="wg.weight",
               shared_expert_attrs=("shared_mlp",), router="softmax top-k, renormalised"),
-        _spec("granitemoe", "GraniteMoeMoE", router_attr="router", router="top-k logits, softmax"),
+        # 5.1's GraniteMoe blocks keep their experts as input_linear/output_linear (no
+        # ``experts`` attribute).
+        _spec("granitemoe", "GraniteMoeMoE", router_attr="router", router="top-k logits, softmax",
+              min_transformers=_V5_17),
         _spec("granitemoeshared", "GraniteMoeSharedMoE", router_attr="router",
-              router="top-k logits, softmax"),
+              router="top-k logits, softmax", min_transformers=_V5_17),
         _spec("granitemoe_swa", "GraniteMoeSWAMoE", router_attr="router",
-              router="top-k logits, softmax"),
-        _spec("cohere2_moe", "Cohere2MoeSparseMoeBlock", **_SHARED),
-        _spec("mellum", "MellumSparseMoeBlock"),
-        _spec("kolibri1", "Kolibri1SparseMoeBlock", **_SHARED),
+              router="top-k logits, softmax", min_transformers=_V5_17),
+        _spec("cohere2_moe", "Cohere2MoeSparseMoeBlock", min_transformers=_V5_17, **_SHARED),
+        _spec("mellum", "MellumSparseMoeBlock", min_transformers=_V5_17),
+        # Not in 5.18; 5.24 is the oldest release it was verified with.
+        _spec("kolibri1", "Kolibri1SparseMoeBlock", min_transformers="5.24", **_SHARED),
         _spec("lfm2_moe", "Lfm2MoeSparseMoeBlock", router="sigmoid top-k, bias"),
         # Experts and router sit in the decoder layer itself, beside a dense mlp whose output
         # is added; gated tanh-GELU experts (kt_kernel.GeluTanhGated).
         _spec("gemma4", "Gemma4TextDecoderLayer", text=True, router_attr="router",
               router_param="proj.weight", block_enabled_attr="enable_moe_block",
-              router="RMS-normed softmax top-k, renormalised, per-expert scale"),
+              router="RMS-normed softmax top-k, renormalised, per-expert scale",
+              min_transformers=_V5_17),
         # SwiGLU clamped at swiglu_limit (kt_kernel.SwiGLULimit). Hash layers pick experts by
         # a token-id table but call the experts module the same way, so they run as well.
         _spec("deepseek_v4", "DeepseekV4SparseMoeBlock",
               router="sqrt-softplus top-k, bias, scaling (hash layers: token-id table)",
-              **_SHARED),
+              min_transformers=_V5_17, **_SHARED),
+        # Up to 5.17 Aria's experts are per-expert nn.Linear; 5.18 fuses them (transposed).
         _spec("aria", "AriaTextMoELayer", text=True, router_attr="router",
-              router="top-k logits, softmax", transposed=True, **_SHARED),
+              router="top-k logits, softmax", transposed=True, min_transformers="5.18",
+              **_SHARED),
         _spec("gpt_oss", "GptOssMLP", router_attr="router", router="top-k logits, softmax, bias",
               transposed=True, interleaved=True, gate_up_bias_param="gate_up_proj_bias",
               down_bias_param="down_proj_bias"),
@@ -272,6 +334,35 @@ UNSUPPORTED_FAMILIES: dict[str, str] = {
     "inkling2_loop": "soft-capped SwiGLU experts; kt-kernel has no such activation",
     "beam": "custom gated activation in the experts; kt-kernel computes SwiGLU only",
 }
+
+
+def require_transformers(model_type: str | None) -> None:
+    """Refuse early when the installed transformers is too old for ``model_type``'s family.
+
+    Called with a checkpoint's ``config.json`` ``model_type`` before transformers parses it, so
+    an old release that does not know the type yields this error rather than its own.
+
+    Args:
+        model_type: ``config.model_type``; an unknown or missing type passes (the model is
+            identified later by :func:`find_architecture`).
+
+    Raises:
+        TransformersVersionError: names the family, both versions and the pip command.
+    """
+    for spec in ARCHITECTURES.values():
+        if model_type in spec.model_types:
+            spec.check_transformers()
+            return
+
+
+def _checkpoint_model_type(directory: Any) -> str | None:
+    """``model_type`` of ``directory/config.json`` read as plain JSON, or ``None``."""
+    try:
+        with open(f"{directory}/config.json", encoding="utf-8") as f:
+            model_type = json.load(f).get("model_type")
+    except (OSError, ValueError, AttributeError):
+        return None  # transformers' own loading reports a missing or broken config
+    return model_type if isinstance(model_type, str) else None
 
 
 @dataclass(frozen=True)
@@ -326,6 +417,7 @@ def find_architecture(model: nn.Module) -> MoEArchitecture:
         )
     for spec in ARCHITECTURES.values():
         if model_type in spec.model_types:
+            spec.check_transformers()
             return spec
     classes = {type(m) for m in model.modules()}
     for spec in ARCHITECTURES.values():

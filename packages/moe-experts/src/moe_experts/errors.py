@@ -8,6 +8,7 @@ __all__ = [
     "LoadError",
     "PlaceholderAccessError",
     "SelfCheckError",
+    "TransformersVersionError",
     "UnsupportedModelError",
     "WrapError",
 ]
@@ -15,6 +16,10 @@ __all__ = [
 
 class UnsupportedModelError(ValueError):
     """The model is not one of the MoE families with an architecture spec; lists the supported."""
+
+
+class TransformersVersionError(UnsupportedModelError):
+    """The installed transformers is older than a family needs; names both versions and the fix."""
 
 
 class WrapError(ValueError):

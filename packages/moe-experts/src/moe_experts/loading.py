@@ -26,7 +26,13 @@ from torch import nn
 import kt_kernel
 from kt_kernel.formats_fp8 import Fp8Block
 from moe_experts._safetensors import Shards
-from moe_experts.architectures import MoEBlockSite, find_architecture, iter_moe_blocks
+from moe_experts.architectures import (
+    MoEBlockSite,
+    _checkpoint_model_type,
+    find_architecture,
+    iter_moe_blocks,
+    require_transformers,
+)
 from moe_experts.errors import LoadError
 from moe_experts.fp8_checkpoint import (
     Fp8Reader,
@@ -408,6 +414,7 @@ def load_pretrained(
             128x128 scale grid (naming the key and file), an unsupported
             ``quantization_config``, or ``"int8"``/``"int4"`` for a FP8 checkpoint.
         UnsupportedModelError: the checkpoint is not a supported MoE family.
+        TransformersVersionError: the installed transformers is older than the family needs.
         WrapError: an unknown ``weight_dtype``/``policy`` or an unsupported activation.
     """
     from transformers import AutoConfig, AutoModelForCausalLM
@@ -429,6 +436,7 @@ def load_pretrained(
     path = Path(path)
     if not (path / "config.json").is_file():
         raise LoadError(f"{path} has no config.json; pass a save_pretrained directory")
+    require_transformers(_checkpoint_model_type(path))
     where = _weight_map(path)
     config = AutoConfig.from_pretrained(path)
     quant = getattr(config, "quantization_config", None)
@@ -497,6 +505,8 @@ def load_pretrained(
         weights = shared_or_local(sharing, build, spec, fmt, site.experts_name)
         _install(site, experts, weights, meta, policy)
         del weights, experts, meta, build
+    if sharing is not None:
+        sharing.close()  # the storage stays mapped; the sockets are done
 
     state = dict(model.named_parameters(remove_duplicate=False))
     state.update(model.named_buffers(remove_duplicate=False))

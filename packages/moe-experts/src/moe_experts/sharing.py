@@ -1,24 +1,29 @@
 """One copy of the frozen experts per machine under torchrun, and the kernel's thread share.
 
 With several local ranks (``LOCAL_WORLD_SIZE`` > 1 and ``torch.distributed`` initialised),
-each MoE block's :class:`kt_kernel.ExpertWeights` is built by local rank 0 only, written to a
-shared-memory segment (:func:`kt_kernel.write_shared`) and mapped read-only by the other local
-ranks; as soon as every rank has mapped it, local rank 0 removes its name, so a crash at any
-later point leaves nothing behind (the mappings hold the memory until the last rank exits).
-A segment left by a local rank 0 that died while loading is removed by the next job's
-:func:`kt_kernel.remove_stale_segments`. LoRA is not touched: it stays per rank.
+each MoE block's :class:`kt_kernel.ExpertWeights` is built by local rank 0 only, copied into
+an anonymous, sealed memory file (:func:`kt_kernel.write_shared`, ``memfd_create``) and its
+descriptor handed to the other local ranks over a Unix-domain socket (``SCM_RIGHTS``); they
+map it read-only (:func:`kt_kernel.map_shared`). The memory never has a name in a file
+system, so there is no moment at which a crash can leave anything behind: the kernel frees it
+with the last descriptor and mapping, whichever process dies when. The socket lives in the
+abstract namespace (no file either), exists only while the ranks connect, and accepts only
+the pids of the machine's own ranks. LoRA is not touched: it stays per rank.
 
-Every rank of the world takes part in the same two collectives per block, so the writer's
-failure (e.g. no room in ``/dev/shm``) reaches the other ranks as an error instead of a hang.
+Every rank of the world takes part in the same collectives per block, so the writer's failure
+(e.g. no memory for the copy) reaches the other ranks as an error instead of a hang.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import secrets
+import signal
 import socket
+import struct
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -30,6 +35,16 @@ __all__ = ["SHARE_ENV", "ExpertSharing", "default_kernel_threads", "shared_or_lo
 
 # "0" turns sharing off for every wrap/load_pretrained call that does not pass share_experts.
 SHARE_ENV = "MOE_EXPERTS_SHARE_EXPERTS"
+# Tests only: "N:PATH" makes local rank 0 write its pid to PATH and stop right after creating
+# block N's storage, before any other rank has it (the moment a named segment would leak).
+PAUSE_ENV = "MOE_EXPERTS_TEST_PAUSE_AFTER_CREATE"
+# Seconds a rank waits for its machine's other ranks to connect or for a block's descriptor;
+# the collectives before each hand-over already wait for local rank 0 to build the block.
+SOCKET_TIMEOUT = 300.0
+_FIX = ("or keep one copy per rank: share_experts=False, MOE_EXPERTS_SHARE_EXPERTS=0, or the "
+        "finetune CLI's --no-share-experts")
+_PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
+_BLOCK = struct.Struct("<q")
 
 
 def _local_world() -> int:
@@ -62,19 +77,61 @@ def default_kernel_threads() -> int | None:
     return threads
 
 
+def _address(token: str) -> bytes:
+    """The writer's socket address in the abstract namespace (a leading NUL: no file)."""
+    return b"\0moe-experts-" + token.encode()
+
+
+def _pid_namespace() -> int:
+    try:
+        return os.stat("/proc/self/ns/pid").st_ino
+    except OSError:  # no procfs: every rank counts as one namespace
+        return 0
+
+
+def _listen(token: str, backlog: int) -> socket.socket | None:
+    sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    try:
+        sock.bind(_address(token))
+        sock.listen(backlog)
+    except OSError:
+        sock.close()
+        return None
+    sock.settimeout(SOCKET_TIMEOUT)
+    return sock
+
+
+def _pause_for_tests(block: int, label: str) -> None:
+    spec = os.environ.get(PAUSE_ENV, "")
+    at, _, path = spec.partition(":")
+    if not path or not at.isdigit() or int(at) != block:
+        return
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+        json.dump({"pid": os.getpid(), "label": label, "block": block}, f)
+    os.replace(tmp, path)
+    while True:  # until the test SIGKILLs this process
+        signal.pause()
+
+
 @dataclass
 class ExpertSharing:
     """This rank's part in sharing expert storage with the other ranks of its machine.
 
     Attributes:
-        writer: whether this rank builds and writes the segments (local rank 0).
-        name: the segment name template (writer pid, pid namespace, job token).
+        writer: whether this rank builds and writes the storage (local rank 0).
+        token: the writer's random token (names its socket and memory files).
         group: the process group of the per-block collectives (gloo).
+        local_ranks: how many ranks of this machine map the storage.
+        conns: the writer's connections to the other local ranks, or the reader's one
+            connection to the writer.
     """
 
     writer: bool
-    name: kt_kernel.SegmentName
+    token: str
     group: Any
+    local_ranks: int
+    conns: list[socket.socket] = field(default_factory=list)
     _count: int = 0
 
     @classmethod
@@ -87,26 +144,31 @@ class ExpertSharing:
 
         Raises:
             WrapError: ``share=True`` under torchrun but the launcher's ranks cannot be
-                matched to their machine's local rank 0.
+                matched to their machine's local rank 0, or the local ranks cannot connect.
         """
         if share is False or (share is None and os.environ.get(SHARE_ENV, "1") == "0"):
             return None
         import torch.distributed as dist
 
-        if not (dist.is_available() and dist.is_initialized()) or _local_world() <= 1:
+        local_world = _local_world()
+        if not (dist.is_available() and dist.is_initialized()) or local_world <= 1:
             return None
         group = None if "gloo" in str(dist.get_backend()) else dist.new_group(backend="gloo")
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
-        template = kt_kernel.SegmentName("x", token=secrets.token_hex(6))
-        me = (socket.gethostname(), template.pid_namespace, template.owner_pid, template.token,
-              local_rank)
+        token = secrets.token_hex(8)
+        # The writer listens before anyone can learn its address, so a connect never races.
+        listener = _listen(token, local_world) if local_rank == 0 else None
+        me = (socket.gethostname(), _pid_namespace(), os.getpid(), token, local_rank,
+              listener is not None)
         peers: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(peers, me, group=group)
         # Every rank decides from the same table, so all ranks share or none does.
         writers = []
-        for r, (host, ns, _, _, lr) in enumerate(peers):
+        for r, (host, ns, _, _, lr, _) in enumerate(peers):
             w = r - lr
             if not 0 <= w < len(peers) or peers[w][0] != host or peers[w][1] != ns or peers[w][4]:
+                if listener is not None:
+                    listener.close()
                 if share:
                     raise WrapError(
                         f"share_experts=True, but rank {r} (LOCAL_RANK={lr}) has no local rank 0 "
@@ -115,12 +177,43 @@ class ExpertSharing:
                     )
                 return None
             writers.append(w)
-        writer_rank = writers[dist.get_rank()]
-        _, ns, pid, token, _ = peers[writer_rank]
-        if local_rank == 0:
-            kt_kernel.remove_stale_segments()
-        name = kt_kernel.SegmentName("x", token=token, owner_pid=pid, pid_namespace=ns)
-        return cls(writer=local_rank == 0, name=name, group=group)
+        rank = dist.get_rank()
+        writer_rank = writers[rank]
+        sharing = cls(writer=writer_rank == rank, token=peers[writer_rank][3], group=group,
+                      local_ranks=writers.count(writer_rank))
+        error: BaseException | None = None
+        try:
+            if not all(peers[w][5] for w in set(writers)):
+                raise WrapError(
+                    "a local rank 0 could not open its Unix-domain socket (abstract namespace) "
+                    f"to hand the shared experts over; {_FIX}"
+                )
+            if sharing.writer:
+                readers = {peers[r][2] for r, w in enumerate(writers) if w == rank and r != rank}
+                sharing.conns = _accept(listener, readers)
+            else:
+                sharing.conns = [_connect(sharing.token)]
+        except (OSError, WrapError) as exc:
+            error = exc
+        finally:
+            if listener is not None:
+                listener.close()  # every reader is connected (or failed): nothing to find
+        if sharing._agree(error is not None):
+            sharing.close()
+            if isinstance(error, WrapError):
+                raise error
+            raise WrapError(
+                "the local ranks could not connect to hand the shared experts over"
+                + (f" ({error})" if error else " (another rank failed; its output says why)")
+                + f"; {_FIX}"
+            ) from error
+        return sharing
+
+    def close(self) -> None:
+        """Close the connections (the storage already handed over stays mapped)."""
+        for conn in self.conns:
+            conn.close()
+        self.conns = []
 
     def _agree(self, failed: bool) -> bool:
         """All ranks learn whether any failed (a barrier as well)."""
@@ -146,43 +239,103 @@ class ExpertSharing:
             label: the experts module's name, for errors.
 
         Raises:
-            WrapError: this rank or local rank 0 failed to write or map the block (the writer
-                re-raises its own error).
+            WrapError: this rank or local rank 0 failed to write, hand over or map the block
+                (the writer re-raises its own error; a lack of memory says how to make room).
         """
-        from dataclasses import replace
-
         self._count += 1
-        name = replace(self.name, key=f"b{self._count}")
+        block = self._count
+        made: kt_kernel.SharedExperts | None = None
         shared: kt_kernel.ExpertWeights | None = None
         error: BaseException | None = None
         if self.writer:
             try:
-                shared = kt_kernel.write_shared(build(), name)
+                made = kt_kernel.write_shared(build(), label=f"moe-{self.token}-b{block}")
+                shared = made.weights
+                _pause_for_tests(block, f"moe-{self.token}-b{block}")
+            except kt_kernel.SharedMemoryError as exc:
+                error = WrapError(f"{label}: {exc}; {_FIX}")
+                error.__cause__ = exc
             except Exception as exc:
                 error = exc
         try:
             if self._agree(error is not None):
+                self.close()  # every rank raises: the sockets are of no further use
                 if error is not None:
                     raise error
                 raise WrapError(
-                    f"{label}: local rank 0 (pid {name.owner_pid}) failed to build the shared "
-                    "expert storage; its own output says why"
+                    f"{label}: local rank 0 failed to build the shared expert storage; its own "
+                    "output says why"
                 )
-            if not self.writer:
-                try:
-                    shared = kt_kernel.map_shared(name, spec, fmt)
-                except kt_kernel.SharedMemoryError as exc:
-                    error = exc
+            try:
+                if made is not None:
+                    for conn in self.conns:
+                        socket.send_fds(conn, [_BLOCK.pack(block)], [made.fd])
+                else:
+                    shared = self._receive(block, spec, fmt)
+            except (OSError, kt_kernel.SharedMemoryError, WrapError) as exc:
+                error = exc
             if self._agree(error is not None):
+                self.close()
                 if error is not None:
                     raise WrapError(f"{label}: {error}") from error
                 raise WrapError(f"{label}: another local rank failed to map the shared experts")
         finally:
-            if self.writer:
-                kt_kernel.unlink_shared(name)  # every rank has mapped it, or none will
+            if made is not None:
+                os.close(made.fd)  # the readers hold their own descriptors and mappings
         if shared is None:  # unreachable: every path that leaves it unset raised
             raise WrapError(f"{label}: the shared expert storage was not set up")
         return shared
+
+    def _receive(self, block: int, spec: kt_kernel.ExpertSpec,
+                 fmt: kt_kernel.WeightFormat) -> kt_kernel.ExpertWeights:
+        msg, fds, _, _ = socket.recv_fds(self.conns[0], _BLOCK.size, 1)
+        try:
+            if not msg:
+                raise WrapError("local rank 0 closed its connection before handing block "
+                                f"{block}'s shared experts over")
+            if len(fds) != 1 or len(msg) != _BLOCK.size or _BLOCK.unpack(msg)[0] != block:
+                raise WrapError(f"local rank 0 sent {msg!r} with {len(fds)} descriptors for "
+                                f"block {block}; every rank must load the same model")
+            return kt_kernel.map_shared(fds[0], spec, fmt)
+        finally:
+            for fd in fds:
+                os.close(fd)
+
+
+def _accept(listener: socket.socket | None, readers: set[int]) -> list[socket.socket]:
+    """The writer's connections, one per reader pid; connections from other pids are refused."""
+    if listener is None:
+        raise WrapError("local rank 0 has no socket to hand the shared experts over")
+    conns: list[socket.socket] = []
+    waiting = set(readers)
+    try:
+        while waiting:
+            conn, _ = listener.accept()
+            pid, uid, _ = _PEERCRED.unpack(
+                conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+            if pid not in waiting or uid != os.getuid():
+                conn.close()  # not one of this machine's ranks: it gets nothing
+                continue
+            waiting.discard(pid)
+            conn.settimeout(SOCKET_TIMEOUT)
+            conns.append(conn)
+    except BaseException:
+        for conn in conns:
+            conn.close()
+        raise
+    return conns
+
+
+def _connect(token: str) -> socket.socket:
+    """A reader's connection to its machine's local rank 0."""
+    conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
+    conn.settimeout(SOCKET_TIMEOUT)
+    try:
+        conn.connect(_address(token))
+    except OSError:
+        conn.close()
+        raise
+    return conn
 
 
 def shared_or_local(

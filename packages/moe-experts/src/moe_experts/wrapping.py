@@ -57,6 +57,8 @@ class WrapReport:
             block: each projection's max abs and relative Frobenius quantisation error.
         self_checks: the wrap-time comparison of kernel and original module per wrapped
             block (empty with ``self_check=False``).
+        shared_by: how many local ranks map this call's expert storage (one copy per
+            machine); 1 when every rank holds its own copy.
     """
 
     family: str
@@ -69,6 +71,7 @@ class WrapReport:
     adopted_peft: tuple[str, ...] = ()
     quantization: tuple[tuple[str, kt_kernel.QuantizationReport], ...] = ()
     self_checks: tuple[BlockCheck, ...] = ()
+    shared_by: int = 1
 
 
 def _peft_param_wrapper_type() -> type[nn.Module] | None:
@@ -261,7 +264,8 @@ def wrap(
             (``SelfCheckError`` naming the block and the error). Turn it off only for a model
             verified another way; it costs one small forward per block.
         share_experts: under torchrun with ``LOCAL_WORLD_SIZE`` > 1, local rank 0 builds each
-            block's kernel storage once in shared memory (``/dev/shm``) and every local rank
+            block's kernel storage once in anonymous shared memory (a memfd handed over a
+            Unix socket; nothing named, nothing left after a crash) and every local rank
             maps it read-only: one copy per machine. ``None`` (default) shares unless the
             environment sets ``MOE_EXPERTS_SHARE_EXPERTS=0``; ``False`` keeps a copy per rank.
             Every rank must call ``wrap`` on the same model. Under torchrun the kernel also
@@ -350,6 +354,8 @@ def wrap(
         wrapped.append(site.experts_name)
         # The last block's experts must be gone before the trim.
         del gate_up, down, base, outer, stored, build
+    if sharing is not None:
+        sharing.close()  # the storage stays mapped; the sockets are done
     if not wrapped and not already:
         dense = (
             f" with {arch.block_enabled_attr}=True (a dense model of the family)"
@@ -376,4 +382,5 @@ def wrap(
         adopted_peft=tuple(adopted),
         quantization=tuple(reports),
         self_checks=tuple(checks),
+        shared_by=sharing.local_ranks if sharing is not None else 1,
     )

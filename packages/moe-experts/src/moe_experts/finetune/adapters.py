@@ -60,6 +60,9 @@ class LoadedAdapter:
 def load_with_adapter(model: str | None, ckpt: Path) -> LoadedAdapter:
     """``AutoModelForCausalLM.from_pretrained(base)`` + ``PeftModel.from_pretrained(..., ckpt)``.
 
+    A multimodal base loads with the class :func:`~moe_experts.finetune.models.pretrained_class`
+    picks, as training did.
+
     Args:
         model: built-in model name or local directory; None: the base the adapter names.
         ckpt: checkpoint root or one checkpoint directory.
@@ -71,15 +74,35 @@ def load_with_adapter(model: str | None, ckpt: Path) -> LoadedAdapter:
         from peft import PeftModel
     except ImportError as exc:
         raise FinetuneError("peft is not installed; install moe-experts[train]") from exc
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
+
+    from moe_experts.finetune.models import pretrained_class
 
     resolved = resolve_adapter(ckpt)
     base_dir = _base_source(model, resolved)
     try:
-        base = AutoModelForCausalLM.from_pretrained(base_dir)
+        base = pretrained_class(Path(base_dir)).from_pretrained(base_dir)
         tokenizer = AutoTokenizer.from_pretrained(base_dir)
         peft_model = PeftModel.from_pretrained(base, resolved)
     except (OSError, ValueError, KeyError, RuntimeError) as exc:
         raise FinetuneError(
             f"could not load {base_dir} with the adapter {resolved}: {exc}") from exc
+    _expose_router_buffers(peft_model)
     return LoadedAdapter(peft_model.eval(), tokenizer, base_dir, resolved)
+
+
+def _expose_router_buffers(peft_model: Any) -> None:
+    """Make each LoRA-wrapped parameter owner's buffers readable on PEFT's wrapper.
+
+    transformers before 5.17 has DeepSeek-V3, GLM-4.5(V), dots1, EXAONE-MoE and Solar-Open
+    blocks read ``self.gate.e_score_correction_bias``; with router LoRA ``gate`` is PEFT's
+    ``ParamWrapper``, which does not forward attribute reads, so the forward raised
+    AttributeError. The wrapper gets a reference to the same tensor (no copy, no new buffer).
+    """
+    from peft.tuners.lora.layer import ParamWrapper
+
+    for module in peft_model.modules():
+        if isinstance(module, ParamWrapper):
+            for name, buf in module.get_base_layer().named_buffers(recurse=False):
+                if name not in module.__dict__ and name not in module._buffers:
+                    module.__dict__[name] = buf

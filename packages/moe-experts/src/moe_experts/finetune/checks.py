@@ -66,6 +66,21 @@ def check_combination(args: FinetuneArgs, sources: dict[str, str], *, overwrite:
         raise FinetuneError(f"--resume {args.resume}: no such checkpoint or directory")
 
 
+def check_sharing(args: FinetuneArgs, sources: dict[str, str]) -> None:
+    """Refuse ``--share-experts`` where there is nobody to share with.
+
+    Raises:
+        FinetuneError: naming the flag (or YAML key) and how to launch the run instead.
+    """
+    local = os.environ.get("LOCAL_WORLD_SIZE", "1")
+    if args.share_experts and (not local.isdigit() or int(local) < 2):
+        raise FinetuneError(
+            f"{sources['share_experts']} shares the frozen experts between the ranks of one "
+            f"machine, but this run has LOCAL_WORLD_SIZE={local}; launch it with torchrun "
+            "--nproc-per-node N (N >= 2), or drop the setting"
+        )
+
+
 def check_reporter(report_to: str) -> None:
     """Refuse ``--report-to`` when its optional package is not installed.
 

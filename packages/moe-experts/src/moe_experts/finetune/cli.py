@@ -95,6 +95,14 @@ def build_parser(prog: str = "moe-experts finetune") -> argparse.ArgumentParser:
     for opt in OPTIONS:
         default = getattr(defaults, opt.dest)
         shown = "unset" if default is None else default
+        if opt.kind is bool and opt.negation:
+            both = groups[opt.section].add_mutually_exclusive_group()
+            both.add_argument(opt.flag, *opt.aliases, dest=opt.dest, default=None,
+                              action="store_const", const=True,
+                              help=f"{opt.help} (YAML {opt.section}.{opt.key}: true/false)")
+            both.add_argument(opt.negation, dest=opt.dest, default=None, action="store_const",
+                              const=False, help=f"the opposite of {opt.flag}")
+            continue
         if opt.kind is bool:
             groups[opt.section].add_argument(
                 opt.flag, *opt.aliases, dest=opt.dest, default=None, action="store_const",
@@ -173,6 +181,7 @@ def _prepare(ns: argparse.Namespace) -> FinetuneArgs:
         if path is not None:
             checks.check_text_file(path, flag)
     checks.check_output_path(args.output, sources["output"])
+    checks.check_sharing(args, sources)
     lora_config(args, lora_source)
     checks.prepare_output(args, sources, overwrite=ns.overwrite,
                           rank=int(os.environ.get("RANK", "0")))
@@ -189,9 +198,12 @@ def _report(summary: object) -> None:
     if summary.eval_loss is not None:
         print(f"eval loss {summary.eval_loss:.4f}")
     print(f"checkpoint: {summary.checkpoint}")
+    from moe_experts.finetune.models import pretrained_class
+
+    auto = pretrained_class(Path(summary.model_source)).__name__
     print("load the adapter with PEFT:")
-    print("  from transformers import AutoModelForCausalLM; from peft import PeftModel")
-    print(f"  model = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained("
+    print(f"  from transformers import {auto}; from peft import PeftModel")
+    print(f"  model = PeftModel.from_pretrained({auto}.from_pretrained("
           f"{str(summary.model_source)!r}), {str(summary.checkpoint)!r})")
 
 

@@ -56,6 +56,9 @@ class FinetuneArgs:
 
     model: str = "tiny-qwen3-moe"
     weight_dtype: str = "fp32"
+    # Under torchrun with several local ranks: one copy of the frozen experts per machine
+    # (True), one per rank (False); None shares unless MOE_EXPERTS_SHARE_EXPERTS=0.
+    share_experts: bool | None = None
     data: Path | None = None  # None: the corpus shipped in the package
     data_format: str | None = None  # a key of formats.DATA_FORMATS; None: detected per file
     train_on_prompt: bool = False  # chat/instruction data: loss on every token, not replies only
@@ -120,6 +123,7 @@ class Option:
     choices: tuple[str, ...] = ()
     nullable: bool = False  # None (unset) is a valid value
     aliases: tuple[str, ...] = ()  # the Hugging Face TrainingArguments spelling, where it fits
+    negation: str | None = None  # a bool's flag that sets False (the two exclude each other)
 
 
 OPTIONS: tuple[Option, ...] = (
@@ -127,6 +131,11 @@ OPTIONS: tuple[Option, ...] = (
            "'tiny-qwen3-moe' (built in) or a local Hugging Face model directory"),
     Option("weight_dtype", "--weight-dtype", "model", "weight_dtype", str,
            "kernel storage of the frozen experts", choices=("fp32", "bf16", "int8")),
+    Option("share_experts", "--share-experts", "model", "share_experts", bool,
+           "under torchrun with several ranks per machine, keep one copy of the frozen experts "
+           "per machine in shared memory (--no-share-experts: one copy per rank; default: "
+           "share unless MOE_EXPERTS_SHARE_EXPERTS=0)", nullable=True,
+           negation="--no-share-experts"),
     Option("data", "--data", "data", "path", Path,
            "training data file; default: a small corpus shipped with the package",
            nullable=True),

@@ -9,14 +9,15 @@ from __future__ import annotations
 import argparse
 import json
 import shutil
+import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from moe_experts.finetune.errors import FinetuneError
 
-__all__ = ["EXPORT_FORMATS", "VLLM_MODULES", "build_parser", "export", "export_main",
-           "vllm_tensors"]
+__all__ = ["EXPORT_FORMATS", "VLLM_EXTRA_MODULES", "VLLM_MODULES", "build_parser", "export",
+           "export_main", "vllm_tensors"]
 
 EXPORT_FORMATS = ("peft", "vllm", "merged")
 # transformers' fused expert parameters and the per-expert projections vLLM names them by.
@@ -28,6 +29,21 @@ _FUSED = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
 # an export with them has been loaded by vLLM itself.
 VLLM_MODULES = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
                           "down_proj"})
+# Multi-head latent attention as vLLM's DeepseekV2ForCausalLM (also DeepseekV3ForCausalLM and
+# the V3.2 models) builds it: q_a_proj and kv_a_proj_with_mqa are the parts of its packed
+# fused_qkv_a_proj (packed_modules_mapping), q_b_proj is a column-parallel linear on the
+# forward path, and all three take LoRA. model_type -> modules exported beyond VLLM_MODULES.
+VLLM_EXTRA_MODULES: dict[str, frozenset[str]] = {
+    model_type: frozenset({"q_a_proj", "q_b_proj", "kv_a_proj_with_mqa"})
+    for model_type in ("deepseek_v2", "deepseek_v3", "deepseek_v32")
+}
+# Modules vLLM's loader accepts but whose LoRA it would not apply; exporting them would drop
+# the trained delta without a word, so they are left out with this reason.
+_VLLM_NOT_APPLIED = {
+    "kv_b_proj": "vLLM loads LoRA on kv_b_proj but its MLA attention never applies it (the "
+    "weight is split into W_UK/W_UV when the model loads; vllm-project/vllm#48974)",
+}
+_NOT_VERIFIED = "vLLM's loader for this model takes no LoRA on them, or it is not verified to"
 
 
 def build_parser(prog: str = "moe-experts export") -> argparse.ArgumentParser:
@@ -54,7 +70,7 @@ def _owner(name: str) -> str:
     return name.removeprefix("base_model.model.")
 
 
-def vllm_tensors(peft_model: Any) -> tuple[dict[str, Any], list[str], list[str]]:
+def vllm_tensors(peft_model: Any) -> tuple[dict[str, Any], list[str], dict[str, list[str]]]:
     """Per-module 2-D LoRA tensors from a loaded PEFT model, experts split per expert.
 
     Fused experts ``gate_up_proj [E, 2I, H]`` / ``down_proj [E, H, I]`` become
@@ -64,8 +80,9 @@ def vllm_tensors(peft_model: Any) -> tuple[dict[str, Any], list[str], list[str]]
 
     Returns:
         ``(tensors, target_modules, skipped)``: keys under ``base_model.model.``, the module
-        names for ``target_modules``, and adapted modules vLLM cannot load (routers,
-        ``lm_head``), left out.
+        names for ``target_modules``, and the adapted modules left out (routers, ``lm_head``,
+        MLA's ``kv_b_proj``, attention of families without a verified vLLM mapping), keyed
+        by the reason.
 
     Raises:
         FinetuneError: the family stores its experts in another layout (GPT-OSS).
@@ -94,9 +111,11 @@ def vllm_tensors(peft_model: Any) -> tuple[dict[str, Any], list[str], list[str]]
 
     cfg = peft_model.peft_config["default"]
     default_scale = (cfg.lora_alpha / cfg.r**0.5) if cfg.use_rslora else cfg.lora_alpha / cfg.r
+    model_type = getattr(getattr(peft_model, "config", None), "model_type", None)
+    allowed = VLLM_MODULES | VLLM_EXTRA_MODULES.get(model_type, frozenset())
     out: dict[str, torch.Tensor] = {}
     targets: set[str] = set()
-    skipped: list[str] = []
+    skipped: dict[str, list[str]] = {}
     for name, module in peft_model.named_modules():
         if not isinstance(module, LoraLayer) or "default" not in module.lora_A:
             continue
@@ -106,7 +125,7 @@ def vllm_tensors(peft_model: Any) -> tuple[dict[str, Any], list[str], list[str]]
             param = module.get_base_layer().get_parameter(module.parameter_name)
             owner = _owner(name)
             if param.ndim != 3 or module.parameter_name not in _FUSED:
-                skipped.append(f"{owner}.{module.parameter_name}")
+                skipped.setdefault(_NOT_VERIFIED, []).append(f"{owner}.{module.parameter_name}")
                 continue
             n_exp = param.shape[0]
             a_e, b_e = unstack_lora_a(a, n_exp), unstack_lora_b(b, n_exp)
@@ -120,8 +139,9 @@ def vllm_tensors(peft_model: Any) -> tuple[dict[str, Any], list[str], list[str]]
                     targets.add(proj)
         else:
             owner = name.removeprefix("base_model.model.")
-            if owner.rsplit(".", 1)[-1] not in VLLM_MODULES:
-                skipped.append(owner)
+            leaf = owner.rsplit(".", 1)[-1]
+            if leaf not in allowed:
+                skipped.setdefault(_VLLM_NOT_APPLIED.get(leaf, _NOT_VERIFIED), []).append(owner)
                 continue
             out[f"base_model.model.{owner}.lora_A.weight"] = a.contiguous().clone()
             out[f"base_model.model.{owner}.lora_B.weight"] = b.contiguous().clone()
@@ -133,7 +153,7 @@ def export(
     checkpoint: Path, fmt: str, output: Path, *, model: str | None = None,
     max_shard_size: str = "2GB",
 ) -> list[str]:
-    """Write ``checkpoint`` to ``output`` in format ``fmt``; returns notes for the user.
+    """Write ``checkpoint`` to ``output`` in format ``fmt``; returns warnings for the user.
 
     Raises:
         FinetuneError: for an unknown format, an existing output, or a bad checkpoint.
@@ -167,9 +187,10 @@ def export(
     output.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(output / "adapter_model.safetensors"), metadata={"format": "pt"})
     (output / "adapter_config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
-    if skipped:
-        notes.append("left out of the vLLM export (LoRA on them is not verified to load in "
-                     "vLLM): " + ", ".join(skipped) + " (--format merged keeps them)")
+    for reason, modules in skipped.items():
+        notes.append(f"LoRA on {len(modules)} trained module(s) is left out of the vLLM export "
+                     f"({reason}): " + ", ".join(modules) + "; --format merged or --format "
+                     "peft keeps them")
     return notes
 
 
@@ -187,6 +208,7 @@ def export_main(argv: Sequence[str] | None = None) -> int:
     except FinetuneError as exc:
         return report_error(exc, debug=ns.debug)
     for note in notes:
-        print(f"note: {note}")
+        # A trained part that the export does not carry is a warning, on stderr.
+        print(f"warning: {note}", file=sys.stderr)
     print(f"exported {ns.format}: {ns.output}")
     return 0

@@ -16,7 +16,8 @@ from moe_experts.finetune.data import ByteTokenizer, encode_text
 from moe_experts.finetune.errors import FinetuneError
 from moe_experts.finetune.tokenizer import save_byte_tokenizer
 
-__all__ = ["BUILTIN_MODELS", "LoadedModel", "builtin_model_dir", "load_model"]
+__all__ = ["BUILTIN_MODELS", "LoadedModel", "builtin_model_dir", "load_model",
+           "pretrained_class"]
 
 # Small enough to train on two CPU cores in well under a minute, large enough to have real
 # routing (8 experts, top-2) and every kind of layer the toolkit adapts.
@@ -95,13 +96,42 @@ def builtin_model_dir(name: str) -> Path:
     return target
 
 
+def pretrained_class(source: Path) -> Any:
+    """The transformers auto class that loads ``source`` with its language-model head.
+
+    ``AutoModelForCausalLM`` where transformers maps the checkpoint's ``model_type`` to a causal
+    LM; a multimodal checkpoint that it maps only to an image-text-to-text model (Qwen3-VL-MoE,
+    GLM-4.5V, Aria) gets ``AutoModelForImageTextToText``: the whole model loads, vision tower
+    included and frozen, and trains on text (it is called with ``input_ids`` only).
+
+    Args:
+        source: a local Hugging Face model directory.
+
+    Returns:
+        ``AutoModelForCausalLM`` or ``AutoModelForImageTextToText``.
+    """
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+    )
+
+    from moe_experts.architectures import _checkpoint_model_type
+
+    model_type = _checkpoint_model_type(source)
+    if (model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+            and model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES):
+        return AutoModelForImageTextToText
+    return AutoModelForCausalLM
+
+
 def load_model(model: str, *, dtype: torch.dtype = torch.float32) -> LoadedModel:
     """Load a built-in model name or a local Hugging Face directory, with its tokenizer.
 
     Raises:
         FinetuneError: if the path does not exist or holds no loadable causal LM.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     builtin = model in BUILTIN_MODELS
     if builtin:
@@ -113,11 +143,18 @@ def load_model(model: str, *, dtype: torch.dtype = torch.float32) -> LoadedModel
                 f"--model {model}: not a built-in model ({', '.join(BUILTIN_MODELS)}) and not a "
                 "local Hugging Face model directory (no config.json there)"
             )
+    from moe_experts import UnsupportedModelError, find_architecture
+    from moe_experts.architectures import _checkpoint_model_type, require_transformers
+
     try:
-        lm = AutoModelForCausalLM.from_pretrained(source, dtype=dtype)
+        # Before transformers parses the config: an old release does not know a new type.
+        require_transformers(_checkpoint_model_type(source))
+    except UnsupportedModelError as exc:
+        raise FinetuneError(f"--model {model}: {exc}") from exc
+    try:
+        lm = pretrained_class(source).from_pretrained(source, dtype=dtype)
     except (OSError, ValueError, KeyError) as exc:
         raise FinetuneError(f"--model {model}: transformers could not load it: {exc}") from exc
-    from moe_experts import UnsupportedModelError, find_architecture
 
     try:
         find_architecture(lm)

@@ -108,6 +108,7 @@ def run_finetune(args: FinetuneArgs, stop: StopRequest | None = None) -> Finetun
     """
     import moe_experts
     from lora_core import LoraTargetError, rebind_parameters
+    from moe_experts.errors import WrapError
 
     lora_config(args)  # a bad lora setting fails before the data and the model load
     samples, eval_samples = _read_samples(args)  # bad records fail before the model loads
@@ -116,6 +117,15 @@ def run_finetune(args: FinetuneArgs, stop: StopRequest | None = None) -> Finetun
     args = resolve_targets(args, loaded.model)  # "auto" targets: this model's routers, attention
     lora = lora_config(args)
     torch.manual_seed(args.seed)
+    try:
+        wrapped = moe_experts.wrap(loaded.model, weight_dtype=args.weight_dtype,
+                                   share_experts=args.share_experts)
+    except WrapError as exc:  # e.g. no memory for the shared copy: names the fix
+        raise FinetuneError(f"--model {args.model}: {exc}") from exc
+    if ranks.rank == 0 and ranks.world > 1:
+        copies = (f"one copy per machine, shared by {wrapped.shared_by} local ranks"
+                  if wrapped.shared_by > 1 else "one copy per rank")
+        print(f"frozen experts: {copies}", file=sys.stderr)
     try:
         result = moe_experts.adapt_model(loaded.model, lora, weight_dtype=args.weight_dtype)
     except LoraTargetError as exc:  # a target the user wrote that this model does not have

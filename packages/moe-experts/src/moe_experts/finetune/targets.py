@@ -12,6 +12,15 @@ known:
 
 Entries the user writes are kept as written, so a target that matches nothing is still the
 clear ``LoraTargetError`` of lora-core.
+
+Shared experts (and DeepSeek's leading dense MLP layers) get no LoRA by default, although
+PEFT's ``all-linear`` and LLaMA-Factory's ``lora_target: all`` would adapt them: for every
+family whose checkpoints transformers converts from per-expert to fused experts (DeepSeek,
+Qwen2/3-MoE, GLM-4.5, dots1, ERNIE, HunYuan, ...), PEFT's loader rewrites any
+``target_modules`` entry ending in ``gate_proj``/``up_proj``/``down_proj`` into the fused
+experts' parameters and doubles their rank, so such an adapter fails
+``PeftModel.from_pretrained`` (size mismatch on ``mlp.experts.base_layer.lora_A``), and with
+it ``generate`` and ``export``. :func:`check_peft_loadable` refuses those entries by name.
 """
 
 from __future__ import annotations
@@ -25,7 +34,8 @@ from torch import nn
 from moe_experts.finetune.config import FinetuneArgs
 from moe_experts.finetune.errors import FinetuneError
 
-__all__ = ["AUTO", "attention_targets", "model_skeleton", "needs_model", "resolve_targets"]
+__all__ = ["AUTO", "attention_targets", "check_peft_loadable", "model_skeleton", "needs_model",
+           "resolve_targets"]
 
 AUTO = "auto"
 # The projections most LoRA recipes train; kept as the targets wherever an attention module has
@@ -106,13 +116,50 @@ def needs_model(args: FinetuneArgs) -> bool:
     return any(_has_auto(args.lora.get(k)) for k in ("target_modules", "target_parameters"))
 
 
+def check_peft_loadable(lora: dict[str, Any], model: nn.Module) -> None:
+    """Refuse ``target_modules`` entries that PEFT would load as this family's fused experts.
+
+    Asks the installed PEFT: its transformers-v5 MoE conversion maps ``model_type`` to a table
+    of module names (``gate_proj``, ``up_proj``, ``down_proj``; Mixtral's ``w1``/``w2``/``w3``;
+    ``gate``) that it re-reads as expert parameters, whatever path precedes them.
+
+    Raises:
+        FinetuneError: names the entry, the parameter PEFT would read it as, and the fix.
+    """
+    modules = lora.get("target_modules")
+    if not isinstance(modules, (list, tuple)):
+        return
+    try:
+        from peft.utils.transformers_weight_conversion import (
+            _MODEL_TO_CONVERSION_PATTERN,
+            _MOE_TARGET_MODULE_MAPPING,
+        )
+    except ImportError:  # no PEFT, or one without this conversion: nothing is rewritten
+        return
+    model_type = getattr(getattr(model, "config", None), "model_type", None)
+    rewritten = _MOE_TARGET_MODULE_MAPPING.get(_MODEL_TO_CONVERSION_PATTERN.get(model_type), {})
+    for entry in modules:
+        leaf = str(entry).rpartition(".")[2]
+        if leaf in rewritten:
+            raise FinetuneError(
+                f"lora.target_modules {entry!r}: for {model_type} models PEFT loads a "
+                f"target_modules entry ending in {leaf!r} as the fused experts' "
+                f"{rewritten[leaf]!r} (its transformers-v5 MoE conversion), so "
+                "PeftModel.from_pretrained, generate and export could not load this adapter; "
+                f"remove {entry!r} (the routed experts get LoRA through target_parameters; "
+                "dense and shared-expert MLP projections cannot be adapted loadably for this "
+                "family)")
+
+
 def resolve_targets(args: FinetuneArgs, model: nn.Module) -> FinetuneArgs:
     """``args`` with every :data:`AUTO` in the ``lora`` target lists replaced for ``model``.
 
     Raises:
         FinetuneError: ``auto`` asked for attention targets and the model has none (name the
-            modules to adapt in ``lora.target_modules``).
+            modules to adapt in ``lora.target_modules``), or an entry PEFT would load as the
+            fused experts (:func:`check_peft_loadable`).
     """
+    check_peft_loadable(args.lora, model)
     if not needs_model(args):
         return args
     from moe_experts import UnsupportedModelError, router_targets

@@ -1,0 +1,39 @@
+"""What the loading benchmarks share: the Qwen3-30B-A3B shape and the smaps_rollup reader.
+
+``bench_load.py`` and ``bench_shared.py`` build the same model (real layer dimensions, random
+weights, ``--quick``: 16 experts instead of 128) and read the same per-process memory counters.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+# Qwen3-30B-A3B's layer dimensions (H=2048, I=768, E=128, k=8), vocab cut to 32000.
+SHAPE: dict[str, Any] = {
+    "hidden_size": 2048, "moe_intermediate_size": 768, "num_experts": 128,
+    "num_experts_per_tok": 8, "intermediate_size": 6144, "num_attention_heads": 32,
+    "num_key_value_heads": 4, "head_dim": 128, "vocab_size": 32000,
+    "max_position_embeddings": 4096, "initializer_range": 0.02,
+}
+QUICK: dict[str, Any] = {**SHAPE, "num_experts": 16}
+
+
+def shape(quick: bool) -> dict[str, Any]:
+    """The config overrides of a run: the full shape or the quick one."""
+    return QUICK if quick else SHAPE
+
+
+def config(quick: bool, layers: int) -> Any:
+    """The benchmark's ``Qwen3MoeConfig`` with ``layers`` decoder layers."""
+    from moe_experts.testing import tiny_config
+
+    return tiny_config("qwen3_moe", **shape(quick), num_hidden_layers=layers)
+
+
+def rollup_bytes(field: str) -> int:
+    """One counter of ``/proc/self/smaps_rollup`` (``"Rss"``, ``"Pss"``, ...) in bytes."""
+    with open("/proc/self/smaps_rollup") as f:
+        for line in f:
+            if line.startswith(f"{field}:"):
+                return int(line.split()[1]) * 1024
+    raise RuntimeError(f"no {field} in /proc/self/smaps_rollup")
