@@ -152,6 +152,24 @@ def test_nothing_is_ever_named_and_a_killed_writer_leaves_nothing() -> None:
     assert _memfd_holders(label) == []
 
 
+def test_storage_is_mapped_private_read_only_so_kernels_before_6_7_map_it() -> None:
+    # Linux before 6.7 refuses any MAP_SHARED mapping of a write-sealed memfd (EPERM), even
+    # PROT_READ; a read-only MAP_PRIVATE mapping maps the same page-cache pages (one copy) on
+    # every kernel. /proc/self/maps shows the kind: "r--p", never "r--s".
+    w = _weights("int8", bias=False)
+    label = f"priv{os.getpid()}"
+    made = kk.write_shared(w, label=label)
+    try:
+        mapped = kk.map_shared(made.fd, w.spec, w.format)
+        assert _digest(mapped) == _digest(w)
+        perms = [line.split()[1] for line in Path("/proc/self/maps").read_text().splitlines()
+                 if f"/memfd:ktk-{label} " in line]
+    finally:
+        os.close(made.fd)
+    assert len(perms) == 2, perms  # the writer's own view and the second mapping
+    assert set(perms) == {"r--p"}, perms
+
+
 def test_mismatches_and_misuse_are_refused(tmp_path: Path) -> None:
     w = _weights("int8", bias=False)
     made = kk.write_shared(w)

@@ -197,7 +197,11 @@ def _read_segment(fd: int, what: str, size: int | None = None) -> dict[str, Any]
             "kt_kernel.write_shared"
         )
     try:
-        m = mmap.mmap(fd, real, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        # MAP_PRIVATE, not MAP_SHARED: Linux before 6.7 refuses every shared mapping of a
+        # write-sealed memfd, even a read-only one. A read-only private mapping maps the same
+        # page-cache pages (still one physical copy) and, written through mprotect, would
+        # only copy a page for its own process.
+        m = mmap.mmap(fd, real, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ)
     except OSError as exc:
         raise SharedMemoryError(f"cannot map {what}: {exc}") from exc
     if m[:8] != _MAGIC:
