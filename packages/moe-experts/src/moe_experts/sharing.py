@@ -22,6 +22,7 @@ import secrets
 import signal
 import socket
 import struct
+import sys
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -75,6 +76,12 @@ def default_kernel_threads() -> int | None:
     threads = max(1, (cores or 1) // local)
     kt_kernel.set_num_threads(threads)
     return threads
+
+
+def _supported() -> bool:
+    """Whether this platform has what sharing needs (Linux: memfd, abstract sockets, creds)."""
+    return (sys.platform.startswith("linux") and hasattr(os, "memfd_create")
+            and hasattr(socket, "SO_PEERCRED") and hasattr(socket, "send_fds"))
 
 
 def _address(token: str) -> bytes:
@@ -144,7 +151,9 @@ class ExpertSharing:
 
         Raises:
             WrapError: ``share=True`` under torchrun but the launcher's ranks cannot be
-                matched to their machine's local rank 0, or the local ranks cannot connect.
+                matched to their machine's local rank 0, the platform is not Linux, or the
+                local ranks cannot connect (a reader also refuses a socket that another
+                process than its local rank 0 owns).
         """
         if share is False or (share is None and os.environ.get(SHARE_ENV, "1") == "0"):
             return None
@@ -153,6 +162,14 @@ class ExpertSharing:
         local_world = _local_world()
         if not (dist.is_available() and dist.is_initialized()) or local_world <= 1:
             return None
+        if not _supported():
+            if share:
+                raise WrapError(
+                    "share_experts=True needs Linux (memfd_create, abstract Unix-domain sockets "
+                    "and SO_PEERCRED), which this platform lacks; pass share_experts=False (the "
+                    "finetune CLI's --no-share-experts) to keep one copy per rank"
+                )
+            return None  # every rank of this platform decides alike: one copy per rank
         group = None if "gloo" in str(dist.get_backend()) else dist.new_group(backend="gloo")
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         token = secrets.token_hex(8)
@@ -192,7 +209,7 @@ class ExpertSharing:
                 readers = {peers[r][2] for r, w in enumerate(writers) if w == rank and r != rank}
                 sharing.conns = _accept(listener, readers)
             else:
-                sharing.conns = [_connect(sharing.token)]
+                sharing.conns = [_connect(sharing.token, peers[writer_rank][2])]
         except (OSError, WrapError) as exc:
             error = exc
         finally:
@@ -326,15 +343,25 @@ def _accept(listener: socket.socket | None, readers: set[int]) -> list[socket.so
     return conns
 
 
-def _connect(token: str) -> socket.socket:
-    """A reader's connection to its machine's local rank 0."""
+def _connect(token: str, writer_pid: int) -> socket.socket:
+    """A reader's connection to its machine's local rank 0 (pid ``writer_pid``), checked."""
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
     conn.settimeout(SOCKET_TIMEOUT)
     try:
         conn.connect(_address(token))
+        pid, uid, _ = _PEERCRED.unpack(
+            conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
     except OSError:
         conn.close()
         raise
+    # Abstract names have no permissions and are listed in /proc/net/unix: once local rank 0
+    # stops listening anyone may bind its name, and must not feed this rank expert weights.
+    if pid != writer_pid or uid != os.getuid():
+        conn.close()
+        raise WrapError(
+            f"the socket {_address(token)[1:].decode()!r} belongs to pid {pid} (uid {uid}), "
+            f"not local rank 0 (pid {writer_pid}); another process took its name"
+        )
     return conn
 
 
