@@ -246,3 +246,25 @@ def test_kernel_thread_count_is_its_own_and_does_not_change_results(kt) -> None:
                          env={**os.environ, "KT_KERNEL_THREADS": "5"}, capture_output=True,
                          text=True, timeout=120, check=False)
     assert out.stdout.strip() == "5", out.stderr
+
+
+def test_without_memfd_kt_kernel_imports_and_write_shared_is_one_clear_error() -> None:
+    # macOS and the BSDs have fcntl without the F_SEAL_* constants and no os.memfd_create:
+    # kt_kernel must still import (sharing is optional), and write_shared says why it cannot.
+    code = textwrap.dedent("""
+        import fcntl, os
+        for name in [n for n in dir(fcntl) if n.startswith("F_SEAL_") or n.endswith("_SEALS")]:
+            delattr(fcntl, name)
+        del os.memfd_create
+        import torch, kt_kernel as kk
+        w = kk.ExpertWeights.from_fused(kk.ExpertSpec(2, 16, 8), torch.ones(2, 16, 16),
+                                        torch.ones(2, 16, 8))
+        try:
+            kk.write_shared(w)
+        except kk.SharedMemoryError as exc:
+            print("ERROR", exc)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, check=False)
+    assert out.returncode == 0, out.stderr
+    assert "ERROR shared expert storage needs Linux" in out.stdout, out.stdout
