@@ -25,7 +25,14 @@ import torch
 import kt_kernel
 import moe_experts
 from moe_experts.errors import WrapError
-from moe_experts.sharing import PAUSE_ENV, _address, _connect, default_kernel_threads
+from moe_experts.sharing import (
+    PAUSE_ENV,
+    _accept,
+    _address,
+    _connect,
+    _listen,
+    default_kernel_threads,
+)
 
 WORKER = Path(__file__).with_name("shm_worker.py")
 SHM = Path("/dev/shm")
@@ -325,3 +332,25 @@ def test_without_memfd_sharing_falls_back_to_a_copy_per_rank_or_one_clear_error(
     assert "default None" in out.stdout, out.stdout
     assert "forced share_experts=True needs Linux" in out.stdout, out.stdout
     assert "share_experts=False" in out.stdout
+
+
+@pytest.mark.timeout(60)  # SOCKET_TIMEOUT is 300 s: a wait not tied to the death would hang
+def test_local_rank_0_stops_waiting_for_a_rank_that_died_before_connecting() -> None:
+    token = f"dead{os.getpid()}"
+    listener = _listen(token, 2)
+    assert listener is not None
+    alive = subprocess.Popen([sys.executable, "-c", f"""
+import socket
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+s.connect({_address(token)!r})
+s.recv(1)
+"""])
+    dead = subprocess.Popen([sys.executable, "-c", "import os; os._exit(3)"])
+    dead.wait(timeout=60)
+    try:
+        with pytest.raises(WrapError, match=f"pid \\[{dead.pid}\\] exited before connecting"):
+            _accept(listener, {alive.pid, dead.pid})
+    finally:
+        listener.close()
+        alive.kill()
+        alive.wait(timeout=60)

@@ -23,6 +23,7 @@ import signal
 import socket
 import struct
 import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -42,6 +43,7 @@ PAUSE_ENV = "MOE_EXPERTS_TEST_PAUSE_AFTER_CREATE"
 # Seconds a rank waits for its machine's other ranks to connect or for a block's descriptor;
 # the collectives before each hand-over already wait for local rank 0 to build the block.
 SOCKET_TIMEOUT = 300.0
+_POLL = 0.5  # seconds between local rank 0's checks that the ranks it waits for still run
 _FIX = ("or keep one copy per rank: share_experts=False, MOE_EXPERTS_SHARE_EXPERTS=0, or the "
         "finetune CLI's --no-share-experts")
 _PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
@@ -325,9 +327,22 @@ def _accept(listener: socket.socket | None, readers: set[int]) -> list[socket.so
         raise WrapError("local rank 0 has no socket to hand the shared experts over")
     conns: list[socket.socket] = []
     waiting = set(readers)
+    deadline = time.monotonic() + SOCKET_TIMEOUT
+    listener.settimeout(_POLL)
     try:
         while waiting:
-            conn, _ = listener.accept()
+            try:
+                conn, _ = listener.accept()
+            except TimeoutError:
+                # A reader that died before connecting never will: say so now, not at the
+                # deadline (its pid is in this namespace, checked by detect).
+                gone = sorted(pid for pid in waiting if not _alive(pid))
+                if gone:
+                    raise WrapError(f"the local rank(s) with pid {gone} exited before "
+                                    "connecting to local rank 0") from None
+                if time.monotonic() > deadline:
+                    raise
+                continue
             pid, uid, _ = _PEERCRED.unpack(
                 conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
             if pid not in waiting or uid != os.getuid():
@@ -341,6 +356,23 @@ def _accept(listener: socket.socket | None, readers: set[int]) -> list[socket.so
             conn.close()
         raise
     return conns
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie does not: it is dead, only not yet reaped)."""
+    try:
+        stat = open(f"/proc/{pid}/stat").read()  # noqa: SIM115 (tiny read)
+    except FileNotFoundError:
+        return False
+    except OSError:  # no procfs: ask the kernel whether the pid exists
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except OSError:
+            pass
+        return True
+    return stat.rpartition(")")[2].split()[:1] not in (["Z"], ["X"])
 
 
 def _connect(token: str, writer_pid: int) -> socket.socket:
