@@ -152,6 +152,24 @@ def test_nothing_is_ever_named_and_a_killed_writer_leaves_nothing() -> None:
     assert _memfd_holders(label) == []
 
 
+def test_storage_is_mapped_private_read_only_so_kernels_before_6_7_map_it() -> None:
+    # Linux before 6.7 refuses any MAP_SHARED mapping of a write-sealed memfd (EPERM), even
+    # PROT_READ; a read-only MAP_PRIVATE mapping maps the same page-cache pages (one copy) on
+    # every kernel. /proc/self/maps shows the kind: "r--p", never "r--s".
+    w = _weights("int8", bias=False)
+    label = f"priv{os.getpid()}"
+    made = kk.write_shared(w, label=label)
+    try:
+        mapped = kk.map_shared(made.fd, w.spec, w.format)
+        assert _digest(mapped) == _digest(w)
+        perms = [line.split()[1] for line in Path("/proc/self/maps").read_text().splitlines()
+                 if f"/memfd:ktk-{label} " in line]
+    finally:
+        os.close(made.fd)
+    assert len(perms) == 2, perms  # the writer's own view and the second mapping
+    assert set(perms) == {"r--p"}, perms
+
+
 def test_mismatches_and_misuse_are_refused(tmp_path: Path) -> None:
     w = _weights("int8", bias=False)
     made = kk.write_shared(w)
@@ -228,3 +246,25 @@ def test_kernel_thread_count_is_its_own_and_does_not_change_results(kt) -> None:
                          env={**os.environ, "KT_KERNEL_THREADS": "5"}, capture_output=True,
                          text=True, timeout=120, check=False)
     assert out.stdout.strip() == "5", out.stderr
+
+
+def test_without_memfd_kt_kernel_imports_and_write_shared_is_one_clear_error() -> None:
+    # macOS and the BSDs have fcntl without the F_SEAL_* constants and no os.memfd_create:
+    # kt_kernel must still import (sharing is optional), and write_shared says why it cannot.
+    code = textwrap.dedent("""
+        import fcntl, os
+        for name in [n for n in dir(fcntl) if n.startswith("F_SEAL_") or n.endswith("_SEALS")]:
+            delattr(fcntl, name)
+        del os.memfd_create
+        import torch, kt_kernel as kk
+        w = kk.ExpertWeights.from_fused(kk.ExpertSpec(2, 16, 8), torch.ones(2, 16, 16),
+                                        torch.ones(2, 16, 8))
+        try:
+            kk.write_shared(w)
+        except kk.SharedMemoryError as exc:
+            print("ERROR", exc)
+    """)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                         timeout=120, check=False)
+    assert out.returncode == 0, out.stderr
+    assert "ERROR shared expert storage needs Linux" in out.stdout, out.stdout

@@ -24,7 +24,15 @@ import torch
 
 import kt_kernel
 import moe_experts
-from moe_experts.sharing import PAUSE_ENV, default_kernel_threads
+from moe_experts.errors import WrapError
+from moe_experts.sharing import (
+    PAUSE_ENV,
+    _accept,
+    _address,
+    _connect,
+    _listen,
+    default_kernel_threads,
+)
 
 WORKER = Path(__file__).with_name("shm_worker.py")
 SHM = Path("/dev/shm")
@@ -275,3 +283,74 @@ def test_kernel_threads_default_to_a_share_of_the_cores(monkeypatch: pytest.Monk
         assert default_kernel_threads() is None
     finally:
         kt_kernel.set_num_threads(None)
+
+
+def test_a_reader_refuses_a_socket_its_local_rank_0_does_not_own(tmp_path: Path) -> None:
+    # An abstract socket has no permissions and its name shows in /proc/net/unix: once local
+    # rank 0 has stopped listening (it failed, or its accept timed out) any process may bind
+    # the name. A reader must hand nothing over to, nor map anything from, another process.
+    token = f"impostor{os.getpid()}"
+    other = subprocess.Popen([sys.executable, "-c", "import signal; signal.pause()"])
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as squatter:
+        squatter.bind(_address(token))
+        squatter.listen(1)
+        try:
+            with pytest.raises(WrapError, match=f"pid {os.getpid()}.*not local rank 0"):
+                _connect(token, other.pid)
+        finally:
+            other.kill()
+            other.wait(timeout=60)
+        _connect(token, os.getpid()).close()  # its real owner is accepted
+
+
+_NO_MEMFD = """
+import os, socket, sys
+from datetime import timedelta
+import torch.distributed as dist
+from moe_experts.errors import WrapError
+from moe_experts.sharing import ExpertSharing
+del os.memfd_create  # as on macOS and the BSDs, which also lack SO_PEERCRED
+dist.init_process_group("gloo", init_method=sys.argv[1], rank=0, world_size=1,
+                        timeout=timedelta(seconds=60))
+print("default", ExpertSharing.detect(None))
+try:
+    ExpertSharing.detect(True)
+except WrapError as exc:
+    print("forced", exc)
+dist.destroy_process_group()
+"""
+
+
+def test_without_memfd_sharing_falls_back_to_a_copy_per_rank_or_one_clear_error(
+        tmp_path: Path) -> None:
+    # A one-rank gloo world that reports LOCAL_WORLD_SIZE=2, on a platform without memfd:
+    # by default every rank keeps its own copy; share_experts=True is one clear error.
+    env = {**os.environ, "LOCAL_WORLD_SIZE": "2", "LOCAL_RANK": "0"}
+    out = subprocess.run([sys.executable, "-c", _NO_MEMFD, f"file://{tmp_path / 'rdzv'}"],
+                         capture_output=True, text=True, timeout=120, check=False, env=env)
+    assert out.returncode == 0, out.stderr
+    assert "default None" in out.stdout, out.stdout
+    assert "forced share_experts=True needs Linux" in out.stdout, out.stdout
+    assert "share_experts=False" in out.stdout
+
+
+@pytest.mark.timeout(60)  # SOCKET_TIMEOUT is 300 s: a wait not tied to the death would hang
+def test_local_rank_0_stops_waiting_for_a_rank_that_died_before_connecting() -> None:
+    token = f"dead{os.getpid()}"
+    listener = _listen(token, 2)
+    assert listener is not None
+    alive = subprocess.Popen([sys.executable, "-c", f"""
+import socket
+s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+s.connect({_address(token)!r})
+s.recv(1)
+"""])
+    dead = subprocess.Popen([sys.executable, "-c", "import os; os._exit(3)"])
+    dead.wait(timeout=60)
+    try:
+        with pytest.raises(WrapError, match=f"pid \\[{dead.pid}\\] exited before connecting"):
+            _accept(listener, {alive.pid, dead.pid})
+    finally:
+        listener.close()
+        alive.kill()
+        alive.wait(timeout=60)

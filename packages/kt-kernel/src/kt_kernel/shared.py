@@ -22,7 +22,6 @@ every tensor's dtype, shape and offset, the quantisation report), then every ten
 
 from __future__ import annotations
 
-import fcntl
 import json
 import mmap
 import os
@@ -39,6 +38,11 @@ from kt_kernel.quant import ProjectionQuantError, QuantizationReport
 from kt_kernel.spec import ExpertSpec
 from kt_kernel.weights import ExpertWeights
 
+try:
+    import fcntl
+except ImportError:  # Windows: no shared storage, but kt_kernel itself still imports
+    fcntl = None  # type: ignore[assignment]
+
 __all__ = ["SharedExperts", "SharedMemoryError", "map_shared", "write_shared"]
 
 _MAGIC = b"KTKSHM01"
@@ -46,7 +50,11 @@ _ALIGN = 4096
 # Shown in /proc/<pid>/fd and /proc/<pid>/maps as "/memfd:ktk-<label> (deleted)".
 MEMFD_PREFIX = "ktk-"
 # Readers may rely on these: the pages can neither change nor shrink under a mapping.
-_SEALS = fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SEAL
+# Linux only (memfd seals); elsewhere 0 and write_shared/map_shared refuse with one error.
+_SEALS = (fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SEAL
+          if hasattr(fcntl, "F_ADD_SEALS") and hasattr(os, "memfd_create") else 0)
+_UNSUPPORTED = ("shared expert storage needs Linux (memfd_create and file seals), which this "
+                "platform lacks; keep one copy of the experts per process instead")
 
 
 class SharedMemoryError(KernelInputError):
@@ -110,8 +118,11 @@ def write_shared(weights: ExpertWeights, *, label: str = "experts") -> SharedExp
 
     Raises:
         SharedMemoryError: the memory cannot be created or reserved (the message says how much
-            was needed, where it is charged and how to make room).
+            was needed, where it is charged and how to make room), or the platform is not
+            Linux.
     """
+    if not _SEALS:
+        raise SharedMemoryError(_UNSUPPORTED)
     entries = _entries(weights)
     table: list[dict[str, Any]] = []
     offset = 0
@@ -179,6 +190,8 @@ def _available_bytes() -> int:
 def _read_segment(fd: int, what: str, size: int | None = None) -> dict[str, Any]:
     """Map ``fd`` read-only (the mapping keeps its own reference to the file): the header,
     with its tensors under ``"_tensors"``."""
+    if not _SEALS:
+        raise SharedMemoryError(_UNSUPPORTED)
     try:
         real = os.fstat(fd).st_size
     except OSError as exc:
@@ -197,7 +210,11 @@ def _read_segment(fd: int, what: str, size: int | None = None) -> dict[str, Any]
             "kt_kernel.write_shared"
         )
     try:
-        m = mmap.mmap(fd, real, flags=mmap.MAP_SHARED, prot=mmap.PROT_READ)
+        # MAP_PRIVATE, not MAP_SHARED: Linux before 6.7 refuses every shared mapping of a
+        # write-sealed memfd, even a read-only one. A read-only private mapping maps the same
+        # page-cache pages (still one physical copy) and, written through mprotect, would
+        # only copy a page for its own process.
+        m = mmap.mmap(fd, real, flags=mmap.MAP_PRIVATE, prot=mmap.PROT_READ)
     except OSError as exc:
         raise SharedMemoryError(f"cannot map {what}: {exc}") from exc
     if m[:8] != _MAGIC:
@@ -268,7 +285,7 @@ def map_shared(source: int | str | os.PathLike[str], spec: ExpertSpec,
 
     Raises:
         SharedMemoryError: the storage cannot be opened, is corrupt or unsealed, or holds other
-            shapes or another format.
+            shapes or another format, or the platform is not Linux.
     """
     if isinstance(source, int):
         return _assemble(_read_segment(source, f"shared expert storage (fd {source})"), spec,

@@ -22,6 +22,8 @@ import secrets
 import signal
 import socket
 import struct
+import sys
+import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
@@ -41,6 +43,7 @@ PAUSE_ENV = "MOE_EXPERTS_TEST_PAUSE_AFTER_CREATE"
 # Seconds a rank waits for its machine's other ranks to connect or for a block's descriptor;
 # the collectives before each hand-over already wait for local rank 0 to build the block.
 SOCKET_TIMEOUT = 300.0
+_POLL = 0.5  # seconds between local rank 0's checks that the ranks it waits for still run
 _FIX = ("or keep one copy per rank: share_experts=False, MOE_EXPERTS_SHARE_EXPERTS=0, or the "
         "finetune CLI's --no-share-experts")
 _PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
@@ -75,6 +78,12 @@ def default_kernel_threads() -> int | None:
     threads = max(1, (cores or 1) // local)
     kt_kernel.set_num_threads(threads)
     return threads
+
+
+def _supported() -> bool:
+    """Whether this platform has what sharing needs (Linux: memfd, abstract sockets, creds)."""
+    return (sys.platform.startswith("linux") and hasattr(os, "memfd_create")
+            and hasattr(socket, "SO_PEERCRED") and hasattr(socket, "send_fds"))
 
 
 def _address(token: str) -> bytes:
@@ -144,7 +153,9 @@ class ExpertSharing:
 
         Raises:
             WrapError: ``share=True`` under torchrun but the launcher's ranks cannot be
-                matched to their machine's local rank 0, or the local ranks cannot connect.
+                matched to their machine's local rank 0, the platform is not Linux, or the
+                local ranks cannot connect (a reader also refuses a socket that another
+                process than its local rank 0 owns).
         """
         if share is False or (share is None and os.environ.get(SHARE_ENV, "1") == "0"):
             return None
@@ -153,6 +164,14 @@ class ExpertSharing:
         local_world = _local_world()
         if not (dist.is_available() and dist.is_initialized()) or local_world <= 1:
             return None
+        if not _supported():
+            if share:
+                raise WrapError(
+                    "share_experts=True needs Linux (memfd_create, abstract Unix-domain sockets "
+                    "and SO_PEERCRED), which this platform lacks; pass share_experts=False (the "
+                    "finetune CLI's --no-share-experts) to keep one copy per rank"
+                )
+            return None  # every rank of this platform decides alike: one copy per rank
         group = None if "gloo" in str(dist.get_backend()) else dist.new_group(backend="gloo")
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         token = secrets.token_hex(8)
@@ -192,7 +211,7 @@ class ExpertSharing:
                 readers = {peers[r][2] for r, w in enumerate(writers) if w == rank and r != rank}
                 sharing.conns = _accept(listener, readers)
             else:
-                sharing.conns = [_connect(sharing.token)]
+                sharing.conns = [_connect(sharing.token, peers[writer_rank][2])]
         except (OSError, WrapError) as exc:
             error = exc
         finally:
@@ -308,9 +327,22 @@ def _accept(listener: socket.socket | None, readers: set[int]) -> list[socket.so
         raise WrapError("local rank 0 has no socket to hand the shared experts over")
     conns: list[socket.socket] = []
     waiting = set(readers)
+    deadline = time.monotonic() + SOCKET_TIMEOUT
+    listener.settimeout(_POLL)
     try:
         while waiting:
-            conn, _ = listener.accept()
+            try:
+                conn, _ = listener.accept()
+            except TimeoutError:
+                # A reader that died before connecting never will: say so now, not at the
+                # deadline (its pid is in this namespace, checked by detect).
+                gone = sorted(pid for pid in waiting if not _alive(pid))
+                if gone:
+                    raise WrapError(f"the local rank(s) with pid {gone} exited before "
+                                    "connecting to local rank 0") from None
+                if time.monotonic() > deadline:
+                    raise
+                continue
             pid, uid, _ = _PEERCRED.unpack(
                 conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
             if pid not in waiting or uid != os.getuid():
@@ -326,15 +358,42 @@ def _accept(listener: socket.socket | None, readers: set[int]) -> list[socket.so
     return conns
 
 
-def _connect(token: str) -> socket.socket:
-    """A reader's connection to its machine's local rank 0."""
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` runs (a zombie does not: it is dead, only not yet reaped)."""
+    try:
+        stat = open(f"/proc/{pid}/stat").read()  # noqa: SIM115 (tiny read)
+    except FileNotFoundError:
+        return False
+    except OSError:  # no procfs: ask the kernel whether the pid exists
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        except OSError:
+            pass
+        return True
+    return stat.rpartition(")")[2].split()[:1] not in (["Z"], ["X"])
+
+
+def _connect(token: str, writer_pid: int) -> socket.socket:
+    """A reader's connection to its machine's local rank 0 (pid ``writer_pid``), checked."""
     conn = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
     conn.settimeout(SOCKET_TIMEOUT)
     try:
         conn.connect(_address(token))
+        pid, uid, _ = _PEERCRED.unpack(
+            conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
     except OSError:
         conn.close()
         raise
+    # Abstract names have no permissions and are listed in /proc/net/unix: once local rank 0
+    # stops listening anyone may bind its name, and must not feed this rank expert weights.
+    if pid != writer_pid or uid != os.getuid():
+        conn.close()
+        raise WrapError(
+            f"the socket {_address(token)[1:].decode()!r} belongs to pid {pid} (uid {uid}), "
+            f"not local rank 0 (pid {writer_pid}); another process took its name"
+        )
     return conn
 
 
