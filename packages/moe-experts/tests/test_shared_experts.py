@@ -337,8 +337,8 @@ def test_without_memfd_sharing_falls_back_to_a_copy_per_rank_or_one_clear_error(
 @pytest.mark.timeout(60)  # SOCKET_TIMEOUT is 300 s: a wait not tied to the death would hang
 def test_local_rank_0_stops_waiting_for_a_rank_that_died_before_connecting() -> None:
     token = f"dead{os.getpid()}"
-    listener = _listen(token, 2)
-    assert listener is not None
+    listener, why = _listen(token, 2)
+    assert listener is not None, why
     alive = subprocess.Popen([sys.executable, "-c", f"""
 import socket
 s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
@@ -354,3 +354,16 @@ s.recv(1)
         listener.close()
         alive.kill()
         alive.wait(timeout=60)
+
+
+def test_a_socket_that_cannot_be_opened_says_why() -> None:
+    """The reason travels to every rank's error (here: the abstract name is already taken)."""
+    token = f"taken{os.getpid()}"
+    first, why = _listen(token, 2)
+    assert first is not None, why
+    try:
+        second, why = _listen(token, 2)
+        assert second is None
+        assert "Address already in use" in why, why
+    finally:
+        first.close()

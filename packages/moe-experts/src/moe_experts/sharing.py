@@ -98,16 +98,17 @@ def _pid_namespace() -> int:
         return 0
 
 
-def _listen(token: str, backlog: int) -> socket.socket | None:
+def _listen(token: str, backlog: int) -> tuple[socket.socket | None, str]:
+    """The writer's listening socket, or ``None`` and the reason it could not be opened."""
     sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM | socket.SOCK_CLOEXEC)
     try:
         sock.bind(_address(token))
         sock.listen(backlog)
-    except OSError:
+    except OSError as exc:
         sock.close()
-        return None
+        return None, f"{type(exc).__name__}: {exc}"
     sock.settimeout(SOCKET_TIMEOUT)
-    return sock
+    return sock, ""
 
 
 def _pause_for_tests(block: int, label: str) -> None:
@@ -176,9 +177,9 @@ class ExpertSharing:
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         token = secrets.token_hex(8)
         # The writer listens before anyone can learn its address, so a connect never races.
-        listener = _listen(token, local_world) if local_rank == 0 else None
-        me = (socket.gethostname(), _pid_namespace(), os.getpid(), token, local_rank,
-              listener is not None)
+        listener, why = _listen(token, local_world) if local_rank == 0 else (None, "")
+        # The last field: why this local rank 0 has no socket ("" when it has one).
+        me = (socket.gethostname(), _pid_namespace(), os.getpid(), token, local_rank, why)
         peers: list[Any] = [None] * dist.get_world_size()
         dist.all_gather_object(peers, me, group=group)
         # Every rank decides from the same table, so all ranks share or none does.
@@ -202,10 +203,12 @@ class ExpertSharing:
                       local_ranks=writers.count(writer_rank))
         error: BaseException | None = None
         try:
-            if not all(peers[w][5] for w in set(writers)):
+            failed = sorted((w, peers[w][5]) for w in set(writers) if peers[w][5])
+            if failed:
+                w, why = failed[0]
                 raise WrapError(
-                    "a local rank 0 could not open its Unix-domain socket (abstract namespace) "
-                    f"to hand the shared experts over; {_FIX}"
+                    f"local rank 0 (rank {w}) could not open its Unix-domain socket (abstract "
+                    f"namespace) to hand the shared experts over ({why}); {_FIX}"
                 )
             if sharing.writer:
                 readers = {peers[r][2] for r, w in enumerate(writers) if w == rank and r != rank}
