@@ -6,7 +6,9 @@ from __future__ import annotations
 import ctypes
 import fcntl
 import hashlib
+import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -194,6 +196,39 @@ def test_mismatches_and_misuse_are_refused(tmp_path: Path) -> None:
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
                     | fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SEAL)
         with pytest.raises(kk.SharedMemoryError, match="bad magic"):
+            kk.map_shared(fd, w.spec, w.format)
+    finally:
+        os.close(fd)
+
+
+def _sealed(header: dict, size: int = 8192) -> int:
+    """A sealed memfd with the right magic and ``header`` (not made by write_shared)."""
+    body = json.dumps(header).encode()
+    blob = b"KTKSHM01" + len(body).to_bytes(8, "little") + body
+    fd = os.memfd_create("ktk-forged", os.MFD_ALLOW_SEALING)
+    os.write(fd, blob + b"\0" * (size - len(blob)))
+    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
+                | fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SEAL)
+    return fd
+
+
+@pytest.mark.parametrize(("header", "needle"), [
+    ({"format": "int8", "shape": [E, H, I]}, "KeyError: 'tensors'"),
+    ({"tensors": []}, "no 'format'"),
+    ({"format": "int8", "shape": [E, H, I],
+      "tensors": [{"name": "x", "dtype": "Tensor", "shape": [2], "offset": 0}]}, "TypeError"),
+    ({"format": "int8", "shape": [E, H, I],
+      "tensors": [{"name": "x", "dtype": "nosuch", "shape": [2], "offset": 0}]}, "AttributeError"),
+    ({"format": "int8", "shape": [E, H, I],
+      "tensors": [{"name": "x", "dtype": "float32", "shape": [2], "offset": -8192}]},
+     "runs past the end"),
+])
+def test_a_malformed_header_is_one_clear_error(header: dict, needle: str) -> None:
+    """Storage with the right magic but a broken header never raises a raw KeyError."""
+    w = _weights("int8", bias=False)
+    fd = _sealed(header)
+    try:
+        with pytest.raises(kk.SharedMemoryError, match=re.escape(needle)):
             kk.map_shared(fd, w.spec, w.format)
     finally:
         os.close(fd)

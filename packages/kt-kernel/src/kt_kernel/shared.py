@@ -228,20 +228,38 @@ def _read_segment(fd: int, what: str, size: int | None = None) -> dict[str, Any]
     with warnings.catch_warnings():
         # The pages are read-only on purpose: the kernel never writes its base weights.
         warnings.filterwarnings("ignore", message="The given buffer is not writable")
-        tensors: dict[str, torch.Tensor] = {}
-        for row in header["tensors"]:
-            dtype = getattr(torch, row["dtype"])
-            count = 1
-            for d in row["shape"]:
-                count *= d
-            start = data_start + row["offset"]
-            if start + count * dtype.itemsize > real:
-                raise SharedMemoryError(f"{what}: tensor {row['name']} runs past the end")
-            flat = torch.frombuffer(m, dtype=torch.uint8, count=count * dtype.itemsize,
-                                    offset=start) if count else torch.empty(0, dtype=torch.uint8)
-            tensors[row["name"]] = flat.view(dtype).view(row["shape"])
-    header["_tensors"] = tensors
+        try:
+            header["_tensors"] = _tensor_table(m, header, data_start, real, what)
+        except (KeyError, TypeError, ValueError, AttributeError) as exc:
+            # Only storage not made by write_shared gets here (the readers check the seals).
+            raise SharedMemoryError(
+                f"{what} has a malformed header ({type(exc).__name__}: {exc}); map only storage "
+                "made by kt_kernel.write_shared of the same kt-kernel version"
+            ) from exc
+    for key in ("format", "shape"):
+        if key not in header:
+            raise SharedMemoryError(f"{what} has a malformed header: no {key!r}")
     return header
+
+
+def _tensor_table(m: mmap.mmap, header: dict[str, Any], data_start: int, real: int,
+                  what: str) -> dict[str, torch.Tensor]:
+    """The header's tensors as read-only views of the mapping, each checked to fit in it."""
+    tensors: dict[str, torch.Tensor] = {}
+    for row in header["tensors"]:
+        dtype = getattr(torch, row["dtype"])
+        if not isinstance(dtype, torch.dtype):
+            raise TypeError(f"tensor {row['name']!r} has dtype {row['dtype']!r}")
+        count = 1
+        for d in row["shape"]:
+            count *= int(d)
+        start = data_start + int(row["offset"])
+        if count < 0 or start < data_start or start + count * dtype.itemsize > real:
+            raise SharedMemoryError(f"{what}: tensor {row['name']} runs past the end")
+        flat = torch.frombuffer(m, dtype=torch.uint8, count=count * dtype.itemsize,
+                                offset=start) if count else torch.empty(0, dtype=torch.uint8)
+        tensors[row["name"]] = flat.view(dtype).view(row["shape"])
+    return tensors
 
 
 def _assemble(header: dict[str, Any], spec: ExpertSpec, fmt: WeightFormat,
