@@ -1,7 +1,7 @@
 """Benchmark every expert weight format (bf16, int8, int4, fp8) on the same weights, one process.
 
-Usage: ``python bench_formats.py --out DIR [--quick] [--reps N] [--tokens T ...]``. Writes
-``DIR/bench_formats.json`` and ``DIR/bench_formats.md``.
+Usage: ``python bench_formats.py --out DIR [--quick] [--reps N] [--tokens T ...]
+[--experts E]``. Writes ``DIR/bench_formats.json`` and ``DIR/bench_formats.md``.
 
 1. The bf16 matmul peak: a square bf16 ``torch.mm`` (best of 3), GFLOP/s, with the same
    threads, measured at the start and again at the end (the larger is the peak: the cores are
@@ -9,15 +9,17 @@ Usage: ``python bench_formats.py --out DIR [--quick] [--reps N] [--tokens T ...]
 2. Accuracy at the smallest T: forward ``y``, ``dx`` and the LoRA gradients of the native op
    on each base against the plain-PyTorch reference in fp32 on the original (unquantised)
    weights; relative Frobenius errors.
-3. Qwen3-30B-A3B's expert layer (H=2048, I=768, E=128, k=8; r=16 LoRA; ``--quick``: H=1024,
-   I=384, E=32) at T in {64, 2048}: forward+backward of ``moe_experts_forward`` (bf16 compute,
+3. The medium shape of the format targets (Qwen3-30B-A3B's expert width, H=2048, I=768, with
+   E=64, k=8; r=16 LoRA; ``--experts 128`` for the whole Qwen3-30B-A3B layer; ``--quick``:
+   H=1024, I=384, E=32) at T in {64, 512, 2048}: forward+backward of ``moe_experts_forward`` (bf16 compute,
    fused bf16 LoRA, policy save) on each format, plus the bf16 base with GPT-OSS's
    ``ClampedSwiGLU(1.702, 7.0)`` in place of SwiGLU; repetitions interleaved with the order
    rotated each round (``_timing.interleaved``); medians of wall time and of process CPU time.
    GFLOP/s counts the base and LoRA GEMMs of forward and backward, and is compared to the peak.
    Every expert has its own memory, but only 8 have their own random values (the rest copy
-   them): drawing and quantising 128 real-size experts takes minutes on 2 shared cores, and
-   no kernel's speed depends on the values.
+   them): drawing and quantising 64-128 real-size experts takes minutes on 2 shared cores, and
+   no kernel's speed depends on the values. At T=64 an expert sees about 8 rows: INT4 takes
+   its small-row product there (no tile; ``torch.ops.kt_kernel.gemv_rows()``).
 4. Per format, the kernel's per-phase thread CPU time summed over the timed reps
    (``torch.ops.kt_kernel.profile``): where each format's time goes; ``dequantize`` is the tile
    loader's share inside the two GEMM phases of each projection.
@@ -38,8 +40,8 @@ import _timing as tm
 
 import kt_kernel as kk
 
-# (name, H, I, E, k, r, token counts)
-QWEN3_30B = ("qwen3-30b-a3b", 2048, 768, 128, 8, 16, (64, 2048))
+# (name, H, I, E, k, r, token counts); MEDIUM is the shape the targets are stated for.
+MEDIUM = ("medium", 2048, 768, 64, 8, 16, (64, 512, 2048))
 QUICK = ("quick", 1024, 384, 32, 8, 16, (64, 512))
 FORMATS = ("bf16", "int8", "int4", "fp8")
 DISTINCT = 8  # experts with their own random values; the rest repeat them (own memory)
@@ -336,8 +338,13 @@ def main() -> None:
     """Parse the options, run, write JSON and markdown."""
     ap = tm.parser(__doc__)
     ap.add_argument("--tokens", type=int, nargs="+", default=None, help="token counts to time")
+    ap.add_argument("--experts", type=int, default=None, help="experts E (a multiple of 8)")
     args = ap.parse_args()
-    shape = QUICK if args.quick else QWEN3_30B
+    shape = QUICK if args.quick else MEDIUM
+    if args.experts is not None:
+        if args.experts < DISTINCT or args.experts % DISTINCT:
+            ap.error(f"--experts must be a positive multiple of {DISTINCT}, got {args.experts}")
+        shape = (f"{shape[0]}-e{args.experts}", *shape[1:3], args.experts, *shape[4:])
     tokens = tuple(args.tokens or shape[-1])
     reps = args.reps or (2 if args.quick else 3)
     peak_size = 2048 if args.quick else 4096

@@ -166,15 +166,7 @@ KT_FMT_AVX2 void row_f32_avx2(const RowArgs& a) { row_avx2_impl<false>(a); }
 KT_FMT_AVX2 void row_bf16_avx2(const RowArgs& a) { row_avx2_impl<true>(a); }
 #endif
 
-const RowFns<RowFn>& rows_table() {
-  static const RowFns<RowFn> t = pick_rows<RowFn>({row_f32_scalar, row_bf16_scalar,
-#ifdef KT_FMT_SIMD
-                                                   row_f32_avx2, row_bf16_avx2, row_f32_avx512,
-                                                   row_bf16_avx512, row_bf16_avx512bf16
-#endif
-  });
-  return t;
-}
+KT_ROW_TABLE(RowFn)
 
 void load_fp8(const ExpertView& w, int64_t row0, int64_t col0, int64_t rows, int64_t cols,
               c10::ScalarType dt, void* out, int64_t ldo) {

@@ -1,5 +1,5 @@
 // What the INT4 and FP8 tile loaders (format_int4.cpp, format_fp8.cpp) share: the choice of
-// their per-row routines by ISA (pick_rows) and small SIMD helpers.
+// their per-row routines by ISA (pick_rows, KT_ROW_TABLE) and small SIMD helpers.
 // The extension is built without -march=native: every SIMD function carries a GCC target
 // attribute and is only called where isa_level() allows it.
 #pragma once
@@ -42,6 +42,25 @@ RowFns<Fn> pick_rows(const RowPaths<Fn>& p) {
 
 }  // namespace formats
 }  // namespace kt_kernel
+
+// Defines `const RowFns<RowFn>& rows_table()`, the routines of this process picked once by
+// pick_rows, for a loader whose row routines are named row_{f32,bf16}_{scalar,avx2,avx512}
+// and row_bf16_avx512bf16 (the SIMD ones only where KT_FMT_SIMD is defined).
+#if defined(__x86_64__) && defined(__GNUC__)
+#define KT_ROW_TABLE(RowFn)                                                                 \
+  const RowFns<RowFn>& rows_table() {                                                       \
+    static const RowFns<RowFn> t = pick_rows<RowFn>(                                        \
+        {row_f32_scalar, row_bf16_scalar, row_f32_avx2, row_bf16_avx2, row_f32_avx512,      \
+         row_bf16_avx512, row_bf16_avx512bf16});                                           \
+    return t;                                                                               \
+  }
+#else
+#define KT_ROW_TABLE(RowFn)                                                                 \
+  const RowFns<RowFn>& rows_table() {                                                       \
+    static const RowFns<RowFn> t = pick_rows<RowFn>({row_f32_scalar, row_bf16_scalar});     \
+    return t;                                                                               \
+  }
+#endif
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #define KT_FMT_SIMD 1

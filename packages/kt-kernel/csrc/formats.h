@@ -75,6 +75,18 @@ struct ExpertView {
 using TileLoader = void (*)(const ExpertView& w, int64_t row0, int64_t col0, int64_t rows,
                             int64_t cols, c10::ScalarType out_dtype, void* out, int64_t ldo);
 
+// Optional small-row product, for the few rows per expert of small batches: the same products
+// as a tile loader followed by a GEMM, without the tile (its weights decoded in registers):
+//   nn == false: out[r, i] = sum_j in[r, j] * W_e[i, j]   (in [m, K], out [m, N]: x W^T)
+//   nn == true:  out[r, j] = sum_i in[r, i] * W_e[i, j]   (in [m, N], out [m, K]: dy W)
+// for r < m; in and out are out_dtype rows (float or bf16 bits) with row strides ldi and ldo.
+// Each weight is formed exactly as the loader forms it, sums are fp32 in an order fixed by
+// the shape alone (never by the thread count); every ISA path computes in fp32, though not
+// necessarily with the same summation order (the oracle tests bound them, as for GEMMs).
+// The op calls it for tasks of at most gemv_rows() rows (moe_common.h).
+using GemvFn = void (*)(const ExpertView& w, bool nn, const void* in, int64_t ldi, int64_t m,
+                        c10::ScalarType out_dtype, void* out, int64_t ldo);
+
 // Validate a projection's parts against the logical [experts, n, k]: count, dtype,
 // contiguity, every size. Throw with TORCH_CHECK naming `what` ("gate_up" or "down") and
 // the part, e.g. "gate_up part 1 (scale) must be a contiguous float32 [E=8, 64] tensor, got ...".
@@ -88,6 +100,7 @@ struct Format {
   Checker check;
   TileLoader load;   // nullptr only for "dense": its GEMMs read the storage itself
   int64_t row_pad;   // each expert's row block is padded to a multiple of this (8 or 16)
+  GemvFn gemv = nullptr;  // optional: the small-row product (tile + GEMM when absent)
 };
 
 // Adds `f` to the registry (at library load, through KT_REGISTER_FORMAT); returns true.

@@ -113,6 +113,19 @@ inline int64_t tile_elems() {
   return v;
 }
 
+// Rows of a task up to which a format's small-row product (Format::gemv) replaces tile + GEMM.
+// Overridable for tuning and tests: KT_KERNEL_GEMV_ROWS (0: never; read once) or
+// set_gemv_rows() (torch.ops.kt_kernel.set_gemv_rows; a negative value restores the default).
+constexpr int64_t kDefaultGemvRows = 24;
+inline std::atomic<int64_t>& gemv_rows_setting() {
+  static std::atomic<int64_t> v{[] {
+    const char* s = std::getenv("KT_KERNEL_GEMV_ROWS");
+    return s ? std::max<int64_t>(0, std::atoll(s)) : kDefaultGemvRows;
+  }()};
+  return v;
+}
+inline int64_t gemv_rows() { return gemv_rows_setting().load(std::memory_order_relaxed); }
+
 // A per-thread scratch tile; only one is alive per thread at a time (dequantise, GEMM, next).
 inline at::Tensor scratch_tile(int64_t rows, int64_t cols, at::ScalarType dt) {
   thread_local std::vector<char> buf;
@@ -162,6 +175,11 @@ struct Projection {
     }
     const auto dt = in.scalar_type();
     const formats::ExpertView v = view(e);
+    if (small(in, out)) {
+      fmt->gemv(v, false, in.data_ptr(), in.stride(0), in.size(0), dt, out.data_ptr(),
+                out.stride(0));
+      return;
+    }
     const int64_t nt = tile_extent(n, k);
     for (int64_t n0 = 0; n0 < n; n0 += nt) {
       const int64_t len = std::min(nt, n - n0);
@@ -180,6 +198,11 @@ struct Projection {
     }
     const auto dt = in.scalar_type();
     const formats::ExpertView v = view(e);
+    if (small(in, out)) {
+      fmt->gemv(v, true, in.data_ptr(), in.stride(0), in.size(0), dt, out.data_ptr(),
+                out.stride(0));
+      return;
+    }
     const int64_t ct = tile_extent(k, n);
     for (int64_t c0 = 0; c0 < k; c0 += ct) {
       const int64_t len = std::min(ct, k - c0);
@@ -191,6 +214,12 @@ struct Projection {
   }
 
  private:
+  // Whether this product goes through the format's small-row routine (rows of unit stride).
+  bool small(const at::Tensor& in, const at::Tensor& out) const {
+    return fmt->gemv != nullptr && in.size(0) <= gemv_rows() && in.stride(1) == 1 &&
+           out.stride(1) == 1 && in.scalar_type() == out.scalar_type();
+  }
+
   void load(const formats::ExpertView& v, int64_t row0, int64_t col0, int64_t rows,
             int64_t cols, at::ScalarType dt, void* out, int64_t ldo) const {
     const int64_t t0 = load_ns ? thread_ns() : 0;
@@ -426,4 +455,14 @@ inline at::Tensor scatter(const at::Tensor& src, const at::Tensor& pos, const at
 }
 
 }  // namespace common
+
+// Test-facing entries (format_ops.cpp), registered with the op: W_e[row0 : row0 + rows,
+// col0 : col0 + cols] of every expert through the format's tile loader, and one expert's
+// product as the op computes it.
+at::Tensor dequantize_tile(const std::string& format, const std::vector<at::Tensor>& parts,
+                           int64_t n, int64_t k, int64_t row0, int64_t col0, int64_t rows,
+                           int64_t cols, at::ScalarType dtype);
+at::Tensor project(const std::string& format, const std::vector<at::Tensor>& parts, int64_t n,
+                   int64_t k, int64_t expert, const at::Tensor& in, bool nn);
+
 }  // namespace kt_kernel

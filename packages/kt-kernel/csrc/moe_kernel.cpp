@@ -522,35 +522,6 @@ std::tuple<at::Tensor, at::Tensor, std::vector<at::Tensor>> backward(
   return {dx, dw, grads};
 }
 
-// W_e[row0 : row0 + rows, col0 : col0 + cols] of every expert through the format's tile loader
-// (or a copy for dense): for tests of each loader against its Python `dequantize`.
-at::Tensor dequantize_tile(const std::string& format, const std::vector<at::Tensor>& parts,
-                           int64_t n, int64_t k, int64_t row0, int64_t col0, int64_t rows,
-                           int64_t cols, at::ScalarType dtype) {
-  const formats::Format& f = formats::find_format(format);
-  TORCH_CHECK_VALUE(!parts.empty() && parts[0].defined() && parts[0].dim() >= 1,
-                    "parts must be the format's tensors");
-  const int64_t e_count = parts[0].size(0);
-  f.check(parts, e_count, n, k, "parts");
-  TORCH_CHECK_VALUE(row0 >= 0 && rows > 0 && row0 + rows <= n && col0 >= 0 && cols > 0 &&
-                        col0 + cols <= k,
-                    "tile [", row0, ":", row0 + rows, ", ", col0, ":", col0 + cols,
-                    "] out of range of [", n, ", ", k, "]");
-  TORCH_CHECK_TYPE(dtype == at::kFloat || dtype == at::kBFloat16 ||
-                       (f.load == nullptr && dtype == at::kDouble),
-                   "dtype must be float32 or bfloat16, got ", dtype);
-  if (f.load == nullptr) {
-    return parts[0].narrow(1, row0, rows).narrow(2, col0, cols).to(dtype).contiguous();
-  }
-  at::Tensor out = at::empty({e_count, rows, cols}, at::TensorOptions().dtype(dtype));
-  Projection p{&f, parts, e_count, n, k};
-  for (int64_t e = 0; e < e_count; ++e) {
-    char* dst = static_cast<char*>(out.data_ptr()) + e * rows * cols * out.element_size();
-    f.load(p.view(e), row0, col0, rows, cols, dtype, dst, cols);
-  }
-  return out;
-}
-
 std::vector<std::string> cpu_features() {
   std::vector<std::string> out;
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -593,6 +564,11 @@ TORCH_LIBRARY(kt_kernel, m) {
   m.def("forward", &kt_kernel::forward);
   m.def("backward", &kt_kernel::backward);
   m.def("dequantize_tile", &kt_kernel::dequantize_tile);
+  m.def("project", &kt_kernel::project);
+  m.def("set_gemv_rows", [](int64_t n) {
+    kt_kernel::common::gemv_rows_setting().store(n >= 0 ? n : kt_kernel::common::kDefaultGemvRows);
+  });
+  m.def("gemv_rows", []() { return kt_kernel::common::gemv_rows(); });
   m.def("isa", []() { return std::string(kt_kernel::isa_name(kt_kernel::isa_level())); });
   m.def("int8_isa", []() { return kt_kernel::formats::int8_isa(); });
   m.def("formats", []() { return kt_kernel::formats::format_names(); });
