@@ -247,6 +247,36 @@ def test_shipped_chat_dataset_renders(tok) -> None:
         assert not all(ex.train)
 
 
+@pytest.mark.parametrize("prompt", ["What is the opposite of hot?", "What color is the sky?"])
+def test_generate_prompt_is_the_training_prompt_of_the_demo(tok, prompt: str) -> None:
+    """`moe-experts generate` feeds exactly the tokens training puts before the reply."""
+    from moe_experts.finetune.generate import prompt_ids
+
+    ids = prompt_ids(tok, prompt)
+    examples = [ex for ex in load_examples(chat_demo_path(), tok)
+                if list(ex.ids[:len(ids)]) == ids]
+    assert examples, f"the demo prompt {prompt!r} is not a training prompt of the demo data"
+    for ex in examples:
+        assert not any(ex.train[:len(ids)])
+        assert ex.train[len(ids)]
+
+
+def test_a_conversation_that_fits_a_row_is_never_cut(tok) -> None:
+    """Packed chat rows hold whole conversations, each with all its reply targets."""
+    examples = load_examples(chat_demo_path(), tok)
+    seq_len = 128
+    packed = PackedBatches.from_examples(examples, seq_len=seq_len, batch_size=1, seed=0)
+    assert packed.targets is not None
+    assert int(packed.targets.sum()) == sum(sum(ex.train) for ex in examples)
+    rows = {tuple(r) for r in packed.rows.tolist()}
+    fitting = [ex for ex in examples if len(ex.ids) <= seq_len + 1]
+    assert len(fitting) >= 30
+    for ex in fitting:
+        # Each conversation that fits appears whole inside one row.
+        assert any(any(row[i:i + len(ex.ids)] == ex.ids for i in range(len(row)))
+                   for row in rows), tok.decode(list(ex.ids))
+
+
 def _tiny_model():
     from transformers import AutoConfig
 

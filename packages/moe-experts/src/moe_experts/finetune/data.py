@@ -304,6 +304,8 @@ def causal_lm_loss(
 class PackedBatches:
     """Examples concatenated and cut into rows of ``seq_len + 1`` tokens.
 
+    An example with untrained tokens (a prompt) that fits in one row is never cut across two.
+
     Batch ``step`` is a pure function of (seed, step): rows are drawn from a permutation per
     epoch seeded by ``seed + epoch``, so a resumed run sees exactly the batches it would have.
     """
@@ -322,11 +324,25 @@ class PackedBatches:
         ids: list[int] = []
         train: list[bool] = []
         pos: list[int] = []
+        width = seq_len + 1
         for ex in examples:
+            room = width - len(ids) % width
+            if not all(ex.train) and room < len(ex.ids) <= width:
+                # A reply cut off from its prompt would be learned without its question, so a
+                # conversation that fits in one row starts a new one; the gap is padding that
+                # starts an example at every token (position 0): no attention and no loss.
+                ids.extend([0] * room)
+                train.extend([False] * room)
+                pos.extend([0] * room)
             ids.extend(ex.ids)
             train.extend(ex.train)
             pos.extend(range(len(ex.ids)))
-        width = seq_len + 1
+        tail = len(ids) % width
+        if tail and examples and not all(examples[-1].train) and len(examples[-1].ids) <= tail:
+            # The last conversation is whole in the last row: pad that row rather than drop it.
+            ids.extend([0] * (width - tail))
+            train.extend([False] * (width - tail))
+            pos.extend([0] * (width - tail))
         n_rows = len(ids) // width
         if n_rows < 1:
             raise FinetuneError(
