@@ -349,10 +349,17 @@ def require_transformers(model_type: str | None) -> None:
     Raises:
         TransformersVersionError: names the family, both versions and the pip command.
     """
+    spec = _by_model_type(model_type)
+    if spec is not None:
+        spec.check_transformers()
+
+
+def _by_model_type(model_type: str | None) -> MoEArchitecture | None:
+    """The registered family that lists ``model_type``, or ``None``."""
     for spec in ARCHITECTURES.values():
         if model_type in spec.model_types:
-            spec.check_transformers()
-            return
+            return spec
+    return None
 
 
 def _checkpoint_model_type(directory: Any) -> str | None:
@@ -415,10 +422,10 @@ def find_architecture(model: nn.Module) -> MoEArchitecture:
             f"model_type={model_type!r} is not supported by moe-experts: "
             f"{UNSUPPORTED_FAMILIES[model_type]}"
         )
-    for spec in ARCHITECTURES.values():
-        if model_type in spec.model_types:
-            spec.check_transformers()
-            return spec
+    spec = _by_model_type(model_type)
+    if spec is not None:
+        spec.check_transformers()
+        return spec
     classes = {type(m) for m in model.modules()}
     for spec in ARCHITECTURES.values():
         try:
