@@ -1,4 +1,5 @@
-"""What the loading benchmarks share: the Qwen3-30B-A3B shape and the smaps_rollup reader.
+"""What the loading benchmarks share: the Qwen3-30B-A3B shape, the smaps_rollup reader and
+the JSON + Markdown results writer.
 
 ``bench_load.py`` and ``bench_shared.py`` build the same model (real layer dimensions, random
 weights, ``--quick``: 16 experts instead of 128) and read the same per-process memory counters.
@@ -6,6 +7,9 @@ weights, ``--quick``: 16 experts instead of 128) and read the same per-process m
 
 from __future__ import annotations
 
+import json
+from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 # Qwen3-30B-A3B's layer dimensions (H=2048, I=768, E=128, k=8), vocab cut to 32000.
@@ -37,3 +41,15 @@ def rollup_bytes(field: str) -> int:
             if line.startswith(f"{field}:"):
                 return int(line.split()[1]) * 1024
     raise RuntimeError(f"no {field} in /proc/self/smaps_rollup")
+
+
+def write_results(out: Path, stem: str, meta: dict[str, Any], rows: list[dict[str, Any]],
+                  title: str, header: list[str], cells: Callable[[dict[str, Any]], list[str]]
+                  ) -> None:
+    """Write ``out/stem.json`` (meta and rows) and ``out/stem.md`` (a titled table), print it."""
+    (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
+    lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]
+    lines += ["| " + " | ".join(cells(r)) + " |" for r in rows]
+    table = "\n".join([title, "", *lines])
+    (out / f"{stem}.md").write_text(table + "\n")
+    print(table)

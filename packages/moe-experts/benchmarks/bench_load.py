@@ -30,7 +30,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling _common module
-from _common import config, rollup_bytes, shape
+from _common import config, rollup_bytes, shape, write_results
 
 VARIANTS = ("from_pretrained+wrap", "load_pretrained", "load_pretrained fp8")
 # Kernel bytes per expert weight: bf16, or E4M3 plus one fp32 scale per 128x128 block.
@@ -144,20 +144,18 @@ def main() -> None:
         r["peak_vs_from_pretrained"] = ref["peak_mib"] / r["peak_mib"]
     meta = {"layers": layers, "quick": args.quick, "shape": shape(args.quick),
             "targets": {"peak_over_final": 1.15, "peak_vs_from_pretrained": 2.0}}
-    (args.out / "bench_load.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
-    lines = ["| variant | load s | peak MiB | final MiB | peak/final | x less peak than "
-             "from_pretrained+wrap | kernel MiB (arith.) | dense MiB |",
-             "|---|---|---|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(
-            f"| {r['variant']} | {r['seconds']:.1f} | {r['peak_mib']:.0f} | {r['final_mib']:.0f} "
-            f"| {r['peak_over_final']:.2f} | {r['peak_vs_from_pretrained']:.2f} | "
-            f"{r['kernel_mib']:.0f} ({r['kernel_arithmetic_mib']:.0f}) | {r['dense_mib']:.0f} |"
-        )
-    table = "\n".join([f"Qwen3-30B-A3B-shaped, {layers} layer(s), bf16 and FP8-block "
-                       "checkpoints (RSS above the post-import baseline)", "", *lines])
-    (args.out / "bench_load.md").write_text(table + "\n")
-    print(table)
+    write_results(
+        args.out, "bench_load", meta, rows,
+        f"Qwen3-30B-A3B-shaped, {layers} layer(s), bf16 and FP8-block checkpoints (RSS above "
+        "the post-import baseline)",
+        ["variant", "load s", "peak MiB", "final MiB", "peak/final",
+         "x less peak than from_pretrained+wrap", "kernel MiB (arith.)", "dense MiB"],
+        lambda r: [r["variant"], f"{r['seconds']:.1f}", f"{r['peak_mib']:.0f}",
+                   f"{r['final_mib']:.0f}", f"{r['peak_over_final']:.2f}",
+                   f"{r['peak_vs_from_pretrained']:.2f}",
+                   f"{r['kernel_mib']:.0f} ({r['kernel_arithmetic_mib']:.0f})",
+                   f"{r['dense_mib']:.0f}"],
+    )
 
 
 if __name__ == "__main__":

@@ -32,7 +32,7 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling _common module
-from _common import config, rollup_bytes, shape
+from _common import config, rollup_bytes, shape, write_results
 
 VARIANTS = {"shared": "1", "per-rank": "0"}
 
@@ -146,19 +146,16 @@ def main() -> None:
     meta = {"layers": layers, "quick": args.quick, "ranks": 2,
             "shape": shape(args.quick),
             "targets": {"shared segment_pss_over_one_copy": 1.15}}
-    (args.out / "bench_shared.json").write_text(json.dumps({"meta": meta, "rows": rows},
-                                                           indent=2))
-    lines = ["| variant | one copy MiB | summed PSS of the shared storage MiB (x one copy) | "
-             "summed PSS growth less dense MiB (x one copy) | load s |", "|---|---|---|---|---|"]
-    for r in rows:
-        lines.append(
-            f"| {r['variant']} | {r['one_copy_mib']:.0f} | {r['segment_pss_mib']:.0f} "
-            f"({r['segment_pss_over_one_copy']:.3f}) | {r['pss_growth_mib']:.0f} "
-            f"({r['pss_growth_over_one_copy']:.3f}) | {r['load_seconds']:.1f} |")
-    table = "\n".join([f"Qwen3-30B-A3B-shaped, {layers} layer(s), bf16 experts, 2 local ranks "
-                       "(torchrun, gloo)", "", *lines])
-    (args.out / "bench_shared.md").write_text(table + "\n")
-    print(table)
+    write_results(
+        args.out, "bench_shared", meta, rows,
+        f"Qwen3-30B-A3B-shaped, {layers} layer(s), bf16 experts, 2 local ranks (torchrun, gloo)",
+        ["variant", "one copy MiB", "summed PSS of the shared storage MiB (x one copy)",
+         "summed PSS growth less dense MiB (x one copy)", "load s"],
+        lambda r: [r["variant"], f"{r['one_copy_mib']:.0f}",
+                   f"{r['segment_pss_mib']:.0f} ({r['segment_pss_over_one_copy']:.3f})",
+                   f"{r['pss_growth_mib']:.0f} ({r['pss_growth_over_one_copy']:.3f})",
+                   f"{r['load_seconds']:.1f}"],
+    )
 
 
 if __name__ == "__main__":
