@@ -325,24 +325,26 @@ class PackedBatches:
         train: list[bool] = []
         pos: list[int] = []
         width = seq_len + 1
+
+        def pad(n: int) -> None:
+            ids.extend([0] * n)
+            train.extend([False] * n)
+            pos.extend([0] * n)
+
         for ex in examples:
             room = width - len(ids) % width
             if not all(ex.train) and room < len(ex.ids) <= width:
                 # A reply cut off from its prompt would be learned without its question, so a
                 # conversation that fits in one row starts a new one; the gap is padding that
                 # starts an example at every token (position 0): no attention and no loss.
-                ids.extend([0] * room)
-                train.extend([False] * room)
-                pos.extend([0] * room)
+                pad(room)
             ids.extend(ex.ids)
             train.extend(ex.train)
             pos.extend(range(len(ex.ids)))
         tail = len(ids) % width
         if tail and examples and not all(examples[-1].train) and len(examples[-1].ids) <= tail:
             # The last conversation is whole in the last row: pad that row rather than drop it.
-            ids.extend([0] * (width - tail))
-            train.extend([False] * (width - tail))
-            pos.extend([0] * (width - tail))
+            pad(width - tail)
         n_rows = len(ids) // width
         if n_rows < 1:
             raise FinetuneError(
