@@ -10,6 +10,12 @@ descriptor, local rank 0 has handed it over); ``train`` after its first training
 test pauses local rank 0 right after it creates a block's storage through
 ``MOE_EXPERTS_TEST_PAUSE_AFTER_CREATE`` and SIGKILLs it there.) ``nomem`` caps local rank 0's
 file size (RLIMIT_FSIZE) below one block, as a machine without the memory would refuse it.
+
+CRASH ``fail`` expects the build to raise (the test hands over a checkpoint with a bad tensor)
+and records each rank's error and the descriptors it opened meanwhile; ``fail-install`` makes
+local rank 1 alone fail to install the last block it loaded (after the block was shared),
+``fail-selfcheck`` makes it alone refuse the first block's self-check in ``wrap``: a failure
+outside the hand-over, which the other rank must learn about instead of waiting for it.
 """
 
 from __future__ import annotations
@@ -96,10 +102,67 @@ def shared_mappings() -> list[dict]:
     return out
 
 
+def open_fds() -> dict[int, str]:
+    """This process's open descriptors: number -> what it is."""
+    out = {}
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            out[int(fd)] = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:  # the directory listing's own descriptor, closed meanwhile
+            continue
+    return out
+
+
+def inject_failure(crash: str) -> None:
+    """Make this rank alone fail outside the hand-over (``fail-install``/``fail-selfcheck``)."""
+    if crash == "fail-install":
+        import moe_experts.loading as loading
+
+        real_install, calls = loading._install, []
+
+        def install(site, *args, **kwargs):
+            calls.append(site.experts_name)
+            if len(calls) == 2:  # the last block: the other rank has left its loop by now
+                raise moe_experts.LoadError(f"{site.experts_name}: injected install failure")
+            return real_install(site, *args, **kwargs)
+
+        loading._install = install
+    elif crash == "fail-selfcheck":
+        import moe_experts.wrapping as wrapping
+
+        def refuse(name, *args, **kwargs):
+            raise moe_experts.SelfCheckError(f"{name}: injected self-check failure")
+
+        wrapping.self_check_block = refuse
+
+
+def expect_failure(model_dir: Path, out_dir: Path, mode: str, crash: str) -> None:
+    """Build, expecting an error; record it and the descriptors left open by the failure."""
+    rank, local_rank = dist.get_rank(), int(os.environ["LOCAL_RANK"])
+    if local_rank == 1:
+        inject_failure(crash)
+    before = open_fds()
+    error = None
+    try:
+        build(model_dir, mode)
+    except Exception as exc:  # the test checks its type and message
+        error = {"type": type(exc).__name__, "message": str(exc)}
+    after = open_fds()
+    (out_dir / f"rank{rank}.json").write_text(json.dumps({
+        "error": error,
+        "leaked": sorted(target for fd, target in after.items() if before.get(fd) != target),
+    }))
+    dist.barrier()
+    dist.destroy_process_group()
+
+
 def main() -> None:
     model_dir, out_dir, mode = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
     crash = sys.argv[4] if len(sys.argv) > 4 else ""
     dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    if crash.startswith("fail"):
+        expect_failure(model_dir, out_dir, mode, crash)
+        return
     rank, local_rank = dist.get_rank(), int(os.environ["LOCAL_RANK"])
     if crash == "map" and local_rank == 1:
         real, calls = kt_kernel.map_shared, []

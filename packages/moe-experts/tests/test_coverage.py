@@ -100,3 +100,36 @@ def test_check_gradients_flags_non_finite_and_zero(fresh) -> None:
     assert f"{nan_b}: non-finite gradient" in problems
     assert f"{zero_b}: gradient is all zeros" in problems
     assert "model.layers.1.mlp.experts.lora.gate_up_lora_a: gradient is all zeros" in problems
+
+
+def test_check_gradients_pairs_factors_by_owning_module_with_peft(fresh) -> None:
+    """PEFT embedding LoRA and an adapter called ``lora_A``, right after initialisation."""
+    peft = pytest.importorskip("peft")
+    model = peft.get_peft_model(
+        fresh("qwen3_moe"),
+        peft.LoraConfig(r=2, target_modules=["embed_tokens", "q_proj"]),
+        adapter_name="lora_A",
+    )
+    named = dict(model.named_parameters())
+    q_a = "base_model.model.model.layers.0.self_attn.q_proj.lora_A.lora_A.weight"
+    q_b = "base_model.model.model.layers.0.self_attn.q_proj.lora_B.lora_A.weight"
+    emb_a = "base_model.model.model.embed_tokens.lora_embedding_A.lora_A"
+    emb_b = "base_model.model.model.embed_tokens.lora_embedding_B.lora_A"
+    # PEFT's own initialisation: a linear layer's B and an embedding's A start at zero.
+    assert not named[q_b].any()
+    assert named[q_a].any()
+    assert not named[emb_a].any()
+    assert named[emb_b].any()
+    ids = token_batch()
+    model(ids, labels=ids).loss.backward()
+    assert not named[q_a].grad.any()
+    assert not named[emb_b].grad.any()
+    assert check_gradients(model) == ()
+    # Both factors of one adapter at zero can never move: both are reported.
+    model.zero_grad()
+    with torch.no_grad():
+        named[q_a].zero_()
+    model(ids, labels=ids).loss.backward()
+    with pytest.warns(RuntimeWarning, match="2 of"):
+        problems = check_gradients(model, warn_only=True)
+    assert problems == (f"{q_a}: gradient is all zeros", f"{q_b}: gradient is all zeros")

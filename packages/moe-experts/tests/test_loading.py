@@ -13,6 +13,7 @@ from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
 
 from moe_experts import KernelExperts, LoadError, is_placeholder, load_pretrained, wrap
+from moe_experts.architectures import checkpoint_model_type
 from moe_experts.testing import tiny_model
 
 from .conftest import FAMILIES, token_batch
@@ -210,6 +211,32 @@ def test_missing_dense_key_and_files(ckpt_copy, tmp_path: Path) -> None:
     (path / "model.safetensors.index.json").unlink()
     with pytest.raises(LoadError, match=r"neither model\.safetensors\.index\.json nor"):
         load_pretrained(path)
+    (path / "model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(LoadError, match=rf"cannot read {path / 'model.safetensors'} as safet"):
+        load_pretrained(path)
+    (path / "model.safetensors.index.json").write_text(json.dumps({"weight_map": ["x"]}))
+    with pytest.raises(LoadError, match=r"index\.json: 'weight_map' is a JSON list, not an obj"):
+        load_pretrained(path)
+
+
+def test_checkpoint_model_type_reads_config_json_or_names_it(checkpoints, tmp_path: Path) -> None:
+    assert checkpoint_model_type(checkpoints[("olmoe", "fused")]) == "olmoe"
+    config = tmp_path / "config.json"
+    config.write_text(json.dumps({"hidden_size": 8}))
+    assert checkpoint_model_type(tmp_path) is None  # transformers identifies it later
+    with pytest.raises(LoadError, match=f"{tmp_path / 'nothing'} has no config.json"):
+        checkpoint_model_type(tmp_path / "nothing")
+    config.write_text('{"model_type": "olmoe",')
+    with pytest.raises(LoadError, match=rf"{config} is not valid JSON \(Expecting"):
+        checkpoint_model_type(tmp_path)
+    with pytest.raises(LoadError, match=rf"{config} is not valid JSON"):  # load_pretrained too
+        load_pretrained(tmp_path)
+    config.write_text('["olmoe"]')
+    with pytest.raises(LoadError, match=rf"{config} holds a JSON list, not an object"):
+        checkpoint_model_type(tmp_path)
+    config.write_bytes(b"\xff\xfe{}")
+    with pytest.raises(LoadError, match=rf"cannot read {config}: 'utf-8' codec"):
+        checkpoint_model_type(tmp_path)
 
 
 @pytest.mark.skipif(torch.cuda.is_available(), reason="checks the error without a GPU")

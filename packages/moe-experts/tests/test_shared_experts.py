@@ -251,6 +251,67 @@ def test_no_memory_for_the_copy_is_one_clear_error_on_every_rank(
     assert _names() <= before
 
 
+def _failure_run(model_dir: Path, out: Path, mode: str, crash: str) -> list[dict]:
+    """Both ranks' recorded errors and leaked descriptors (the worker catches the error)."""
+    runs = _torchrun(model_dir, out, mode, crash)
+    for run in runs:
+        assert run.returncode == 0, run.stdout[-4000:]
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(2)]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_a_bad_checkpoint_tensor_is_one_clear_error_on_every_rank_and_leaks_nothing(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    """The second block's tensor has the wrong shape: local rank 0 names it, rank 1 says so."""
+    from safetensors.torch import load_file, save_file
+
+    bad = tmp_path / "bad-model"
+    bad.mkdir()
+    for f in model_dir.iterdir():
+        (bad / f.name).write_bytes(f.read_bytes())
+    tensors = load_file(bad / "model.safetensors")
+    key = "model.layers.1.mlp.experts.3.up_proj.weight"
+    tensors[key] = tensors[key][:64].clone()
+    save_file(tensors, bad / "model.safetensors", metadata={"format": "pt"})
+    writer, reader = _failure_run(bad, tmp_path, "load", "fail")
+    assert writer["error"]["type"] == "LoadError", writer
+    assert f"{key!r} has shape [64, 128], the model expects [128, 128]" in \
+        writer["error"]["message"]
+    assert reader["error"]["type"] == "WrapError", reader
+    assert reader["error"]["message"] == (
+        "model.layers.1.mlp.experts: local rank 0 failed to build the shared expert storage; "
+        "its own output says why")
+    # The first block was handed over before the failure: its socket and memfd are closed.
+    assert writer["leaked"] == [], writer
+    assert reader["leaked"] == [], reader
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(("mode", "crash", "raised", "label"), [
+    # After its last block, when rank 0 has already left the loop.
+    ("load", "fail-install", "LoadError", ""),
+    # The first block's self-check, when rank 0 goes on to hand over the second.
+    ("wrap", "fail-selfcheck", "SelfCheckError", "model.layers.1.mlp.experts: "),
+])
+def test_a_failure_on_one_rank_outside_the_hand_over_stops_every_rank(
+    model_dir: Path, tmp_path: Path, mode: str, crash: str, raised: str, label: str
+) -> None:
+    """Local rank 1 alone fails between hand-overs: rank 0 raises instead of waiting for it."""
+    writer, reader = _failure_run(model_dir, tmp_path, mode, crash)
+    assert reader["error"]["type"] == raised, reader
+    assert "injected" in reader["error"]["message"]
+    assert writer["error"] == {
+        "type": "WrapError",
+        "message": f"{label}rank 1 failed while wrapping or loading the shared experts; its "
+                   "own output says why",
+    }, writer
+    assert writer["leaked"] == [], writer
+    assert reader["leaked"] == [], reader
+
+
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_two_nodes_of_two_ranks_one_copy_per_node(model_dir: Path, tmp_path: Path) -> None:
@@ -332,6 +393,44 @@ def test_without_memfd_sharing_falls_back_to_a_copy_per_rank_or_one_clear_error(
     assert "default None" in out.stdout, out.stdout
     assert "forced share_experts=True needs Linux" in out.stdout, out.stdout
     assert "share_experts=False" in out.stdout
+
+
+_ONE_GLOO_GROUP = """
+import os, sys
+from datetime import timedelta
+import torch, torch.distributed as dist
+import torch.distributed.distributed_c10d as c10d
+from moe_experts.sharing import expert_sharing
+backend = dist.get_backend
+# The code path of a NCCL default group (which cannot reduce CPU tensors), on gloo: every
+# collective is real, only the reported backend name differs.
+dist.get_backend = lambda group=None: "nccl" if group is None else backend(group)
+for world in ("first", "second"):
+    dist.init_process_group("gloo", init_method=f"file://{sys.argv[1]}-{world}", rank=0,
+                            world_size=1, timeout=timedelta(seconds=60))
+    before = len(c10d._world.pg_map)
+    groups = []
+    for _ in range(3):
+        with expert_sharing(None) as sharing:
+            groups.append(sharing.group)
+    t = torch.ones(1)
+    dist.all_reduce(t, group=groups[0])
+    print(world, len({id(g) for g in groups}), len(c10d._world.pg_map) - before,
+          backend(groups[0]), groups[0] is not c10d._get_default_group(), id(groups[0]))
+    dist.destroy_process_group()
+"""
+
+
+def test_a_nccl_world_gets_one_gloo_group_for_every_call(tmp_path: Path) -> None:
+    # dist.new_group is a collective of the whole world and torch never frees a group, so
+    # detect() must not make one per wrap/load_pretrained call; a new world gets a new one.
+    env = {**os.environ, "LOCAL_WORLD_SIZE": "2", "LOCAL_RANK": "0"}
+    out = subprocess.run([sys.executable, "-c", _ONE_GLOO_GROUP, str(tmp_path / "rdzv")],
+                         capture_output=True, text=True, timeout=120, check=False, env=env)
+    assert out.returncode == 0, out.stderr[-4000:]
+    lines = [line.split() for line in out.stdout.splitlines()]
+    assert [line[:5] for line in lines] == [["first", "1", "1", "gloo", "True"],
+                                            ["second", "1", "1", "gloo", "True"]], out.stdout
 
 
 @pytest.mark.timeout(60)  # SOCKET_TIMEOUT is 300 s: a wait not tied to the death would hang

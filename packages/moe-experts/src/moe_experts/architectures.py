@@ -14,14 +14,16 @@ from __future__ import annotations
 
 import importlib
 import json
+import os
 from collections.abc import Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any, Literal
 
 import torch
 from torch import nn
 
-from moe_experts.errors import TransformersVersionError, UnsupportedModelError
+from moe_experts.errors import LoadError, TransformersVersionError, UnsupportedModelError
 
 __all__ = [
     "ARCHITECTURES",
@@ -29,6 +31,7 @@ __all__ = [
     "UNSUPPORTED_FAMILIES",
     "MoEArchitecture",
     "MoEBlockSite",
+    "checkpoint_model_type",
     "find_architecture",
     "iter_moe_blocks",
     "require_transformers",
@@ -362,13 +365,40 @@ def _by_model_type(model_type: str | None) -> MoEArchitecture | None:
     return None
 
 
-def _checkpoint_model_type(directory: Any) -> str | None:
-    """``model_type`` of ``directory/config.json`` read as plain JSON, or ``None``."""
+def checkpoint_model_type(directory: str | os.PathLike[str]) -> str | None:
+    """Read ``model_type`` from ``directory/config.json`` as plain JSON, before transformers.
+
+    An old transformers does not know a new family's type; reading it here lets
+    :func:`require_transformers` say which release is needed instead.
+
+    Args:
+        directory: a local Hugging Face model directory.
+
+    Returns:
+        The ``model_type`` string, or ``None`` when the config does not give one (transformers
+        then identifies the model itself).
+
+    Raises:
+        LoadError: ``config.json`` is missing, cannot be read, is not valid JSON or is not a
+            JSON object; the message names the file.
+    """
+    config = Path(directory) / "config.json"
     try:
-        with open(f"{directory}/config.json", encoding="utf-8") as f:
-            model_type = json.load(f).get("model_type")
-    except (OSError, ValueError, AttributeError):
-        return None  # transformers' own loading reports a missing or broken config
+        text = config.read_text(encoding="utf-8")
+    except FileNotFoundError as exc:
+        raise LoadError(f"{directory} has no config.json; pass a directory written by "
+                        "save_pretrained (or a downloaded model)") from exc
+    except (OSError, UnicodeDecodeError) as exc:
+        raise LoadError(f"cannot read {config}: {exc}") from exc
+    try:
+        data = json.loads(text)
+    except ValueError as exc:
+        raise LoadError(f"{config} is not valid JSON ({exc}); re-save the model's config") \
+            from exc
+    if not isinstance(data, dict):
+        raise LoadError(f"{config} holds a JSON {type(data).__name__}, not an object with the "
+                        "model's config; re-save the model's config")
+    model_type = data.get("model_type")
     return model_type if isinstance(model_type, str) else None
 
 

@@ -201,13 +201,30 @@ def coverage_summary(model: nn.Module, result: AdaptationResult, *, max_rows: in
     return "\n".join(lines)
 
 
-def _partner(name: str) -> str | None:
-    """The tensor that multiplies ``name`` in its adapter (A -> B), if the name says so."""
-    if ".lora_A." in name:
-        head, _, tail = name.rpartition(".lora_A.")
-        return f"{head}.lora_B.{tail}"
-    if name.endswith("_lora_a"):
-        return name[: -len("_lora_a")] + "_lora_b"
+# The two factors of one adapter hang off one owning module: lora-core's ``owner.lora_A.weight``,
+# PEFT's ``owner.lora_A.<adapter>.weight`` and ``owner.lora_embedding_A.<adapter>`` (PEFT starts
+# an embedding's A at zero and its B random, the reverse of a linear layer).
+_FACTOR_PAIRS = {"lora_A": "lora_B", "lora_B": "lora_A",
+                 "lora_embedding_A": "lora_embedding_B", "lora_embedding_B": "lora_embedding_A"}
+
+
+def _partner(name: str, values: dict[str, torch.Tensor]) -> str | None:
+    """The trainable tensor that multiplies ``name`` in its adapter, if there is one.
+
+    Paired by the owning module: the factor is the attribute two or three components from the
+    end (after it only PEFT's adapter name and the leaf), so an adapter that is itself called
+    ``lora_A``, several adapters, or a module path that mentions ``lora_A`` pair correctly; a
+    candidate counts only if it is among the trainable tensors.
+    """
+    parts = name.split(".")
+    for depth in (3, 2):
+        if len(parts) > depth and parts[-depth] in _FACTOR_PAIRS:
+            other = ".".join([*parts[:-depth], _FACTOR_PAIRS[parts[-depth]], *parts[1 - depth:]])
+            if other in values:
+                return other
+    for mine, theirs in (("_lora_a", "_lora_b"), ("_lora_b", "_lora_a")):  # kernel buffers
+        if name.endswith(mine) and name[: -len(mine)] + theirs in values:
+            return name[: -len(mine)] + theirs
     if name.endswith((".le_gate", ".le_up")):
         return name.rsplit(".", 1)[0] + ".le_down"
     return None
@@ -223,9 +240,10 @@ def check_gradients(
 ) -> tuple[str, ...]:
     """After a backward, check that every trainable parameter got a finite, non-zero gradient.
 
-    An all-zero gradient is accepted only where it is structural: a LoRA ``A`` (or a LoRA
-    expert's ``le_gate``/``le_up``) whose partner ``B`` (``le_down``) is still exactly zero, as
-    at initialisation, gets zero gradient by construction.
+    An all-zero gradient is accepted only where it is structural: a non-zero LoRA factor whose
+    partner in the same adapter of the same module is still exactly zero gets zero gradient by
+    construction (``A`` while ``B`` is zero, as at initialisation; PEFT's embedding ``B`` while
+    its ``A`` is zero; a LoRA expert's ``le_gate``/``le_up`` while ``le_down`` is zero).
 
     Args:
         source: the :class:`~lora_core.contracts.AdaptationResult` given to the optimizer, or
@@ -252,9 +270,12 @@ def check_gradients(
         if not bool(torch.isfinite(g).all()):
             problems.append(f"{name}: non-finite gradient")
         elif not bool(g.any()):
-            partner = _partner(name)
+            partner = _partner(name, values)
             other = values.get(partner) if partner is not None else None
-            if other is None or bool(_local(other).detach().any()):
+            # Structural only while the partner is zero and this factor is not: with both at
+            # zero neither can ever move.
+            if (other is None or bool(_local(other).detach().any())
+                    or not bool(_local(p).detach().any())):
                 problems.append(f"{name}: gradient is all zeros")
     if problems:
         shown = "\n  ".join(problems[:50])

@@ -28,7 +28,7 @@ from kt_kernel.formats_fp8 import Fp8Block
 from moe_experts._safetensors import Shards
 from moe_experts.architectures import (
     MoEBlockSite,
-    _checkpoint_model_type,
+    checkpoint_model_type,
     find_architecture,
     iter_moe_blocks,
     require_transformers,
@@ -42,7 +42,12 @@ from moe_experts.fp8_checkpoint import (
 )
 from moe_experts.kernel_experts import KernelExperts, Policy
 from moe_experts.memory import trim_host_heap
-from moe_experts.sharing import ExpertSharing, default_kernel_threads, shared_or_local
+from moe_experts.sharing import (
+    ExpertSharing,
+    default_kernel_threads,
+    expert_sharing,
+    shared_or_local,
+)
 from moe_experts.wrapping import _DTYPES, _QUANTISED, WeightDType, _expert_spec, _weight_format
 
 __all__ = ["load_pretrained"]
@@ -80,6 +85,9 @@ def _weight_map(path: Path) -> dict[str, Path]:
             raise LoadError(
                 f"{index} is not a safetensors index (a JSON object with a 'weight_map'): {exc}"
             ) from exc
+        if not isinstance(weight_map, dict):
+            raise LoadError(f"{index}: 'weight_map' is a JSON {type(weight_map).__name__}, not an "
+                            "object of checkpoint key -> shard file; re-save the checkpoint")
         out = {str(k): path / str(v) for k, v in weight_map.items()}
         missing = sorted({str(f) for f in out.values() if not f.is_file()})
         if missing:
@@ -89,8 +97,11 @@ def _weight_map(path: Path) -> dict[str, Path]:
     if single.is_file():
         from safetensors import safe_open
 
-        with safe_open(str(single), framework="pt") as f:
-            return dict.fromkeys(f.keys(), single)
+        try:
+            with safe_open(str(single), framework="pt") as f:
+                return dict.fromkeys(f.keys(), single)
+        except Exception as exc:  # safetensors' SafetensorError derives from Exception only
+            raise LoadError(f"cannot read {single} as safetensors: {exc}") from exc
     raise LoadError(
         f"{path} holds neither {_INDEX} nor {_SINGLE}; load_pretrained reads local safetensors "
         "checkpoints (save them with save_pretrained or download them first)"
@@ -368,6 +379,49 @@ def _fp8_weights(
     return kt_kernel.ExpertWeights.from_parts(spec, Fp8Block(_DTYPES["fp8"]), gu_parts, dn_parts)
 
 
+def _load_block(
+    site: MoEBlockSite,
+    keys: _ExpertKeys,
+    reader: Fp8Reader,
+    storage_name: WeightDType,
+    policy: Policy,
+    sharing: ExpertSharing | None,
+) -> None:
+    """Read one block's experts into kernel storage (shared, when sharing) and install them.
+
+    Dense formats are filled in place (the transient is one expert); int8/int4/fp8 quantise
+    the block. With sharing, only the machine's local rank 0 reads the checkpoint.
+    """
+    arch = site.arch
+    experts = getattr(site.block, arch.experts_attr)
+    meta = {p: getattr(experts, p) for p in arch.stored_shapes(0, 0, 0)}
+    model_dtype = meta[arch.gate_up_param].dtype
+    spec = _expert_spec(site, experts, meta[arch.gate_up_param], meta[arch.down_param])
+    shipped = [*keys.fused.values(), *keys.per_expert.values()]
+    fp8_shipped = storage_name == "fp8" and any(reader.is_fp8(k) for k in shipped)
+    quantised = storage_name in _QUANTISED
+    storage = model_dtype if quantised else _DTYPES[storage_name]
+
+    def build() -> kt_kernel.ExpertWeights:
+        if fp8_shipped:  # the checkpoint's E4M3 bytes and scales, as shipped
+            return _fp8_weights(site, keys, reader, spec)
+        gate_up, down, biases = _assemble(site, keys, reader, meta, storage)
+        gate_up_bias = biases.get(arch.gate_up_bias_param or "")
+        if gate_up_bias is not None:
+            gate_up_bias = arch.kernel_rows(gate_up_bias, dim=1)
+        down_bias = biases.get(arch.down_bias_param or "")
+        if quantised:
+            return kt_kernel.ExpertWeights.from_fused(
+                spec, gate_up, down, dtype=_DTYPES[storage_name], weight_dtype=storage_name,
+                gate_up_bias=gate_up_bias, down_bias=down_bias,
+            )
+        return _adopt_dense(spec, gate_up, down, gate_up_bias, down_bias)
+
+    fmt = _weight_format(storage_name, model_dtype)
+    weights = shared_or_local(sharing, build, spec, fmt, site.experts_name)
+    _install(site, experts, weights, meta, policy)
+
+
 def load_pretrained(
     path: str | Path,
     *,
@@ -434,9 +488,7 @@ def load_pretrained(
             "available accelerator such as 'cuda:0'"
         ) from exc
     path = Path(path)
-    if not (path / "config.json").is_file():
-        raise LoadError(f"{path} has no config.json; pass a save_pretrained directory")
-    require_transformers(_checkpoint_model_type(path))
+    require_transformers(checkpoint_model_type(path))  # LoadError: no readable config.json
     where = _weight_map(path)
     config = AutoConfig.from_pretrained(path)
     quant = getattr(config, "quantization_config", None)
@@ -471,42 +523,13 @@ def load_pretrained(
         else:
             keys.per_expert[slot] = key
 
-    # Experts first, one block at a time, so the meta experts never need storage. Dense
-    # formats are filled in place (the transient is one expert); int8 quantises a block.
-    quantised = storage_name in _QUANTISED
+    # Experts first, one block at a time, so the meta experts never need storage.
     default_kernel_threads()
-    sharing = ExpertSharing.detect(share_experts)  # only its writers read the experts
-    for site in sites:
-        experts = getattr(site.block, arch.experts_attr)
-        meta = {p: getattr(experts, p) for p in arch.stored_shapes(0, 0, 0)}
-        model_dtype = meta[arch.gate_up_param].dtype
-        keys = expert_keys[site.experts_name]
-        spec = _expert_spec(site, experts, meta[arch.gate_up_param], meta[arch.down_param])
-        shipped = [*keys.fused.values(), *keys.per_expert.values()]
-        fp8_shipped = storage_name == "fp8" and any(reader.is_fp8(k) for k in shipped)
-        storage = model_dtype if quantised else _DTYPES[storage_name]
-
-        def build(site=site, keys=keys, meta=meta, storage=storage, spec=spec, fp8=fp8_shipped):
-            if fp8:  # the checkpoint's E4M3 bytes and scales, as shipped
-                return _fp8_weights(site, keys, reader, spec)
-            gate_up, down, biases = _assemble(site, keys, reader, meta, storage)
-            gate_up_bias = biases.get(arch.gate_up_bias_param or "")
-            if gate_up_bias is not None:
-                gate_up_bias = arch.kernel_rows(gate_up_bias, dim=1)
-            down_bias = biases.get(arch.down_bias_param or "")
-            if quantised:
-                return kt_kernel.ExpertWeights.from_fused(
-                    spec, gate_up, down, dtype=_DTYPES[storage_name], weight_dtype=storage_name,
-                    gate_up_bias=gate_up_bias, down_bias=down_bias,
-                )
-            return _adopt_dense(spec, gate_up, down, gate_up_bias, down_bias)
-
-        fmt = _weight_format(storage_name, model_dtype)
-        weights = shared_or_local(sharing, build, spec, fmt, site.experts_name)
-        _install(site, experts, weights, meta, policy)
-        del weights, experts, meta, build
-    if sharing is not None:
-        sharing.close()  # the storage stays mapped; the sockets are done
+    # Every rank leaves the loop together: an error on one is an error on all, sockets closed.
+    with expert_sharing(share_experts) as sharing:  # only its writers read the experts
+        for site in sites:
+            _load_block(site, expert_keys[site.experts_name], reader, storage_name, policy,
+                        sharing)
 
     state = dict(model.named_parameters(remove_duplicate=False))
     state.update(model.named_buffers(remove_duplicate=False))

@@ -11,7 +11,11 @@ abstract namespace (no file either), exists only while the ranks connect, and ac
 the pids of the machine's own ranks. LoRA is not touched: it stays per rank.
 
 Every rank of the world takes part in the same collectives per block, so the writer's failure
-(e.g. no memory for the copy) reaches the other ranks as an error instead of a hang.
+(e.g. no memory for the copy) reaches the other ranks as an error instead of a hang. The
+caller holds the sharing in a ``with`` block (:func:`expert_sharing`) around its loop over the
+blocks: a rank that fails anywhere in the loop, outside :meth:`ExpertSharing.weights` too, joins
+the other ranks' next agreement with its failure on leaving the block, and every path closes
+the sockets.
 """
 
 from __future__ import annotations
@@ -24,8 +28,10 @@ import socket
 import struct
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
+from types import TracebackType
 from typing import Any
 
 import torch
@@ -33,7 +39,13 @@ import torch
 import kt_kernel
 from moe_experts.errors import WrapError
 
-__all__ = ["SHARE_ENV", "ExpertSharing", "default_kernel_threads", "shared_or_local"]
+__all__ = [
+    "SHARE_ENV",
+    "ExpertSharing",
+    "default_kernel_threads",
+    "expert_sharing",
+    "shared_or_local",
+]
 
 # "0" turns sharing off for every wrap/load_pretrained call that does not pass share_experts.
 SHARE_ENV = "MOE_EXPERTS_SHARE_EXPERTS"
@@ -111,6 +123,31 @@ def _listen(token: str, backlog: int) -> tuple[socket.socket | None, str]:
     return sock, ""
 
 
+# The default process group and the gloo group made for the sharing collectives beside it
+# (NCCL cannot reduce CPU tensors). Kept by identity: a world destroyed and initialised again
+# is a new object and gets a new group; the old one is held so that its id is never reused.
+_GLOO_GROUP: list[tuple[Any, Any]] = []
+
+
+def _collective_group() -> Any:
+    """The group of the sharing collectives: ``None`` (the default) where it runs gloo.
+
+    Under another backend (NCCL) one gloo group per default process group, made on first use
+    and reused by every later call: ``new_group`` is a collective of the whole world and torch
+    frees no group before the world is destroyed, so a group per call would pile up.
+    """
+    import torch.distributed as dist
+
+    if "gloo" in str(dist.get_backend()):
+        return None
+    world = dist.group.WORLD
+    if _GLOO_GROUP and _GLOO_GROUP[0][0] is world:
+        return _GLOO_GROUP[0][1]
+    group = dist.new_group(backend="gloo")
+    _GLOO_GROUP[:] = [(world, group)]
+    return group
+
+
 def _pause_for_tests(block: int, label: str) -> None:
     spec = os.environ.get(PAUSE_ENV, "")
     at, _, path = spec.partition(":")
@@ -135,6 +172,7 @@ class ExpertSharing:
         local_ranks: how many ranks of this machine map the storage.
         conns: the writer's connections to the other local ranks, or the reader's one
             connection to the writer.
+        writer_rank: the global rank of this machine's local rank 0.
     """
 
     writer: bool
@@ -142,7 +180,11 @@ class ExpertSharing:
     group: Any
     local_ranks: int
     conns: list[socket.socket] = field(default_factory=list)
+    writer_rank: int = 0
     _count: int = 0
+    # True once every rank knows that this call failed, or the collectives themselves broke:
+    # no further agreement may be attempted (the other ranks will not join it).
+    _settled: bool = False
 
     @classmethod
     def detect(cls, share: bool | None) -> ExpertSharing | None:
@@ -173,7 +215,7 @@ class ExpertSharing:
                     "finetune CLI's --no-share-experts) to keep one copy per rank"
                 )
             return None  # every rank of this platform decides alike: one copy per rank
-        group = None if "gloo" in str(dist.get_backend()) else dist.new_group(backend="gloo")
+        group = _collective_group()
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         token = secrets.token_hex(8)
         # The writer listens before anyone can learn its address, so a connect never races.
@@ -200,7 +242,7 @@ class ExpertSharing:
         rank = dist.get_rank()
         writer_rank = writers[rank]
         sharing = cls(writer=writer_rank == rank, token=peers[writer_rank][3], group=group,
-                      local_ranks=writers.count(writer_rank))
+                      local_ranks=writers.count(writer_rank), writer_rank=writer_rank)
         error: BaseException | None = None
         try:
             failed = sorted((w, peers[w][5]) for w in set(writers) if peers[w][5])
@@ -215,20 +257,25 @@ class ExpertSharing:
                 sharing.conns = _accept(listener, readers)
             else:
                 sharing.conns = [_connect(sharing.token, peers[writer_rank][2])]
-        except (OSError, WrapError) as exc:
+        except Exception as exc:  # every rank must reach the agreement below
             error = exc
         finally:
             if listener is not None:
                 listener.close()  # every reader is connected (or failed): nothing to find
-        if sharing._agree(error is not None):
-            sharing.close()
-            if isinstance(error, WrapError):
-                raise error
-            raise WrapError(
-                "the local ranks could not connect to hand the shared experts over"
-                + (f" ({error})" if error else " (another rank failed; its output says why)")
-                + f"; {_FIX}"
-            ) from error
+        try:
+            if sharing._agree(error is not None) is not None:
+                sharing.close()
+                if isinstance(error, WrapError):
+                    raise error
+                raise WrapError(
+                    "the local ranks could not connect to hand the shared experts over"
+                    + (f" ({error})" if error else " (another rank failed; its output says why)")
+                    + f"; {_FIX}"
+                ) from error
+        finally:
+            # A caught error kept in a local refers to this frame through its traceback: the
+            # cycle would keep what the frames hold (the model, its mapped storage) until a gc.
+            error = None
         return sharing
 
     def close(self) -> None:
@@ -237,13 +284,62 @@ class ExpertSharing:
             conn.close()
         self.conns = []
 
-    def _agree(self, failed: bool) -> bool:
-        """All ranks learn whether any failed (a barrier as well)."""
+    def __enter__(self) -> ExpertSharing:
+        """Hold the sharing for a loop over the blocks (every rank must enter it)."""
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        """Close the sockets; first, every rank learns whether any failed during the loop.
+
+        A rank leaving on an exception the others have not agreed on yet (raised outside
+        :meth:`weights`, or between its two agreements) joins their next agreement with its
+        failure, so they raise too instead of waiting for it forever; a rank that finished its
+        loop learns there whether another failed after the last block.
+
+        Raises:
+            WrapError: this rank finished, but another one failed.
+        """
+        try:
+            if self._settled:
+                return
+            if exc is None:
+                failed = self._agree(False)
+                if failed is not None:
+                    raise WrapError(f"rank {failed} failed while wrapping or loading the shared "
+                                    "experts; its own output says why")
+                return
+            # This rank's own error is the one to report, not a broken collective's.
+            with suppress(Exception):
+                self._agree(True)
+        finally:
+            self.close()
+
+    def _agree(self, failed: bool) -> int | None:
+        """All ranks learn whether any failed (a barrier as well): the highest such rank.
+
+        Raises:
+            WrapError: the collective itself failed (another rank died or its connection
+                broke); no further agreement is attempted.
+        """
         import torch.distributed as dist
 
-        flag = torch.tensor([1 if failed else 0], dtype=torch.int32)
-        dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
-        return bool(flag.item())
+        self._settled = True  # until this agreement is known to have completed without failure
+        flag = torch.tensor([dist.get_rank() + 1 if failed else 0], dtype=torch.int64)
+        try:
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
+        except RuntimeError as exc:  # gloo: a peer died or closed its connection
+            raise WrapError(
+                f"lost contact with the other ranks while sharing the experts ({exc}); another "
+                "rank probably died, and its output or exit status says why"
+            ) from exc
+        worst = int(flag.item())
+        self._settled = worst > 0
+        return worst - 1 if worst else None
 
     def weights(
         self,
@@ -280,30 +376,37 @@ class ExpertSharing:
             except Exception as exc:
                 error = exc
         try:
-            if self._agree(error is not None):
+            failed = self._agree(error is not None)
+            if failed is not None:
                 self.close()  # every rank raises: the sockets are of no further use
                 if error is not None:
                     raise error
-                raise WrapError(
-                    f"{label}: local rank 0 failed to build the shared expert storage; its own "
-                    "output says why"
-                )
+                if failed == self.writer_rank:
+                    raise WrapError(
+                        f"{label}: local rank 0 failed to build the shared expert storage; its "
+                        "own output says why"
+                    )
+                raise WrapError(f"{label}: rank {failed} failed while wrapping or loading the "
+                                "shared experts; its own output says why")
             try:
                 if made is not None:
                     for conn in self.conns:
                         socket.send_fds(conn, [_BLOCK.pack(block)], [made.fd])
                 else:
                     shared = self._receive(block, spec, fmt)
-            except (OSError, kt_kernel.SharedMemoryError, WrapError) as exc:
+            except Exception as exc:  # every rank must reach the agreement below
                 error = exc
-            if self._agree(error is not None):
+            failed = self._agree(error is not None)
+            if failed is not None:
                 self.close()
                 if error is not None:
                     raise WrapError(f"{label}: {error}") from error
-                raise WrapError(f"{label}: another local rank failed to map the shared experts")
+                raise WrapError(f"{label}: rank {failed} failed to hand over or map the shared "
+                                "experts; its own output says why")
         finally:
             if made is not None:
                 os.close(made.fd)  # the readers hold their own descriptors and mappings
+            error = None  # no reference cycle through the traceback (see detect)
         if shared is None:  # unreachable: every path that leaves it unset raised
             raise WrapError(f"{label}: the shared expert storage was not set up")
         return shared
@@ -398,6 +501,27 @@ def _connect(token: str, writer_pid: int) -> socket.socket:
             f"not local rank 0 (pid {writer_pid}); another process took its name"
         )
     return conn
+
+
+@contextmanager
+def expert_sharing(share: bool | None) -> Iterator[ExpertSharing | None]:
+    """:meth:`ExpertSharing.detect`, held for a loop over the blocks (``None``: no sharing).
+
+    Every rank must enter it at the same point. On the way out the sockets are closed on every
+    path, and a failure on any rank during the loop is an error on every rank.
+
+    Args:
+        share: as in :meth:`ExpertSharing.detect`.
+
+    Raises:
+        WrapError: as :meth:`ExpertSharing.detect`; or, on leaving, another rank failed.
+    """
+    sharing = ExpertSharing.detect(share)
+    if sharing is None:
+        yield None
+        return
+    with sharing:
+        yield sharing
 
 
 def shared_or_local(

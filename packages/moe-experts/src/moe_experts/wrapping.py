@@ -22,7 +22,7 @@ from moe_experts.memory import release_file_views, trim_host_heap
 from moe_experts.placeholders import named_placeholders
 from moe_experts.self_check import BlockCheck, expert_activation
 from moe_experts.self_check import self_check as self_check_block
-from moe_experts.sharing import ExpertSharing, default_kernel_threads, shared_or_local
+from moe_experts.sharing import default_kernel_threads, expert_sharing, shared_or_local
 
 __all__ = ["WeightDType", "WrapReport", "experts_sites", "wrap"]
 
@@ -287,75 +287,75 @@ def wrap(
         raise WrapError(f"policy must be 'save' or 'recompute', got {policy!r}")
     arch = find_architecture(model)
     default_kernel_threads()
-    sharing = ExpertSharing.detect(share_experts)
     checks: list[BlockCheck] = []
     wrapped: list[str] = []
     already: list[str] = []
     adopted: list[str] = []
     reports: list[tuple[str, kt_kernel.QuantizationReport]] = []
     moved = kernel_bytes = 0
-    for site in iter_moe_blocks(model, arch):
-        outer = getattr(site.block, arch.experts_attr)
-        wrappers, base = _unwrap_peft(outer)
-        if isinstance(base, KernelExperts):
-            already.append(site.experts_name)
-            continue
-        gate_up = getattr(base, arch.gate_up_param, None)
-        down = getattr(base, arch.down_param, None)
-        if not isinstance(gate_up, torch.Tensor) or not isinstance(down, torch.Tensor):
-            raise WrapError(
-                f"{site.experts_name} ({type(base).__name__}) has no tensors "
-                f"{arch.gate_up_param!r} and {arch.down_param!r}; per-expert nn.Linear experts "
-                "(transformers 4.x) are not supported by this spec"
-            )
-        spec = _expert_spec(site, base, gate_up, down)
-        stored = {arch.gate_up_param: gate_up, arch.down_param: down}
-        stored.update({p: getattr(base, p) for p in arch.bias_params})
-        fmt = _weight_format(weight_dtype, gate_up.dtype)
-
-        def build(spec=spec, stored=stored, fmt=fmt) -> kt_kernel.ExpertWeights:
-            return _kernel_weights(arch, spec, stored, weight_dtype=fmt)
-
-        weights = shared_or_local(sharing, build, spec, fmt, site.experts_name)
-        if weights.is_quantized:
-            reports.append((site.experts_name, weights.quantization_report()))
-        kernel = KernelExperts(
-            weights,
-            gate_up_like=gate_up,
-            down_like=down,
-            gate_up_name=arch.gate_up_param,
-            down_name=arch.down_param,
-            label=site.experts_name,
-            policy=policy,
-            arch=arch,
-            bias_like={p: stored[p] for p in arch.bias_params},
-            order=tuple(n for n, _ in base.named_parameters(recurse=False)),
-        )
-        if self_check:
-            # Before this block is replaced: a refused block keeps its original module. A
-            # quantised base is checked through a dense twin built from kernel-layout weights
-            # (a copy of this block's gate_up only where the stored layout is not kt-kernel's).
-            twin = weights.is_quantized
-            checks.append(
-                self_check_block(
-                    site.experts_name, base, kernel, weight_dtype,
-                    gate_up=arch.kernel_gate_up(gate_up).flatten(1, 2) if twin else None,
-                    down=arch.kernel_down(down) if twin else None,
+    # Every rank leaves the loop together: an error on one is an error on all, sockets closed.
+    with expert_sharing(share_experts) as sharing:
+        shared_by = sharing.local_ranks if sharing is not None else 1
+        for site in iter_moe_blocks(model, arch):
+            outer = getattr(site.block, arch.experts_attr)
+            wrappers, base = _unwrap_peft(outer)
+            if isinstance(base, KernelExperts):
+                already.append(site.experts_name)
+                continue
+            gate_up = getattr(base, arch.gate_up_param, None)
+            down = getattr(base, arch.down_param, None)
+            if not isinstance(gate_up, torch.Tensor) or not isinstance(down, torch.Tensor):
+                raise WrapError(
+                    f"{site.experts_name} ({type(base).__name__}) has no tensors "
+                    f"{arch.gate_up_param!r} and {arch.down_param!r}; per-expert nn.Linear experts "
+                    "(transformers 4.x) are not supported by this spec"
                 )
+            spec = _expert_spec(site, base, gate_up, down)
+            stored = {arch.gate_up_param: gate_up, arch.down_param: down}
+            stored.update({p: getattr(base, p) for p in arch.bias_params})
+            fmt = _weight_format(weight_dtype, gate_up.dtype)
+
+            def build(spec=spec, stored=stored, fmt=fmt) -> kt_kernel.ExpertWeights:
+                return _kernel_weights(arch, spec, stored, weight_dtype=fmt)
+
+            weights = shared_or_local(sharing, build, spec, fmt, site.experts_name)
+            if weights.is_quantized:
+                reports.append((site.experts_name, weights.quantization_report()))
+            kernel = KernelExperts(
+                weights,
+                gate_up_like=gate_up,
+                down_like=down,
+                gate_up_name=arch.gate_up_param,
+                down_name=arch.down_param,
+                label=site.experts_name,
+                policy=policy,
+                arch=arch,
+                bias_like={p: stored[p] for p in arch.bias_params},
+                order=tuple(n for n, _ in base.named_parameters(recurse=False)),
             )
-        moved += sum(t.nbytes for t in stored.values())
-        kernel_bytes += weights.nbytes
-        if wrappers:
-            _adopt(site, wrappers, kernel)  # validates first: a refusal leaves PEFT untouched
-            wrappers[-1].base_layer = kernel
-            adopted.append(site.experts_name)
-        else:
-            setattr(site.block, arch.experts_attr, kernel)
-        wrapped.append(site.experts_name)
-        # The last block's experts must be gone before the trim.
-        del gate_up, down, base, outer, stored, build
-    if sharing is not None:
-        sharing.close()  # the storage stays mapped; the sockets are done
+            if self_check:
+                # Before this block is replaced: a refused block keeps its original module. A
+                # quantised base is checked through a dense twin built from kernel-layout weights
+                # (a copy of this block's gate_up only where the stored layout is not kt-kernel's).
+                twin = weights.is_quantized
+                checks.append(
+                    self_check_block(
+                        site.experts_name, base, kernel, weight_dtype,
+                        gate_up=arch.kernel_gate_up(gate_up).flatten(1, 2) if twin else None,
+                        down=arch.kernel_down(down) if twin else None,
+                    )
+                )
+            moved += sum(t.nbytes for t in stored.values())
+            kernel_bytes += weights.nbytes
+            if wrappers:
+                _adopt(site, wrappers, kernel)  # validates first: a refusal leaves PEFT untouched
+                wrappers[-1].base_layer = kernel
+                adopted.append(site.experts_name)
+            else:
+                setattr(site.block, arch.experts_attr, kernel)
+            wrapped.append(site.experts_name)
+            # The last block's experts must be gone before the trim.
+            del gate_up, down, base, outer, stored, build
     if not wrapped and not already:
         dense = (
             f" with {arch.block_enabled_attr}=True (a dense model of the family)"
@@ -382,5 +382,5 @@ def wrap(
         adopted_peft=tuple(adopted),
         quantization=tuple(reports),
         self_checks=tuple(checks),
-        shared_by=sharing.local_ranks if sharing is not None else 1,
+        shared_by=shared_by,
     )

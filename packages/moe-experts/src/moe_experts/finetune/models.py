@@ -109,6 +109,9 @@ def pretrained_class(source: Path) -> Any:
 
     Returns:
         ``AutoModelForCausalLM`` or ``AutoModelForImageTextToText``.
+
+    Raises:
+        LoadError: ``source`` has no readable ``config.json``.
     """
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
     from transformers.models.auto.modeling_auto import (
@@ -116,9 +119,9 @@ def pretrained_class(source: Path) -> Any:
         MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
     )
 
-    from moe_experts.architectures import _checkpoint_model_type
+    from moe_experts.architectures import checkpoint_model_type
 
-    model_type = _checkpoint_model_type(source)
+    model_type = checkpoint_model_type(source)
     if (model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
             and model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES):
         return AutoModelForImageTextToText
@@ -143,13 +146,13 @@ def load_model(model: str, *, dtype: torch.dtype = torch.float32) -> LoadedModel
                 f"--model {model}: not a built-in model ({', '.join(BUILTIN_MODELS)}) and not a "
                 "local Hugging Face model directory (no config.json there)"
             )
-    from moe_experts import UnsupportedModelError, find_architecture
-    from moe_experts.architectures import _checkpoint_model_type, require_transformers
+    from moe_experts import LoadError, UnsupportedModelError, find_architecture
+    from moe_experts.architectures import checkpoint_model_type, require_transformers
 
     try:
         # Before transformers parses the config: an old release does not know a new type.
-        require_transformers(_checkpoint_model_type(source))
-    except UnsupportedModelError as exc:
+        require_transformers(checkpoint_model_type(source))
+    except (LoadError, UnsupportedModelError) as exc:
         raise FinetuneError(f"--model {model}: {exc}") from exc
     try:
         lm = pretrained_class(source).from_pretrained(source, dtype=dtype)
