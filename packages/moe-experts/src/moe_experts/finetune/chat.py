@@ -119,7 +119,8 @@ def render_turns(
         ``(ids, train, cuts)``; ``cuts`` are offsets in ``(0, len(ids))``, ascending.
     """
     rendered, spans = assistant_spans(tokenizer, messages)
-    ends = sorted({b for _, b in spans if 0 < b < len(rendered)})
+    # Not after the last reply: what follows it (a newline) is no exchange of its own.
+    ends = sorted({b for _, b in spans if b > 0 and rendered[b:].strip()})
     if getattr(tokenizer, "is_fast", False):
         enc = tokenizer(rendered, add_special_tokens=False, return_offsets_mapping=True)
         ids = list(enc["input_ids"])
