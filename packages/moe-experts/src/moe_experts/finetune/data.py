@@ -1,10 +1,11 @@
 """Reading ``--data`` files into token examples, and deterministic packed batches.
 
-Batches are *packed with attention boundaries*: examples are concatenated into rows of
-``seq_len + 1`` tokens, ``position_ids`` restart at 0 where an example starts, and transformers
-turns restarting positions into a block-diagonal causal mask, so no token attends to another
-example. Labels are ``-100`` (no loss, no gradient) on prompt tokens of chat and instruction
-data, and where the next token belongs to another example.
+Batches are *packed with attention boundaries*: examples share rows of ``seq_len + 1`` tokens
+(conversations whole, best-fit; see :class:`PackedBatches`), ``position_ids`` restart at 0
+where an example starts, and transformers turns restarting positions into a block-diagonal
+causal mask, so no token attends to another example. Labels are ``-100`` (no loss, no
+gradient) on prompt tokens of chat and instruction data, and where the next token belongs to
+another example.
 """
 
 from __future__ import annotations
