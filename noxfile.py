@@ -232,10 +232,8 @@ def demo(session: nox.Session) -> None:
     # the two prompts below) that the rounding of --loss chunked vs full did not close; the
     # default rank 8 at a constant 3e-3 left under 1 logit, and --loss full then answered
     # "The say is blue.".
-    config = Path(session.create_tmp()) / "demo-lora.yaml"
-    config.write_text("lora:\n  rank: 32\n  alpha: 64\n")
-    args = ["--data", chat, "--config", str(config), "--steps", "300", "--seq-len", "128",
-            "--lr", "5e-3", "--lr-schedule", "cosine", "--warmup-steps", "20",
+    args = ["--data", chat, "--lora-rank", "32", "--lora-alpha", "64", "--steps", "300",
+            "--seq-len", "128", "--lr", "5e-3", "--lr-schedule", "cosine", "--warmup-steps", "20",
             "--eval-split", "0.1", "--eval-every", "50", "--output", str(out), *session.posargs]
     if "--resume" not in session.posargs:
         # A second `nox -s demo` starts again instead of refusing the first one's output.

@@ -66,10 +66,17 @@ def test_every_flag_is_a_yaml_key_and_back() -> None:
     parser_flags = {s for a in build_parser()._actions for s in a.option_strings}
     places = [(o.section, o.key) for o in OPTIONS]
     assert len(places) == len(set(places))
+    from lora_core import LoraConfig
+
     for opt in OPTIONS:
         assert opt.flag in parser_flags
         assert opt.section in SECTIONS
-        assert hasattr(FinetuneArgs(), opt.dest)
+        if opt.section == "lora":  # overrides one key of FinetuneArgs.lora
+            assert opt.key in LoraConfig.model_fields
+        else:
+            assert hasattr(FinetuneArgs(), opt.dest)
+    assert {o.flag for o in OPTIONS if o.section == "lora"} == {
+        "--lora-rank", "--lora-alpha", "--lora-dropout"}
 
 
 def test_resume_command_replaces_resume_and_drops_overwrite() -> None:

@@ -10,6 +10,7 @@ loss; a non-empty one (real reasoning in the data) does.
 
 from __future__ import annotations
 
+import bisect
 import itertools
 import re
 from collections.abc import Sequence
@@ -18,7 +19,7 @@ from typing import Any
 from moe_experts.finetune.errors import FinetuneError
 from moe_experts.finetune.formats import RecordError
 
-__all__ = ["ChatTemplateError", "assistant_spans", "render_conversation"]
+__all__ = ["ChatTemplateError", "assistant_spans", "render_conversation", "render_turns"]
 
 _SENTINEL = "MOE_EXPERTS_REPLY_SENTINEL"
 _THINK = re.compile(r"<think>(.*?)</think>\s*$", re.DOTALL)
@@ -101,19 +102,42 @@ def render_conversation(
         ``(ids, train)``, two lists of equal length; ``train[i]`` is True for tokens of
         assistant replies (every token with ``train_on_prompt``).
     """
+    ids, train, _ = render_turns(tokenizer, messages, train_on_prompt=train_on_prompt)
+    return ids, train
+
+
+def render_turns(
+    tokenizer: Any, messages: Sequence[dict[str, str]], *, train_on_prompt: bool = False
+) -> tuple[list[int], list[bool], list[int]]:
+    """:func:`render_conversation` plus the token offsets where a new exchange starts.
+
+    An exchange boundary is the token right after an assistant reply and its end-of-turn
+    marker: a piece of the conversation cut there starts with the next prompt, never with a
+    reply whose question is in another piece.
+
+    Returns:
+        ``(ids, train, cuts)``; ``cuts`` are offsets in ``(0, len(ids))``, ascending.
+    """
     rendered, spans = assistant_spans(tokenizer, messages)
+    # Not after the last reply: what follows it (a newline) is no exchange of its own.
+    ends = sorted({b for _, b in spans if b > 0 and rendered[b:].strip()})
     if getattr(tokenizer, "is_fast", False):
         enc = tokenizer(rendered, add_special_tokens=False, return_offsets_mapping=True)
         ids = list(enc["input_ids"])
-        train = [any(a <= s < b for a, b in spans) for s, _ in enc["offset_mapping"]]
+        offsets = enc["offset_mapping"]
+        train = [any(a <= s < b for a, b in spans) for s, _ in offsets]
+        starts = [s for s, _ in offsets]
+        cuts = [bisect.bisect_left(starts, e) for e in ends]
     else:
-        ids, train = [], []
-        cuts = sorted({0, len(rendered), *(x for span in spans for x in span)})
-        for a, b in itertools.pairwise(cuts):
+        ids, train, cuts = [], [], []
+        pieces = sorted({0, len(rendered), *(x for span in spans for x in span)})
+        for a, b in itertools.pairwise(pieces):
+            if a in ends:
+                cuts.append(len(ids))
             piece = tokenizer(rendered[a:b], add_special_tokens=False)["input_ids"]
             inside = any(s <= a and b <= e for s, e in spans)
             ids += piece
             train += [inside] * len(piece)
     if train_on_prompt:
         train = [True] * len(ids)
-    return ids, train
+    return ids, train, sorted({c for c in cuts if 0 < c < len(ids)})

@@ -20,7 +20,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from moe_experts.finetune.config import OPTIONS, SECTIONS, FinetuneArgs
+from moe_experts.finetune.config import OPTIONS, SECTIONS, FinetuneArgs, default_value
 from moe_experts.finetune.errors import FinetuneError, TrainingInterrupted
 
 __all__ = ["COMMANDS", "Command", "build_parser", "finetune_main", "main", "report_error"]
@@ -85,15 +85,14 @@ def report_error(exc: FinetuneError, *, debug: bool = False) -> int:
 
 def build_parser(prog: str = "moe-experts finetune") -> argparse.ArgumentParser:
     """The flags of the fine-tune command, one group per ``--config`` section."""
-    defaults = FinetuneArgs()
     p = argparse.ArgumentParser(
         prog=prog, allow_abbrev=False,
         description="LoRA fine-tune of a MoE model on CPU. Settings come from the defaults, "
                     "then --config FILE (YAML, sections: model, data, training, lora, output), "
                     "then these flags.")
-    groups = {s: p.add_argument_group(s) for s in SECTIONS if s != "lora"}
+    groups = {s: p.add_argument_group(s) for s in SECTIONS}
     for opt in OPTIONS:
-        default = getattr(defaults, opt.dest)
+        default = default_value(opt)
         shown = "unset" if default is None else default
         if opt.kind is bool and opt.negation:
             both = groups[opt.section].add_mutually_exclusive_group()
@@ -114,8 +113,8 @@ def build_parser(prog: str = "moe-experts finetune") -> argparse.ArgumentParser:
             help=f"{opt.help} (default: {shown}; YAML {opt.section}.{opt.key})")
     run = p.add_argument_group("run")
     run.add_argument("--config", type=Path, default=None,
-                     help="YAML file holding any of the settings above, and a lora: block "
-                          "(fields of lora_core.LoraConfig); flags override it")
+                     help="YAML file holding any of the settings above; its lora: block "
+                          "takes every field of lora_core.LoraConfig; flags override it")
     run.add_argument("--role", default="moe",
                      help="the <role> of an older-style models.<role>.lora block in --config")
     run.add_argument("--resume", type=Path, default=None,

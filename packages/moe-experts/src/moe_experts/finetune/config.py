@@ -8,7 +8,8 @@ older form ``models.<role>.lora`` (a complete LoRA config) is still read. Unknow
 are errors that suggest the nearest known key. ``--print-config`` renders the resolved run in
 the same YAML shape, so its output is itself a valid ``--config`` file.
 
-Adding a setting is one row in :data:`OPTIONS` and one field in :class:`FinetuneArgs`.
+Adding a setting is one row in :data:`OPTIONS` and one field in :class:`FinetuneArgs`; a row
+of section ``lora`` (``--lora-rank``) needs no field: it overrides that key of ``lora``.
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ __all__ = [
     "SECTIONS",
     "FinetuneArgs",
     "Option",
+    "default_value",
     "lora_config",
     "read_config_file",
     "render_config",
@@ -107,6 +109,10 @@ def _at_least(n: int) -> Check:
 
 def _fraction(v: float) -> str | None:
     return None if 0 < v < 1 else "must be a fraction strictly between 0 and 1, e.g. 0.05"
+
+
+def _probability(v: float) -> str | None:
+    return None if 0 <= v < 1 else "must be a probability in [0, 1), e.g. 0.05 (0: no dropout)"
 
 
 @dataclass(frozen=True)
@@ -191,9 +197,24 @@ OPTIONS: tuple[Option, ...] = (
     Option("report_to", "--report-to", "output", "report_to", str,
            "also log scalars to TensorBoard (OUTPUT/tensorboard) or Weights & Biases "
            "(offline)", choices=("none", "tensorboard", "wandb")),
+    # Section lora: each overrides one key of the resolved lora mapping (FinetuneArgs.lora).
+    Option("lora_rank", "--lora-rank", "lora", "rank", int,
+           "LoRA rank r of every adapted module, router and expert", check=_at_least(1)),
+    Option("lora_alpha", "--lora-alpha", "lora", "alpha", float,
+           "LoRA alpha: updates are scaled by alpha / rank", check=_positive_finite),
+    Option("lora_dropout", "--lora-dropout", "lora", "dropout", float,
+           "dropout probability on the LoRA input", check=_probability),
 )
 _BY_DEST = {o.dest: o for o in OPTIONS}
 _BY_PLACE = {(o.section, o.key): o for o in OPTIONS}
+
+
+def default_value(opt: Option) -> Any:
+    """The value ``opt`` has when neither ``--config`` nor its flag sets it."""
+    if opt.section == "lora":
+        from_lora_core = {"dropout": 0.0}  # lora_core.LoraConfig's default (no torch import)
+        return DEFAULT_LORA.get(opt.key, from_lora_core.get(opt.key))
+    return getattr(FinetuneArgs(), opt.dest)
 
 
 def _nearest(word: str, candidates: list[str]) -> str:
@@ -309,6 +330,10 @@ def read_config_file(path: Path, role: str) -> tuple[dict[str, Any], dict[str, s
         if section == "lora":
             values["lora"] = {**DEFAULT_LORA, **body}
             sources["lora"] = f"{path}: lora"
+            for key, value in body.items():  # keys that have a flag get the flag's check
+                opt = _BY_PLACE.get((section, key))
+                if opt is not None and value is not None:
+                    values["lora"][key] = coerce(opt, value, f"--config {path}: lora.{key}")
             continue
         known = [o.key for o in OPTIONS if o.section == section]
         for key, value in body.items():
@@ -336,12 +361,21 @@ def resolve_args(
         file_values, file_sources = read_config_file(config, role)
         values.update(file_values)
         sources.update(file_sources)
+    lora_flags: list[str] = []
     for dest, raw in flags.items():
         if raw is None:
             continue
         opt = _BY_DEST[dest]
-        values[dest] = coerce(opt, raw, opt.flag)
+        value = coerce(opt, raw, opt.flag)
         sources[dest] = opt.flag
+        if opt.section == "lora":  # over the YAML's lora block (or the defaults)
+            values["lora"] = {**values.get("lora", DEFAULT_LORA), opt.key: value}
+            lora_flags.append(f"{opt.flag} {raw}")
+        else:
+            values[dest] = value
+    if lora_flags:  # a LoRA config error names the flags that made it
+        under = f" over {sources['lora']}" if "lora" in sources else ""
+        sources["lora"] = ", ".join(lora_flags) + under
     args = replace(FinetuneArgs(), **values, resume=resume, progress=progress)
     return args, sources
 
@@ -361,8 +395,12 @@ def lora_config(args: FinetuneArgs, source: str = "the lora settings") -> Any:
     try:
         cfg = LoraConfig.model_validate(args.lora)
     except ValueError as exc:
-        message = " ".join(str(exc).split())
-        raise FinetuneError(f"{source}: {message}") from exc
+        errors = getattr(exc, "errors", None)  # pydantic: one clean line per problem
+        if callable(errors):
+            message = "; ".join(str(e["msg"]).removeprefix("Value error, ") for e in errors())
+        else:
+            message = str(exc)
+        raise FinetuneError(f"{source}: {' '.join(message.split())}") from exc
     if not cfg.enable:
         raise FinetuneError(f"{source}: lora.enable is false; there would be nothing to train")
     return cfg
@@ -374,6 +412,8 @@ def render_config(args: FinetuneArgs, lora: Any) -> str:
 
     doc: dict[str, dict[str, Any]] = {s: {} for s in SECTIONS}
     for opt in OPTIONS:
+        if opt.section == "lora":
+            continue  # the whole validated LoRA config is written below
         value = getattr(args, opt.dest)
         doc[opt.section][opt.key] = str(value) if isinstance(value, Path) else value
     doc["lora"] = {k: list(v) if isinstance(v, tuple) else v

@@ -1,10 +1,11 @@
 """Reading ``--data`` files into token examples, and deterministic packed batches.
 
-Batches are *packed with attention boundaries*: examples are concatenated into rows of
-``seq_len + 1`` tokens, ``position_ids`` restart at 0 where an example starts, and transformers
-turns restarting positions into a block-diagonal causal mask, so no token attends to another
-example. Labels are ``-100`` (no loss, no gradient) on prompt tokens of chat and instruction
-data, and where the next token belongs to another example.
+Batches are *packed with attention boundaries*: examples share rows of ``seq_len + 1`` tokens
+(conversations whole, best-fit; see :class:`PackedBatches`), ``position_ids`` restart at 0
+where an example starts, and transformers turns restarting positions into a block-diagonal
+causal mask, so no token attends to another example. Labels are ``-100`` (no loss, no
+gradient) on prompt tokens of chat and instruction data, and where the next token belongs to
+another example.
 """
 
 from __future__ import annotations
@@ -81,6 +82,9 @@ class Example:
 
     ids: tuple[int, ...]
     train: tuple[bool, ...]
+    # A conversation: the token offsets where a piece of it may start when it is longer than a
+    # row (its exchange boundaries; may be empty). None: plain text, streamed across rows.
+    cuts: tuple[int, ...] | None = None
 
 
 def default_corpus_path() -> Path:
@@ -228,7 +232,7 @@ def tokenize_samples(
     path: Path, samples: Sequence[Sample], tokenizer: Any, *, train_on_prompt: bool = False
 ) -> list[Example]:
     """Tokenise samples read from ``path`` (named in errors); see :func:`load_examples`."""
-    from moe_experts.finetune.chat import render_conversation
+    from moe_experts.finetune.chat import render_turns
 
     examples = []
     problems = []
@@ -238,12 +242,12 @@ def tokenize_samples(
             examples.append(Example(tuple(ids), (True,) * len(ids)))
             continue
         try:
-            ids, train = render_conversation(tokenizer, sample.messages or (),
-                                             train_on_prompt=train_on_prompt)
+            ids, train, cuts = render_turns(tokenizer, sample.messages or (),
+                                            train_on_prompt=train_on_prompt)
         except RecordError as exc:
             problems.append(f"{path}:{sample.line}: field {exc.field}: {exc.message}")
             continue
-        examples.append(Example(tuple(ids), tuple(train)))
+        examples.append(Example(tuple(ids), tuple(train), tuple(cuts)))
     if problems:
         raise DataError(problems[:MAX_REPORTED], len(problems))
     return examples
@@ -302,9 +306,15 @@ def causal_lm_loss(
 
 @dataclass(frozen=True)
 class PackedBatches:
-    """Examples concatenated and cut into rows of ``seq_len + 1`` tokens.
+    """Examples packed into rows of ``seq_len + 1`` tokens.
 
-    An example with untrained tokens (a prompt) that fits in one row is never cut across two.
+    Conversations (examples with turn boundaries or untrained prompt tokens) are kept whole:
+    one longer than a row is first split at its exchange boundaries (a single turn longer than
+    a row is cut at the row's length), then the pieces are placed by best-fit decreasing
+    (:func:`packing.best_fit_decreasing`), each row's pieces in data order, and the rest of
+    each row is padding. Every piece's ``positions`` start at 0, which is the attention and
+    label boundary. Plain-text examples are concatenated after them and cut into full rows
+    (the last partial row is dropped).
 
     Batch ``step`` is a pure function of (seed, step): rows are drawn from a permutation per
     epoch seeded by ``seed + epoch``, so a resumed run sees exactly the batches it would have.
@@ -315,51 +325,66 @@ class PackedBatches:
     seed: int
     targets: torch.Tensor | None = None  # [N, seq_len + 1] bool: token is a loss target
     positions: torch.Tensor | None = None  # [N, seq_len + 1] int64 position in its example
+    pad_tokens: int = 0  # padding tokens in ``rows`` (each alone at position 0: no attention)
+
+    @property
+    def padding_fraction(self) -> float:
+        """The share of the tokens in ``rows`` that are padding."""
+        return self.pad_tokens / max(self.rows.numel(), 1)
 
     @classmethod
     def from_examples(
         cls, examples: Sequence[Example], *, seq_len: int, batch_size: int, seed: int
     ) -> PackedBatches:
         """Pack tokenised examples; refuses data too small for one row or without any target."""
+        from moe_experts.finetune.packing import best_fit_decreasing, split_at_turns
+
+        width = seq_len + 1
+        pieces: list[tuple[Example, int, int]] = []
+        stream: list[Example] = []
+        for ex in examples:
+            if not ex.ids:
+                continue
+            if ex.cuts is None and all(ex.train):
+                stream.append(ex)
+                continue
+            # A reply packed away from its prompt would be learned without its question, so a
+            # conversation is only ever split between exchanges (or inside one too long a turn).
+            pieces += [(ex, a, b) for a, b in split_at_turns(len(ex.ids), ex.cuts or (), width)]
         ids: list[int] = []
         train: list[bool] = []
         pos: list[int] = []
-        width = seq_len + 1
-
-        def pad(n: int) -> None:
-            ids.extend([0] * n)
-            train.extend([False] * n)
-            pos.extend([0] * n)
-
-        for ex in examples:
-            room = width - len(ids) % width
-            if not all(ex.train) and room < len(ex.ids) <= width:
-                # A reply cut off from its prompt would be learned without its question, so a
-                # conversation that fits in one row starts a new one; the gap is padding that
-                # starts an example at every token (position 0): no attention and no loss.
-                pad(room)
+        for members in best_fit_decreasing([b - a for _, a, b in pieces], width):
+            for j in sorted(members):
+                ex, a, b = pieces[j]
+                ids.extend(ex.ids[a:b])
+                train.extend(ex.train[a:b])
+                pos.extend(range(b - a))
+            # Padding starts an example at every token (position 0): no attention, no loss.
+            gap = -len(ids) % width
+            ids.extend([0] * gap)
+            train.extend([False] * gap)
+            pos.extend([0] * gap)
+        pad_tokens = len(ids) - sum(b - a for _, a, b in pieces)
+        for ex in stream:
             ids.extend(ex.ids)
             train.extend(ex.train)
             pos.extend(range(len(ex.ids)))
-        tail = len(ids) % width
-        if tail and examples and not all(examples[-1].train) and len(examples[-1].ids) <= tail:
-            # The last conversation is whole in the last row: pad that row rather than drop it.
-            pad(width - tail)
         n_rows = len(ids) // width
         if n_rows < 1:
             raise FinetuneError(
                 f"the data has {len(ids)} tokens, fewer than one row of --seq-len "
                 f"{seq_len} + 1; use more data or a smaller --seq-len"
             )
-        if not any(train[1:n_rows * width]):
-            raise FinetuneError("the data has no tokens to train on (every token is prompt); "
-                                "check the data or pass --train-on-prompt")
 
         def rows(values: list[Any], dtype: torch.dtype) -> torch.Tensor:
             return torch.tensor(values[: n_rows * width], dtype=dtype).view(n_rows, width)
 
-        return cls(rows(ids, torch.long), batch_size, seed, rows(train, torch.bool),
-                   rows(pos, torch.long))
+        targets, positions = rows(train, torch.bool), rows(pos, torch.long)
+        if not (targets[:, 1:] & (positions[:, 1:] != 0)).any():
+            raise FinetuneError("the data has no tokens to train on (every token is prompt); "
+                                "check the data or pass --train-on-prompt")
+        return cls(rows(ids, torch.long), batch_size, seed, targets, positions, pad_tokens)
 
     @classmethod
     def build(

@@ -141,6 +141,9 @@ def run_finetune(args: FinetuneArgs, stop: StopRequest | None = None) -> Finetun
         result = rebind_parameters(result, loaded.model)  # fully_shard made new Parameters
     optimizer = torch.optim.AdamW(result.parameters(), lr=args.lr, weight_decay=0.0)
     batches, eval_batches = _datasets(args, loaded.tokenizer, samples, eval_samples)
+    if ranks.rank == 0:
+        print(f"packed {batches.rows.shape[0]} rows of {args.seq_len + 1} tokens "
+              f"({batches.padding_fraction:.1%} padding)", file=sys.stderr)
     job = TrainingJob(args=args, model=loaded.model, result=result, optimizer=optimizer,
                       batches=batches, eval_batches=eval_batches, ranks=ranks,
                       model_source=loaded.source, stop=stop)
