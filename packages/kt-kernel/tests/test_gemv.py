@@ -328,3 +328,39 @@ def test_each_isa_path_matches_the_dequantized_product(isa: str) -> None:
         assert tile["bfloat16"] == 0
     else:
         assert tile["bfloat16"] > 0
+
+
+@pytest.mark.parametrize("flush_denormal", [False, True], ids=["ieee", "flush_denormal"])
+def test_fp8_small_row_decodes_every_byte_as_the_tile_loader(flush_denormal: bool) -> None:
+    """Every finite E4M3 byte (subnormals, +-0, +-448) under tiny and large block scales: one-hot
+    rows through the small-row routine give the loader's bf16 weights bitwise, also with
+    denormals flushed (its fp16 widening never makes an fp32 denormal); a NaN byte gives NaN."""
+    feats = kk.backend_info().cpu_features
+    if not _native() or not _fp8_small_row_runs(kk.backend_info().isa, feats):
+        pytest.skip("FP8's small-row routine runs on AVX512_BF16 only")
+    ops = torch.ops.kt_kernel
+    n, k = 130, 256  # each row: every byte, shifted by its index; two block rows and columns
+    f = kk.Fp8Block(torch.bfloat16)
+    byte = (torch.arange(k)[None] + torch.arange(n)[:, None]) % 256
+    byte[(byte & 0x7F) == 0x7F] = 0x7E  # NaN would spread over a whole product: checked below
+    weight = byte.to(torch.uint8).view(torch.float8_e4m3fn)[None].repeat(2, 1, 1)
+    scale = torch.tensor([[[2.0**-100, 3.5e-3], [7.0, 2.0**100]]]).repeat(2, 1, 1)
+    want = f.dequantize((weight, scale))[1]
+    args = list(f.native_args((weight, scale)))
+    nan_weight = weight.clone()
+    nan_weight.view(torch.uint8)[1, 5, 200] = 0xFF
+    nan_args = list(f.native_args((nan_weight, scale)))
+    try:
+        ops.set_gemv_rows(1000)
+        if flush_denormal and not torch.set_flush_denormal(True):
+            pytest.skip("this CPU cannot flush denormals")
+        eye = torch.eye(k).to(torch.bfloat16)
+        got = torch.cat([ops.project(f.name, args, n, k, 1, eye[c : c + 24], False)
+                         for c in range(0, k, 24)]).t()
+        nan_out = ops.project(f.name, nan_args, n, k, 1, torch.ones(3, k).bfloat16(), False)
+    finally:
+        torch.set_flush_denormal(False)
+        ops.set_gemv_rows(-1)
+    assert torch.equal(got, want)
+    assert nan_out[:, 5].isnan().all()
+    assert not nan_out[:, :5].isnan().any()
