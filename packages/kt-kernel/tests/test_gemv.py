@@ -364,3 +364,24 @@ def test_fp8_small_row_decodes_every_byte_as_the_tile_loader(flush_denormal: boo
     assert torch.equal(got, want)
     assert nan_out[:, 5].isnan().all()
     assert not nan_out[:, :5].isnan().any()
+
+
+def test_fp8_small_row_declines_scales_it_cannot_shift() -> None:
+    """A block scale >= 2^119 (s * 2^8 would overflow; no real checkpoint has one): the op
+    takes tile + GEMM, so the result is finite and equal to it bitwise."""
+    if not _native():
+        pytest.skip("needs the native extension")
+    ops = torch.ops.kt_kernel
+    f = kk.Fp8Block(torch.bfloat16)
+    weight = torch.full((1, 40, 64), 2.0**-9).to(torch.float8_e4m3fn)  # the least subnormal
+    args = list(f.native_args((weight, torch.full((1, 1, 1), 2.0**125))))
+    x = torch.rand(5, 64).bfloat16()
+    got = {}
+    try:
+        for rows in (0, 1000):
+            ops.set_gemv_rows(rows)
+            got[rows] = ops.project(f.name, args, 40, 64, 0, x, False)
+    finally:
+        ops.set_gemv_rows(-1)
+    assert torch.isfinite(got[1000]).all()
+    assert torch.equal(got[1000], got[0])
