@@ -330,40 +330,16 @@ static void nn_block(const Int4Mat& g, const uint16_t* x, int64_t ldx, float* ac
   }
 }
 
-#define KT_BF16_CASES(CALL) \
-  CALL(1) CALL(2) CALL(3) CALL(4) CALL(5) CALL(6) CALL(7) CALL(8)
-
 static void nt(const Int4Mat& g, const uint16_t* x, int64_t ldx, int64_t m, const OutRows& o) {
-  for (int64_t r0 = 0; r0 < m; r0 += 8) {
-    switch (std::min<int64_t>(8, m - r0)) {
-#define KT_CASE(R)                             \
-  case R:                                      \
-    nt_block<R>(g, x + r0 * ldx, ldx, o, r0); \
-    break;
-      KT_BF16_CASES(KT_CASE)
-#undef KT_CASE
-      default:
-        break;
-    }
-  }
+  for_row_blocks<8>(m, [&]<int R>(int64_t r0) { nt_block<R>(g, x + r0 * ldx, ldx, o, r0); });
 }
 
 static void nn(const Int4Mat& g, const uint16_t* x, int64_t ldx, int64_t m, float* acc,
                int64_t lda) {
-  for (int64_t r0 = 0; r0 < m; r0 += 8) {
-    switch (std::min<int64_t>(8, m - r0)) {
-#define KT_CASE(R)                                             \
-  case R:                                                      \
-    nn_block<R>(g, x + r0 * ldx, ldx, acc + r0 * lda, lda); \
-    break;
-      KT_BF16_CASES(KT_CASE)
-#undef KT_CASE
-      default:
-        break;
-    }
-  }
+  for_row_blocks<8>(m, [&]<int R>(int64_t r0) {
+    nn_block<R>(g, x + r0 * ldx, ldx, acc + r0 * lda, lda);
+  });
 }
-#undef KT_BF16_CASES
 
 }  // namespace gemv_avx512bf16
 #pragma GCC pop_options
@@ -444,19 +420,8 @@ const float* rows_f32(const void* in, int64_t ldi, int64_t m, int64_t cols, int6
   return buf.data();
 }
 
-// bf16 copy of rows [0, m) x cols [0, cols) of `in` (row stride ldi), zero up to `ld` columns.
-const uint16_t* rows_bf16(const void* in, int64_t ldi, int64_t m, int64_t cols, int64_t ld,
-                          std::vector<uint16_t>& buf) {
-  buf.assign(static_cast<size_t>(m * ld), 0);
-  for (int64_t r = 0; r < m; ++r) {
-    std::memcpy(buf.data() + r * ld, static_cast<const uint16_t*>(in) + r * ldi,
-                static_cast<size_t>(cols) * 2);
-  }
-  return buf.data();
-}
-
 template <int G>
-void gemv_int4(const ExpertView& w, bool nn, const void* in, int64_t ldi, int64_t m,
+bool gemv_int4(const ExpertView& w, bool nn, const void* in, int64_t ldi, int64_t m,
                c10::ScalarType dt, void* out, int64_t ldo) {
   TORCH_CHECK_TYPE(dt == c10::ScalarType::Float || dt == c10::ScalarType::BFloat16,
                    "int4 format: compute dtype must be float32 or bfloat16, got ", dt);
@@ -474,7 +439,7 @@ void gemv_int4(const ExpertView& w, bool nn, const void* in, int64_t ldi, int64_
       const int64_t k32 = (w.k + 31) / 32 * 32;
       gemv_avx512bf16::nt(g, rows_bf16(in, ldi, m, w.k, k32, hbuf), k32, m,
                           OutRows{out, ldo, true});
-      return;
+      return true;
     }
     const int64_t npad = (w.n + 1) / 2 * 2, k32 = (w.k + 31) / 32 * 32;
     abuf.assign(static_cast<size_t>(m * k32), 0.0f);
@@ -483,17 +448,24 @@ void gemv_int4(const ExpertView& w, bool nn, const void* in, int64_t ldi, int64_
     for (int64_t r = 0; r < m; ++r) {
       for (int64_t c = 0; c < w.k; ++c) o.put(r, c, abuf[r * k32 + c]);
     }
-    return;
+    return true;
   }
 #endif
   if (!nn) {
     const float* x = rows_f32(in, ldi, m, w.k, kpad, bf16, xbuf);
     const OutRows o{out, ldo, bf16};
 #ifdef KT_FMT_SIMD
-    if (isa == Isa::kAvx512) return gemv_avx512::nt(g, x, kpad, m, bf16, o);
-    if (isa == Isa::kAvx2) return gemv_avx2::nt(g, x, kpad, m, bf16, o);
+    if (isa == Isa::kAvx512) {
+      gemv_avx512::nt(g, x, kpad, m, bf16, o);
+    } else if (isa == Isa::kAvx2) {
+      gemv_avx2::nt(g, x, kpad, m, bf16, o);
+    } else {
+      gemv_scalar::nt(g, x, kpad, m, bf16, o);
+    }
+#else
+    gemv_scalar::nt(g, x, kpad, m, bf16, o);
 #endif
-    return gemv_scalar::nt(g, x, kpad, m, bf16, o);
+    return true;
   }
   const int64_t npad = (w.n + 1) / 2 * 2;
   const float* x = rows_f32(in, ldi, m, w.n, npad, bf16, xbuf);
@@ -514,6 +486,7 @@ void gemv_int4(const ExpertView& w, bool nn, const void* in, int64_t ldi, int64_
   for (int64_t r = 0; r < m; ++r) {
     for (int64_t c = 0; c < w.k; ++c) o.put(r, c, acc[r * kpad + c]);
   }
+  return true;
 }
 
 template <int G>

@@ -7,12 +7,42 @@
 #include <c10/util/BFloat16.h>
 #include <immintrin.h>
 
+#include <algorithm>
 #include <cstdint>
+#include <cstring>
+#include <utility>
+#include <vector>
 
 #include "formats.h"
 
 namespace kt_kernel {
 namespace formats {
+
+// For the small-row routines (Format::gemv): rows [0, m) in register blocks of at most MaxRows
+// rows. Calls `block.template operator()<R>(r0)` for each block, R (1..MaxRows) being its row
+// count, so a kernel templated on its rows is instantiated once per height and no routine
+// carries a switch of its own.
+template <int MaxRows, typename Block>
+inline void for_row_blocks(int64_t m, const Block& block) {
+  const auto one = [&]<int... R>(int64_t r0, int64_t rows, std::integer_sequence<int, R...>) {
+    ((rows == R + 1 && (block.template operator()<R + 1>(r0), true)) || ...);
+  };
+  for (int64_t r0 = 0; r0 < m; r0 += MaxRows) {
+    one(r0, std::min<int64_t>(MaxRows, m - r0), std::make_integer_sequence<int, MaxRows>{});
+  }
+}
+
+// For the small-row routines: a bf16 copy of rows [0, m) x cols [0, cols) of `in` (row stride
+// ldi), zero up to `ld` columns.
+inline const uint16_t* rows_bf16(const void* in, int64_t ldi, int64_t m, int64_t cols,
+                                 int64_t ld, std::vector<uint16_t>& buf) {
+  buf.assign(static_cast<size_t>(m * ld), 0);
+  for (int64_t r = 0; r < m; ++r) {
+    std::memcpy(buf.data() + r * ld, static_cast<const uint16_t*>(in) + r * ldi,
+                static_cast<size_t>(cols) * 2);
+  }
+  return buf.data();
+}
 
 // A tile loader's per-row routines, one per output dtype, as picked for this process.
 template <typename Fn>

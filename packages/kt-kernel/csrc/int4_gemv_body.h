@@ -101,59 +101,25 @@ static void nn_block(const Int4Mat& g, const float* x, int64_t ldx, float* acc, 
   }
 }
 
-// Rows [0, m) in register blocks of at most V::kRows (the rows' count picks the instance).
-template <bool Wbf16>
-static void run_nt(const Int4Mat& g, const float* x, int64_t ldx, int64_t m, const OutRows& o) {
-  for (int64_t r0 = 0; r0 < m; r0 += V::kRows) {
-    const float* xr = x + r0 * ldx;
-    switch (std::min<int64_t>(V::kRows, m - r0)) {
-#define KT_NT_CASE(R) \
-  case R:             \
-    if (R <= V::kRows) nt_block<(R <= V::kRows ? R : 1), Wbf16>(g, xr, ldx, o, r0); \
-    break;
-      KT_NT_CASE(1) KT_NT_CASE(2) KT_NT_CASE(3) KT_NT_CASE(4)
-      KT_NT_CASE(5) KT_NT_CASE(6) KT_NT_CASE(7) KT_NT_CASE(8)
-#undef KT_NT_CASE
-      default:
-        break;
-    }
-  }
-}
-
-template <bool Wbf16>
-static void run_nn(const Int4Mat& g, const float* x, int64_t ldx, int64_t m, float* acc,
-                   int64_t lda) {
-  for (int64_t r0 = 0; r0 < m; r0 += V::kRows) {
-    const float* xr = x + r0 * ldx;
-    float* ar = acc + r0 * lda;
-    switch (std::min<int64_t>(V::kRows, m - r0)) {
-#define KT_NN_CASE(R) \
-  case R:             \
-    if (R <= V::kRows) nn_block<(R <= V::kRows ? R : 1), Wbf16>(g, xr, ldx, ar, lda); \
-    break;
-      KT_NN_CASE(1) KT_NN_CASE(2) KT_NN_CASE(3) KT_NN_CASE(4)
-      KT_NN_CASE(5) KT_NN_CASE(6) KT_NN_CASE(7) KT_NN_CASE(8)
-#undef KT_NN_CASE
-      default:
-        break;
-    }
-  }
-}
-
+// Rows [0, m) in register blocks of at most V::kRows (for_row_blocks, format_simd.h).
 static void nt(const Int4Mat& g, const float* x, int64_t ldx, int64_t m, bool wbf16,
                const OutRows& o) {
-  if (wbf16) {
-    run_nt<true>(g, x, ldx, m, o);
-  } else {
-    run_nt<false>(g, x, ldx, m, o);
-  }
+  for_row_blocks<V::kRows>(m, [&]<int R>(int64_t r0) {
+    if (wbf16) {
+      nt_block<R, true>(g, x + r0 * ldx, ldx, o, r0);
+    } else {
+      nt_block<R, false>(g, x + r0 * ldx, ldx, o, r0);
+    }
+  });
 }
 
 static void nn(const Int4Mat& g, const float* x, int64_t ldx, int64_t m, bool wbf16, float* acc,
                int64_t lda) {
-  if (wbf16) {
-    run_nn<true>(g, x, ldx, m, acc, lda);
-  } else {
-    run_nn<false>(g, x, ldx, m, acc, lda);
-  }
+  for_row_blocks<V::kRows>(m, [&]<int R>(int64_t r0) {
+    if (wbf16) {
+      nn_block<R, true>(g, x + r0 * ldx, ldx, acc + r0 * lda, lda);
+    } else {
+      nn_block<R, false>(g, x + r0 * ldx, ldx, acc + r0 * lda, lda);
+    }
+  });
 }

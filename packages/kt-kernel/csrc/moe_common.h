@@ -175,9 +175,8 @@ struct Projection {
     }
     const auto dt = in.scalar_type();
     const formats::ExpertView v = view(e);
-    if (small(in, out)) {
-      fmt->gemv(v, false, in.data_ptr(), in.stride(0), in.size(0), dt, out.data_ptr(),
-                out.stride(0));
+    if (small(in, out) && fmt->gemv(v, false, in.data_ptr(), in.stride(0), in.size(0), dt,
+                                    out.data_ptr(), out.stride(0))) {
       return;
     }
     const int64_t nt = tile_extent(n, k);
@@ -198,9 +197,8 @@ struct Projection {
     }
     const auto dt = in.scalar_type();
     const formats::ExpertView v = view(e);
-    if (small(in, out)) {
-      fmt->gemv(v, true, in.data_ptr(), in.stride(0), in.size(0), dt, out.data_ptr(),
-                out.stride(0));
+    if (small(in, out) && fmt->gemv(v, true, in.data_ptr(), in.stride(0), in.size(0), dt,
+                                    out.data_ptr(), out.stride(0))) {
       return;
     }
     const int64_t ct = tile_extent(k, n);
