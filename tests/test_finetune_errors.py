@@ -87,3 +87,18 @@ def test_share_experts_round_trips_through_print_config(tmp_path: Path, cli) -> 
     assert yaml.safe_load(again.stdout)["model"]["share_experts"] is False
     flag_wins = cli.run(["--config", str(cfg), "--share-experts", "--print-config"])
     assert yaml.safe_load(flag_wins.stdout)["model"]["share_experts"] is True
+
+
+def test_kernel_attention_is_on_by_default_and_can_be_turned_off(tmp_path: Path, cli) -> None:
+    import yaml
+
+    shown = {}
+    for flags in ([], ["--no-kernel-attention"]):
+        proc = cli.run([*flags, "--print-config"])
+        assert proc.returncode == 0, proc.stderr
+        shown[tuple(flags)] = yaml.safe_load(proc.stdout)["model"]["kernel_attention"]
+    assert shown == {(): True, ("--no-kernel-attention",): False}
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text("model:\n  kernel_attention: false\n")
+    again = cli.run(["--config", str(cfg), "--print-config"])
+    assert yaml.safe_load(again.stdout)["model"]["kernel_attention"] is False

@@ -39,6 +39,8 @@ EXPECTED_ALL = {
     "__version__",
     "activation_memory_bytes",
     "backend_info",
+    "causal_attention",
+    "causal_attention_reference",
     "dequantize_per_channel",
     "int8_isa",
     "lora_shapes",

@@ -15,13 +15,18 @@ backward), q/k/v/o, router, lm_head, loss, optimizer and the rest: forward ops a
 by the module that ran them, backward ops by the forward op they differentiate (autograd's
 sequence number), and each op's self time is counted once.
 
-Usage: ``python bench_step.py --out DIR [--quick] [--lengths 512,2048] [--reps N]``.
+``--variants ours,ours/sdpa`` compares ours with kt-kernel's causal attention (``adapt_model``'s
+default on the CPU) and with transformers' SDPA kept (``kernel_attention=False``).
+
+Usage: ``python bench_step.py --out DIR [--quick] [--lengths 512,2048] [--reps N]
+[--variants V1,V2]``.
 Writes ``bench_step.json`` and ``bench_step.md``.
 """
 
 from __future__ import annotations
 
 import argparse
+import copy
 import json
 import os
 import statistics
@@ -43,7 +48,9 @@ QUICK = {**FULL, "hidden_size": 256, "num_experts": 16, "num_experts_per_tok": 4
          "head_dim": 64, "vocab_size": 4096}
 RANK = 16
 DENSE = ["q_proj", "k_proj", "v_proj", "o_proj"]
-VARIANTS = ("peft", "ours", "ours+chunked")
+# ours/sdpa: ours with transformers' SDPA kept (adapt_model(kernel_attention=False)) instead of
+# kt-kernel's causal attention, to measure what the attention op changes in a whole step.
+VARIANTS = ("peft", "ours", "ours+chunked", "ours/sdpa")
 CATEGORIES = ("experts", "attention", "qkvo", "router", "lm_head", "loss", "optimizer", "rest")
 
 
@@ -70,7 +77,8 @@ def build(variant: str, cfg: Any) -> tuple[torch.nn.Module, torch.nn.Module, lis
     from transformers import AutoModelForCausalLM
 
     torch.manual_seed(0)
-    lm = AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16)
+    # A copy: adapt_model switches the attention implementation on the model's config.
+    lm = AutoModelForCausalLM.from_config(copy.deepcopy(cfg), dtype=torch.bfloat16)
     for p in lm.parameters():
         p.requires_grad_(False)
     if variant == "peft":
@@ -88,7 +96,12 @@ def build(variant: str, cfg: Any) -> tuple[torch.nn.Module, torch.nn.Module, lis
         model = lm
         cfg_l = LoraConfig(enable=True, rank=RANK, alpha=2 * RANK, target_modules=DENSE,
                            target_parameters=list(moe_experts.router_targets(lm)))
-        params = moe_experts.adapt_model(lm, cfg_l, weight_dtype="bf16").parameters()
+        result = moe_experts.adapt_model(lm, cfg_l, weight_dtype="bf16",
+                                         kernel_attention=variant != "ours/sdpa")
+        want = "sdpa" if variant == "ours/sdpa" else moe_experts.KERNEL_ATTENTION
+        if lm.config._attn_implementation != want:
+            raise RuntimeError(f"{variant} runs {lm.config._attn_implementation}, not {want}")
+        params = result.parameters()
     with torch.no_grad():
         for p in params:  # non-zero B so that every LoRA matmul does real work
             p.normal_(0, 0.02)
@@ -124,7 +137,8 @@ def _category(ev: Any) -> str | None:
     name = ev.name
     if name.startswith("cat::"):
         return name[5:]
-    if "scaled_dot_product" in name or "ScaledDotProduct" in name:
+    if ("scaled_dot_product" in name or "ScaledDotProduct" in name
+            or name.startswith("kt_kernel::attention") or "NativeCausalAttention" in name):
         return "attention"
     return None
 
@@ -176,7 +190,7 @@ def run(quick: bool, lengths: list[int], reps: int, do_profile: bool,
     steps: dict[str, Callable] = {}
     built: dict[str, tuple] = {}
     for variant in variants:
-        if variant == "ours+chunked":
+        if variant == "ours+chunked" and "ours" in built:
             model, lm, params = built["ours"]
         else:
             model, lm, params = build(variant, cfg)
@@ -267,7 +281,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="small model, T=128 (<1 min)")
     parser.add_argument("--lengths", help="comma-separated sequence lengths (default 512,2048)")
     parser.add_argument("--reps", type=int, help="timed steps per variant and length")
-    parser.add_argument("--variants", default=",".join(VARIANTS),
+    parser.add_argument("--variants", default=",".join(VARIANTS[:3]),
                         help="comma-separated subset of " + ",".join(VARIANTS))
     parser.add_argument("--no-profile", action="store_true", help="skip the profiled steps")
     args = parser.parse_args()

@@ -8,12 +8,15 @@ per-repetition ratios), at Qwen3-30B-A3B attention shapes (32 query / 4 KV heads
 - ``sdpa_gqa`` vs ``sdpa_repeat``: causal SDPA forward + backward with ``enable_gqa`` (what
   transformers 5 passes without a mask) and with the KV heads repeated (``repeat_kv``);
 - ``blocked``: a causal attention written with torch matmuls, query blocks over all earlier
-  keys, fp32 softmax and a recomputing backward, the "custom attention" candidate;
+  keys, fp32 softmax and a recomputing backward, the first "custom attention" candidate;
+- ``kernel``: :func:`kt_kernel.causal_attention`, the C++ flash-style op (fused softmax row
+  passes, AVX512_BF16 GEMMs with fp32 accumulation, query heads of a KV head stacked), with
+  its forward and backward also timed alone against SDPA's (``*_fwd`` / ``*_bwd``);
 - ``head_full`` vs ``head_chunked``: LM head + cross-entropy forward and backward from the
   full fp32 logits (transformers' path) and with :func:`moe_experts.chunked_lm_cross_entropy`.
 
-Usage: ``python bench_step_parts.py --out DIR [--quick] [--length T] [--reps N]``; writes
-``bench_step_parts.json`` and ``.md``.
+Usage: ``python bench_step_parts.py --out DIR [--quick] [--length T] [--reps N] [--stem S]``;
+writes ``S.json`` and ``S.md`` (default stem ``bench_step_parts``).
 """
 
 from __future__ import annotations
@@ -101,6 +104,7 @@ def _timed(fn: Callable[[], None]) -> tuple[float, float]:
 def run(t: int, heads: int, kv_heads: int, dim: int, hidden: int, vocab: int,
         reps: int) -> dict[str, Any]:
     """Time every part ``reps`` times, interleaved; return times, ratios and errors."""
+    from kt_kernel import causal_attention
     from moe_experts import chunked_lm_cross_entropy
 
     g = torch.Generator().manual_seed(0)
@@ -121,6 +125,8 @@ def run(t: int, heads: int, kv_heads: int, dim: int, hidden: int, vocab: int,
             kr, vr = (x[:, :, None].expand(1, kv_heads, rep, t, dim).reshape(1, heads, t, dim)
                       for x in (k, v))
             return F.scaled_dot_product_attention(q, kr, vr, is_causal=True)
+        if kind == "kernel":
+            return causal_attention(q, k, v, backend="native")
         return _BlockedCausal.apply(q, k, v, dim ** -0.5, 256)
 
     def attn_step(kind: str) -> None:
@@ -134,9 +140,23 @@ def run(t: int, heads: int, kv_heads: int, dim: int, hidden: int, vocab: int,
         else:
             chunked_lm_cross_entropy(h, w, y).backward()
 
+    saved: dict[str, torch.Tensor] = {}
+
+    def forward_only(kind: str) -> None:
+        with torch.no_grad():
+            attn(kind)
+
+    def backward_only(kind: str) -> None:
+        q.grad = k.grad = v.grad = None
+        saved[kind].backward(go, retain_graph=True)
+
     parts: dict[str, Callable[[], None]] = {"matmul": lambda: a @ a}
-    for kind in ("sdpa_gqa", "sdpa_repeat", "blocked"):
+    for kind in ("sdpa_gqa", "sdpa_repeat", "blocked", "kernel"):
         parts[kind] = lambda kind=kind: attn_step(kind)
+    for kind in ("sdpa_gqa", "kernel"):
+        saved[kind] = attn(kind)
+        parts[f"{kind}_fwd"] = lambda kind=kind: forward_only(kind)
+        parts[f"{kind}_bwd"] = lambda kind=kind: backward_only(kind)
     for kind in ("head_full", "head_chunked"):
         parts[kind] = lambda kind=kind: head(kind)
     errors = {}  # relative error of output and gradients against fp64 attention
@@ -145,7 +165,7 @@ def run(t: int, heads: int, kv_heads: int, dim: int, hidden: int, vocab: int,
                                                       for x in ref_in[1:]), is_causal=True)
     ref.backward(go.double())
     want = [ref.detach()] + [x.grad for x in ref_in]
-    for kind in ("sdpa_gqa", "blocked"):
+    for kind in ("sdpa_gqa", "blocked", "kernel"):
         q.grad = k.grad = v.grad = None
         out = attn(kind)
         out.backward(go)
@@ -170,6 +190,16 @@ def run(t: int, heads: int, kv_heads: int, dim: int, hidden: int, vocab: int,
         "wall_s": wall, "cpu_s": cpu,
         "matmul_gflops": 2 * 2048 ** 3 / statistics.median(wall["matmul"]) / 1e9,
         "sdpa_gqa_gflops": flops_attn / statistics.median(wall["sdpa_gqa"]) / 1e9,
+        "kernel_gflops": flops_attn / statistics.median(wall["kernel"]) / 1e9,
+        # CPU-time rates: on a shared machine the work, not the waiting for a core.
+        "gflops_per_cpu_s": {n: f / statistics.median(cpu[n]) / 1e9 for n, f in (
+            ("matmul", 2 * 2048 ** 3), ("sdpa_gqa", flops_attn), ("kernel", flops_attn))},
+        "sdpa_vs_kernel": {"wall": ratio("sdpa_gqa", "kernel", wall),
+                           "cpu": ratio("sdpa_gqa", "kernel", cpu)},
+        "sdpa_vs_kernel_fwd": {"wall": ratio("sdpa_gqa_fwd", "kernel_fwd", wall),
+                               "cpu": ratio("sdpa_gqa_fwd", "kernel_fwd", cpu)},
+        "sdpa_vs_kernel_bwd": {"wall": ratio("sdpa_gqa_bwd", "kernel_bwd", wall),
+                               "cpu": ratio("sdpa_gqa_bwd", "kernel_bwd", cpu)},
         "repeat_vs_gqa": {"wall": ratio("sdpa_repeat", "sdpa_gqa", wall),
                           "cpu": ratio("sdpa_repeat", "sdpa_gqa", cpu)},
         "blocked_vs_gqa": {"wall": ratio("blocked", "sdpa_gqa", wall),
@@ -187,6 +217,7 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="small shapes (seconds)")
     parser.add_argument("--length", type=int, default=2048, help="sequence length T")
     parser.add_argument("--reps", type=int, default=3, help="interleaved repetitions")
+    parser.add_argument("--stem", default="bench_step_parts", help="output file name stem")
     args = parser.parse_args()
     shape = ((256, 8, 2, 64, 256, 4096) if args.quick else (args.length, 32, 4, 128, 2048, 32000))
     load0 = os.getloadavg()[0]
@@ -196,21 +227,27 @@ def main() -> None:
                               strict=True)),
                loadavg=f"{load0:.1f} -> {os.getloadavg()[0]:.1f}")
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "bench_step_parts.json").write_text(json.dumps(res, indent=2))
+    (args.out / f"{args.stem}.json").write_text(json.dumps(res, indent=2))
     lines = [f"# Shared step parts, T={shape[0]} ({res['threads']} threads, load "
              f"{res['loadavg']}, median of {args.reps} interleaved repetitions)", "",
              "| part | wall (s) | CPU (s) |", "|---|---|---|"]
     lines += [f"| {n} | {statistics.median(res['wall_s'][n]):.3f} | "
               f"{statistics.median(res['cpu_s'][n]):.3f} |" for n in res["wall_s"]]
+    rate = res["gflops_per_cpu_s"]
     lines += ["", f"bf16 matmul {res['matmul_gflops']:.0f} GFLOP/s; SDPA (GQA) forward + "
-              f"backward {res['sdpa_gqa_gflops']:.0f} GFLOP/s.", ""]
-    for key in ("repeat_vs_gqa", "blocked_vs_gqa", "full_vs_chunked_head"):
+              f"backward {res['sdpa_gqa_gflops']:.0f} GFLOP/s; kernel "
+              f"{res['kernel_gflops']:.0f} GFLOP/s (wall). Per CPU-second: matmul "
+              f"{rate['matmul']:.0f}, SDPA {rate['sdpa_gqa']:.0f} "
+              f"({rate['sdpa_gqa'] / rate['matmul']:.0%} of matmul), kernel "
+              f"{rate['kernel']:.0f} ({rate['kernel'] / rate['matmul']:.0%}).", ""]
+    for key in ("repeat_vs_gqa", "blocked_vs_gqa", "sdpa_vs_kernel", "sdpa_vs_kernel_fwd",
+                "sdpa_vs_kernel_bwd", "full_vs_chunked_head"):
         lines.append(f"- {key}: wall {res[key]['wall']:.2f}x, CPU {res[key]['cpu']:.2f}x")
     for kind, errs in res["attention_rel_error_vs_fp64"].items():
         lines.append(f"- {kind} relative error vs fp64 (out, dq, dk, dv): "
                      + ", ".join(f"{e:.1e}" for e in errs))
     text = "\n".join(lines) + "\n"
-    (args.out / "bench_step_parts.md").write_text(text)
+    (args.out / f"{args.stem}.md").write_text(text)
     print(text)
 
 

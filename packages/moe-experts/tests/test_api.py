@@ -18,6 +18,8 @@ def test_all_is_curated() -> None:
             "experts_sites", "find_architecture", "is_placeholder",
             "iter_moe_blocks", "make_placeholder", "named_placeholders", "peft_key_prefix",
             "router_targets", "wrap",
+            "KERNEL_ATTENTION", "kernel_attention_forward", "register_kernel_attention",
+            "use_kernel_attention",
         ]
     )
     for name in moe_experts.__all__:

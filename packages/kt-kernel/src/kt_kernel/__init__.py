@@ -2,7 +2,7 @@
 
 The public surface is tensors plus small typed specs: :class:`ExpertSpec` (with its
 activation), :class:`ExpertWeights` (in a :class:`WeightFormat`), :class:`LoraBuffers`,
-:func:`moe_experts_forward` and :func:`backend_info`.
+:func:`moe_experts_forward`, :func:`causal_attention` and :func:`backend_info`.
 ``kt_kernel.reference`` holds the plain-PyTorch oracle.
 """
 
@@ -15,6 +15,7 @@ from kt_kernel.activations import (
     SwiGLU,
     SwiGLULimit,
 )
+from kt_kernel.attention import causal_attention, causal_attention_reference
 from kt_kernel.errors import KernelDTypeError, KernelInputError, NativeBackendError
 from kt_kernel.formats import (
     FORMATS,
@@ -73,6 +74,8 @@ __all__ = [
     "__version__",
     "activation_memory_bytes",
     "backend_info",
+    "causal_attention",
+    "causal_attention_reference",
     "dequantize_per_channel",
     "get_num_threads",
     "int8_isa",

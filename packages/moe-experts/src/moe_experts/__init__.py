@@ -26,6 +26,12 @@ if TYPE_CHECKING:
         find_architecture,
         iter_moe_blocks,
     )
+    from moe_experts.attention import (
+        KERNEL_ATTENTION,
+        kernel_attention_forward,
+        register_kernel_attention,
+        use_kernel_attention,
+    )
     from moe_experts.coverage import (
         BlockCoverage,
         MoECoverage,
@@ -58,6 +64,7 @@ if TYPE_CHECKING:
 # public name -> the module that defines it
 _WHERE = {
     "ARCHITECTURES": "architectures",
+    "KERNEL_ATTENTION": "attention",
     "AdaptError": "errors",
     "BlockCheck": "self_check",
     "BlockCoverage": "coverage",
@@ -85,17 +92,21 @@ _WHERE = {
     "experts_sites": "wrapping",
     "find_architecture": "architectures",
     "is_placeholder": "placeholders",
+    "kernel_attention_forward": "attention",
     "iter_moe_blocks": "architectures",
     "load_pretrained": "loading",
     "make_placeholder": "placeholders",
     "named_placeholders": "placeholders",
     "peft_key_prefix": "adaptation",
+    "register_kernel_attention": "attention",
     "router_targets": "adaptation",
+    "use_kernel_attention": "attention",
     "wrap": "wrapping",
 }
 
 __all__ = [
     "ARCHITECTURES",
+    "KERNEL_ATTENTION",
     "UNSUPPORTED_FAMILIES",
     "AdaptError",
     "BlockCheck",
@@ -125,11 +136,14 @@ __all__ = [
     "find_architecture",
     "is_placeholder",
     "iter_moe_blocks",
+    "kernel_attention_forward",
     "load_pretrained",
     "make_placeholder",
     "named_placeholders",
     "peft_key_prefix",
+    "register_kernel_attention",
     "router_targets",
+    "use_kernel_attention",
     "wrap",
 ]
 

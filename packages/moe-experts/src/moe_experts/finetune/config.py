@@ -61,6 +61,8 @@ class FinetuneArgs:
     # Under torchrun with several local ranks: one copy of the frozen experts per machine
     # (True), one per rank (False); None shares unless MOE_EXPERTS_SHARE_EXPERTS=0.
     share_experts: bool | None = None
+    # CPU models on transformers' SDPA run plain causal attention on kt-kernel's op instead.
+    kernel_attention: bool = True
     data: Path | None = None  # None: the corpus shipped in the package
     data_format: str | None = None  # a key of formats.DATA_FORMATS; None: detected per file
     train_on_prompt: bool = False  # chat/instruction data: loss on every token, not replies only
@@ -142,6 +144,10 @@ OPTIONS: tuple[Option, ...] = (
            "per machine in shared memory (--no-share-experts: one copy per rank; default: "
            "share unless MOE_EXPERTS_SHARE_EXPERTS=0)", nullable=True,
            negation="--no-share-experts"),
+    Option("kernel_attention", "--kernel-attention", "model", "kernel_attention", bool,
+           "run plain causal attention of a CPU model on kt-kernel's causal attention op "
+           "instead of transformers' SDPA (other calls still use SDPA; "
+           "--no-kernel-attention: keep SDPA everywhere)", negation="--no-kernel-attention"),
     Option("data", "--data", "data", "path", Path,
            "training data file; default: a small corpus shipped with the package",
            nullable=True),

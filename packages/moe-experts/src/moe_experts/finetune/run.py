@@ -127,7 +127,8 @@ def run_finetune(args: FinetuneArgs, stop: StopRequest | None = None) -> Finetun
                   if wrapped.shared_by > 1 else "one copy per rank")
         print(f"frozen experts: {copies}", file=sys.stderr)
     try:
-        result = moe_experts.adapt_model(loaded.model, lora, weight_dtype=args.weight_dtype)
+        result = moe_experts.adapt_model(loaded.model, lora, weight_dtype=args.weight_dtype,
+                                         kernel_attention=args.kernel_attention)
     except LoraTargetError as exc:  # a target the user wrote that this model does not have
         raise FinetuneError(f"--model {args.model}: {exc}") from exc
     if ranks.rank == 0:
