@@ -5,9 +5,11 @@ Builds a Qwen3-MoE model (H=1024, E=32, 4 layers, bf16), saves it, loads it twic
 ``moe_experts.load_pretrained`` (``dense_device="cpu"`` and ``"cuda"``), puts expert LoRA on
 both with ``moe_experts.adapt`` (rank 8, B filled so gradients reach A), runs one forward and
 backward on the same batch and compares the loss and every expert LoRA gradient within bf16
-tolerance; then times a few hybrid steps and prints tokens/s. Exit status 1 on a mismatch.
+tolerance; then times a few AdamW steps of each (hybrid and all-CPU, same process, alternating)
+and prints tokens/s and their ratio. Exit status 1 on a mismatch.
 
-Usage: ``python tests/gpu/check_hybrid.py [--seq 512] [--steps 3]``.
+Usage: ``python tests/gpu/check_hybrid.py [--seq 512] [--steps 3] [--layers 4]
+[--shape small|qwen3-30b]``.
 """
 
 from __future__ import annotations
@@ -19,12 +21,26 @@ import time
 
 import torch
 
+SHAPES = {
+    "small": {"hidden_size": 1024, "moe_intermediate_size": 256, "num_experts": 32,
+              "num_experts_per_tok": 4, "intermediate_size": 2048, "head_dim": 64,
+              "num_attention_heads": 16, "num_key_value_heads": 4, "vocab_size": 4096},
+    "qwen3-30b": {"hidden_size": 2048, "moe_intermediate_size": 768, "num_experts": 128,
+                  "num_experts_per_tok": 8, "intermediate_size": 6144, "head_dim": 128,
+                  "num_attention_heads": 32, "num_key_value_heads": 4, "vocab_size": 32000},
+}
+
 
 def main() -> int:
     """Run the comparison; print a summary line per check."""
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--steps", type=int, default=3)
+    ap.add_argument("--layers", type=int, default=4)
+    ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
+                    help="fp32 (default): the comparison is tight (1e-3); bf16: the timed dtype")
+    ap.add_argument("--shape", choices=sorted(SHAPES), default="small",
+                    help="small: H=1024, E=32; qwen3-30b: Qwen3-30B-A3B's real layer sizes")
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to check")
@@ -35,19 +51,19 @@ def main() -> int:
     from lora_core import LoraConfig
     from moe_experts.testing import tiny_config
 
-    cfg = tiny_config("qwen3_moe", hidden_size=1024, moe_intermediate_size=256, num_experts=32,
-                      num_experts_per_tok=4, num_hidden_layers=4, intermediate_size=2048,
-                      head_dim=64, num_attention_heads=16, num_key_value_heads=4,
-                      vocab_size=4096, max_position_embeddings=args.seq)
+    cfg = tiny_config("qwen3_moe", **SHAPES[args.shape], num_hidden_layers=args.layers,
+                      max_position_embeddings=args.seq)
+    dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
+    torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 comparison means fp32 on the GPU
     torch.manual_seed(0)
     path = tempfile.mkdtemp(prefix="check-hybrid-")
-    AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).save_pretrained(path)
+    AutoModelForCausalLM.from_config(cfg, dtype=dtype).save_pretrained(path)
     lora = LoraConfig(enable=True, rank=8, alpha=16, init_seed=3)
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(0, cfg.vocab_size, (1, args.seq), generator=gen)
 
     def step(device: str) -> tuple[float, dict[str, torch.Tensor], torch.nn.Module, list]:
-        model = moe_experts.load_pretrained(path, weight_dtype="bf16", dtype=torch.bfloat16,
+        model = moe_experts.load_pretrained(path, weight_dtype=args.dtype, dtype=dtype,
                                             dense_device=device)
         result = moe_experts.adapt(model, lora)
         params = [p for _, p in result.named_optimizer_parameters]
@@ -60,28 +76,49 @@ def main() -> int:
         loss = model(x, labels=x).loss
         loss.backward()
         grads = {n: p.grad.detach().float().cpu() for n, p in result.named_optimizer_parameters}
-        return float(loss), grads, model, params
+        return loss.item(), grads, model, params
 
-    loss_cpu, grads_cpu, _, _ = step("cpu")
+    loss_cpu, grads_cpu, model_cpu, params_cpu = step("cpu")
     loss_gpu, grads_gpu, model, params = step("cuda")
-    ok = abs(loss_cpu - loss_gpu) <= 2e-2 * abs(loss_cpu)
+    # fp32 on both sides differs only in summation order: tight bounds. In bf16 the GPU's and
+    # the CPU's dense products round differently and this wide-init model amplifies that in
+    # its gradients (20-60% seen on an H200), so bf16 checks the loss and reports gradients.
+    loss_tol, grad_tol = (1e-4, 1e-3) if args.dtype == "fp32" else (2e-2, float("inf"))
+    ok = abs(loss_cpu - loss_gpu) <= loss_tol * abs(loss_cpu)
     print(f"loss cpu {loss_cpu:.5f} hybrid {loss_gpu:.5f} {'OK' if ok else 'MISMATCH'}")
+    worst = 0.0
     for n, g in grads_cpu.items():
         rel = float((grads_gpu[n] - g).norm() / g.norm().clamp_min(1e-30))
-        good = rel <= 5e-2
-        ok &= good
-        print(f"grad {n}: relative difference {rel:.3e} {'OK' if good else 'MISMATCH'}")
-    opt = torch.optim.AdamW(params, lr=1e-4)
-    x = ids.cuda()
-    torch.cuda.synchronize()
-    start = time.perf_counter()
-    for _ in range(args.steps):
-        model(x, labels=x).loss.backward()
-        opt.step()
+        worst = max(worst, rel)
+        if rel > grad_tol:
+            ok = False
+            print(f"grad {n}: relative difference {rel:.3e} MISMATCH")
+    print(f"{len(grads_cpu)} LoRA gradients, worst relative difference {worst:.3e} "
+          f"{'OK' if worst <= grad_tol else 'MISMATCH'} (bound {grad_tol:g})")
+    if args.steps == 0:
+        return 0 if ok else 1
+
+    def timed(m: torch.nn.Module, ps: list, device: str) -> float:
+        opt = torch.optim.AdamW(ps, lr=1e-4)
+        x = ids.to(device)
+        m(x, labels=x).loss.backward()  # warm-up (allocator, pinned buffers)
         opt.zero_grad()
-    torch.cuda.synchronize()
-    tps = args.steps * args.seq / (time.perf_counter() - start)
-    print(f"hybrid training step: {tps:.0f} tokens/s (T={args.seq}, {args.steps} steps)")
+        if device == "cuda":
+            torch.cuda.synchronize()
+        start = time.perf_counter()
+        for _ in range(args.steps):
+            m(x, labels=x).loss.backward()
+            opt.step()
+            opt.zero_grad()
+        if device == "cuda":
+            torch.cuda.synchronize()
+        return args.steps * args.seq / (time.perf_counter() - start)
+
+    tps_gpu = timed(model, params, "cuda")
+    tps_cpu = timed(model_cpu, params_cpu, "cpu")
+    print(f"{args.dtype} training step T={args.seq}, {args.steps} steps, "
+          f"{torch.get_num_threads()} CPU threads: hybrid {tps_gpu:.0f} tokens/s, "
+          f"all-CPU {tps_cpu:.0f} tokens/s, hybrid/all-CPU {tps_gpu / tps_cpu:.2f}x")
     return 0 if ok else 1
 
 
