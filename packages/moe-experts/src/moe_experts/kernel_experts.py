@@ -63,6 +63,7 @@ class KernelExperts(nn.Module):
         lora: :class:`kt_kernel.LoraBuffers` created by :func:`moe_experts.adapt`, or ``None``.
         policy: kt-kernel activation policy (``"save"`` or ``"recompute"``).
         num_experts: E (transformers code reads this attribute).
+        shared_by: how many local ranks map ``expert_weights`` (1: this process's own copy).
     """
 
     def __init__(
@@ -78,6 +79,7 @@ class KernelExperts(nn.Module):
         arch: MoEArchitecture | None = None,
         bias_like: Mapping[str, torch.Tensor] | None = None,
         order: Sequence[str] = (),
+        shared_by: int = 1,
     ) -> None:
         """Register placeholders named like the original parameters and keep the weights.
 
@@ -95,6 +97,7 @@ class KernelExperts(nn.Module):
             bias_like: ``{parameter name: original tensor}`` of the expert biases, which
                 get placeholders too (their values live in ``weights``).
             order: the original module's parameter names in order; placeholders follow it.
+            shared_by: local ranks mapping ``weights`` (one copy per machine), else 1.
         """
         super().__init__()
         self.expert_weights = weights
@@ -103,6 +106,7 @@ class KernelExperts(nn.Module):
         self.hidden_dim = weights.spec.hidden_size
         self.intermediate_dim = weights.spec.intermediate_size
         self.policy: Policy = policy
+        self.shared_by = shared_by
         self.gate_up_name = gate_up_name
         self.down_name = down_name
         self.register_parameter(

@@ -337,6 +337,7 @@ def _install(
     weights: kt_kernel.ExpertWeights,
     meta: dict[str, torch.Tensor],
     policy: Policy,
+    shared_by: int,
 ) -> None:
     """Replace the block's meta experts module by a :class:`KernelExperts` over ``weights``."""
     arch = site.arch
@@ -351,6 +352,7 @@ def _install(
         arch=arch,
         bias_like={p: _like(meta[p]) for p in arch.bias_params},
         order=tuple(n for n, _ in experts.named_parameters(recurse=False)),
+        shared_by=shared_by,
     )
     setattr(site.block, arch.experts_attr, kernel)
 
@@ -419,7 +421,8 @@ def _load_block(
 
     fmt = _weight_format(storage_name, model_dtype)
     weights = shared_or_local(sharing, build, spec, fmt, site.experts_name)
-    _install(site, experts, weights, meta, policy)
+    _install(site, experts, weights, meta, policy,
+             sharing.local_ranks if sharing is not None else 1)
 
 
 def load_pretrained(

@@ -332,6 +332,7 @@ def wrap(
                 arch=arch,
                 bias_like={p: stored[p] for p in arch.bias_params},
                 order=tuple(n for n, _ in base.named_parameters(recurse=False)),
+                shared_by=shared_by,
             )
             if self_check:
                 # Before this block is replaced: a refused block keeps its original module. A

@@ -138,7 +138,8 @@ OPTIONS: tuple[Option, ...] = (
     Option("model", "--model", "model", "name", str,
            "'tiny-qwen3-moe' (built in) or a local Hugging Face model directory"),
     Option("weight_dtype", "--weight-dtype", "model", "weight_dtype", str,
-           "kernel storage of the frozen experts", choices=("fp32", "bf16", "int8")),
+           "kernel storage of the frozen experts; fp8 keeps a FP8-block checkpoint's shipped "
+           "bytes (and quantises any other)", choices=("fp32", "bf16", "int8", "int4", "fp8")),
     Option("share_experts", "--share-experts", "model", "share_experts", bool,
            "under torchrun with several ranks per machine, keep one copy of the frozen experts "
            "per machine in shared memory (--no-share-experts: one copy per rank; default: "

@@ -54,6 +54,9 @@ class LoadedModel:
     source: Path
     builtin: bool
     tokenizer: Any = None  # the Hugging Face tokenizer (chat template, decode, generation)
+    # Local ranks mapping the kernel's expert storage (one copy per machine); None: the
+    # experts are still the model's own modules (no weight_dtype was asked for).
+    shared_by: int | None = None
 
 
 def _cache_root() -> Path:
@@ -128,13 +131,25 @@ def pretrained_class(source: Path) -> Any:
     return AutoModelForCausalLM
 
 
-def load_model(model: str, *, dtype: torch.dtype = torch.float32) -> LoadedModel:
+def load_model(model: str, *, dtype: torch.dtype = torch.float32,
+               weight_dtype: str | None = None,
+               share_experts: bool | None = None) -> LoadedModel:
     """Load a built-in model name or a local Hugging Face directory, with its tokenizer.
 
+    Args:
+        model: a name in :data:`BUILTIN_MODELS` or a local model directory.
+        dtype: the dense weights' dtype.
+        weight_dtype: when given, the routed experts come up on kt-kernel in this storage:
+            a causal-LM checkpoint streams them straight from its safetensors
+            (:func:`moe_experts.load_pretrained`, never holding the experts twice); any other
+            (a multimodal checkpoint) loads whole and is wrapped. ``None``: plain load.
+        share_experts: as in :func:`moe_experts.wrap` (one copy per machine under torchrun);
+            every rank must call this together when ``weight_dtype`` is given.
+
     Raises:
-        FinetuneError: if the path does not exist or holds no loadable causal LM.
+        FinetuneError: if the path does not exist or holds no loadable MoE causal LM.
     """
-    from transformers import AutoTokenizer
+    from transformers import AutoModelForCausalLM, AutoTokenizer
 
     builtin = model in BUILTIN_MODELS
     if builtin:
@@ -146,7 +161,8 @@ def load_model(model: str, *, dtype: torch.dtype = torch.float32) -> LoadedModel
                 f"--model {model}: not a built-in model ({', '.join(BUILTIN_MODELS)}) and not a "
                 "local Hugging Face model directory (no config.json there)"
             )
-    from moe_experts import LoadError, UnsupportedModelError, find_architecture
+    import moe_experts
+    from moe_experts import LoadError, UnsupportedModelError, WrapError, find_architecture
     from moe_experts.architectures import checkpoint_model_type, require_transformers
 
     try:
@@ -154,15 +170,25 @@ def load_model(model: str, *, dtype: torch.dtype = torch.float32) -> LoadedModel
         require_transformers(checkpoint_model_type(source))
     except (LoadError, UnsupportedModelError) as exc:
         raise FinetuneError(f"--model {model}: {exc}") from exc
+    cls = pretrained_class(source)
+    shared_by = None
     try:
-        lm = pretrained_class(source).from_pretrained(source, dtype=dtype)
+        if weight_dtype is not None and cls is AutoModelForCausalLM:
+            lm = moe_experts.load_pretrained(source, weight_dtype=weight_dtype, dtype=dtype,
+                                             share_experts=share_experts)
+        else:
+            lm = cls.from_pretrained(source, dtype=dtype)
+            find_architecture(lm)
+            if weight_dtype is not None:
+                moe_experts.wrap(lm, weight_dtype=weight_dtype, share_experts=share_experts)
+    except (LoadError, UnsupportedModelError, WrapError) as exc:
+        # e.g. a malformed checkpoint, or no memory for the shared copy: each names the fix
+        raise FinetuneError(f"--model {model}: {exc}") from exc
     except (OSError, ValueError, KeyError) as exc:
         raise FinetuneError(f"--model {model}: transformers could not load it: {exc}") from exc
-
-    try:
-        find_architecture(lm)
-    except UnsupportedModelError as exc:
-        raise FinetuneError(f"--model {model}: {exc}") from exc
+    if weight_dtype is not None:
+        shared_by = max((m.shared_by for m in lm.modules()
+                         if isinstance(m, moe_experts.KernelExperts)), default=1)
     try:
         tok = AutoTokenizer.from_pretrained(source)
     except (OSError, ValueError, KeyError) as exc:
@@ -173,4 +199,4 @@ def load_model(model: str, *, dtype: torch.dtype = torch.float32) -> LoadedModel
     def encode(text: str) -> list[int]:
         return encode_text(tok, text)
 
-    return LoadedModel(lm, encode, source, builtin, tok)
+    return LoadedModel(lm, encode, source, builtin, tok, shared_by)

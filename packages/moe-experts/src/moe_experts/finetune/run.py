@@ -25,7 +25,12 @@ from moe_experts.finetune.formats import Sample
 from moe_experts.finetune.interrupts import StopRequest
 from moe_experts.finetune.loop import FinetuneSummary, TrainingJob, restore_checkpoint, train
 from moe_experts.finetune.loss import full_logits_reason
-from moe_experts.finetune.models import LoadedModel, load_model
+from moe_experts.finetune.models import (
+    BUILTIN_MODELS,
+    LoadedModel,
+    builtin_model_dir,
+    load_model,
+)
 from moe_experts.finetune.targets import resolve_targets
 
 __all__ = ["run_finetune"]
@@ -81,12 +86,14 @@ def _datasets(args: FinetuneArgs, tokenizer: Any, samples: list[Sample],
     return train_batches, [everything.select(i, min(i + micro, n)) for i in range(0, n, micro)]
 
 
-def _load_on_ranks(name: str, ranks: Ranks) -> LoadedModel:
-    # Rank 0 first: it creates the built-in model's cache directory the others then read.
-    loaded = load_model(name) if ranks.rank == 0 else None
+def _load_on_ranks(args: FinetuneArgs, ranks: Ranks) -> LoadedModel:
+    """Every rank loads together (sharing the experts is collective), experts on kt-kernel."""
+    if ranks.rank == 0 and args.model in BUILTIN_MODELS:
+        builtin_model_dir(args.model)  # rank 0 creates the cache directory the others read
     if ranks.world > 1:
         dist.barrier()
-    return loaded if loaded is not None else load_model(name)
+    return load_model(args.model, weight_dtype=args.weight_dtype,
+                      share_experts=args.share_experts)
 
 
 def _expert_parameters(model: torch.nn.Module) -> set[torch.nn.Parameter]:
@@ -108,23 +115,18 @@ def run_finetune(args: FinetuneArgs, stop: StopRequest | None = None) -> Finetun
     """
     import moe_experts
     from lora_core import LoraTargetError, rebind_parameters
-    from moe_experts.errors import WrapError
 
     lora_config(args)  # a bad lora setting fails before the data and the model load
     samples, eval_samples = _read_samples(args)  # bad records fail before the model loads
     ranks = init_distributed()
-    loaded = _load_on_ranks(args.model, ranks)
+    loaded = _load_on_ranks(args, ranks)
     args = resolve_targets(args, loaded.model)  # "auto" targets: this model's routers, attention
     lora = lora_config(args)
     torch.manual_seed(args.seed)
-    try:
-        wrapped = moe_experts.wrap(loaded.model, weight_dtype=args.weight_dtype,
-                                   share_experts=args.share_experts)
-    except WrapError as exc:  # e.g. no memory for the shared copy: names the fix
-        raise FinetuneError(f"--model {args.model}: {exc}") from exc
     if ranks.rank == 0 and ranks.world > 1:
-        copies = (f"one copy per machine, shared by {wrapped.shared_by} local ranks"
-                  if wrapped.shared_by > 1 else "one copy per rank")
+        shared_by = loaded.shared_by or 1
+        copies = (f"one copy per machine, shared by {shared_by} local ranks"
+                  if shared_by > 1 else "one copy per rank")
         print(f"frozen experts: {copies}", file=sys.stderr)
     try:
         result = moe_experts.adapt_model(loaded.model, lora, weight_dtype=args.weight_dtype,
