@@ -15,11 +15,16 @@ backward), q/k/v/o, router, lm_head, loss, optimizer and the rest: forward ops a
 by the module that ran them, backward ops by the forward op they differentiate (autograd's
 sequence number), and each op's self time is counted once.
 
+``--isolate`` runs every (repetition, variant) in a fresh child process holding only that
+variant's model, alternating the order per repetition (ABBA): PEFT's step was measured 1.5-2x
+slower whenever other models were resident in the same process (another PEFT model did the
+same, a tiny model did not), which flatters ours in the one-process comparison.
+
 ``--variants ours,ours/sdpa`` compares ours with kt-kernel's causal attention (``adapt_model``'s
 default on the CPU) and with transformers' SDPA kept (``kernel_attention=False``).
 
 Usage: ``python bench_step.py --out DIR [--quick] [--lengths 512,2048] [--reps N]
-[--variants V1,V2]``.
+[--variants V1,V2] [--isolate]``.
 Writes ``bench_step.json`` and ``bench_step.md``.
 """
 
@@ -30,6 +35,8 @@ import copy
 import json
 import os
 import statistics
+import subprocess
+import sys
 import time
 import warnings
 from collections import defaultdict
@@ -218,26 +225,69 @@ def run(quick: bool, lengths: list[int], reps: int, do_profile: bool,
         # shared cores (not to their cache and memory-bandwidth pressure)
         res: dict[str, Any] = {"first_loss": losses, "step_s": times, "step_cpu_s": cpu,
                                "loadavg_per_rep": load}
-        res["step_s_median"] = {v: statistics.median(x) for v, x in times.items()}
-        res["tokens_per_s"] = {v: t / s for v, s in res["step_s_median"].items()}
-        # Without peft the ratios are against the first variant run (plain "ours" if present).
-        base_name = "peft" if "peft" in times else "ours" if "ours" in times else variants[0]
-        base = times[base_name]
-        res[f"speedup_vs_{base_name}"] = {
-            v: statistics.median(p / o for p, o in zip(base, times[v], strict=True))
-            for v in variants}
-        res[f"cpu_speedup_vs_{base_name}"] = {
-            v: statistics.median(p / o for p, o in zip(cpu[base_name], cpu[v], strict=True))
-            for v in variants}
-        if "ours" in times and "ours+chunked" in times:
-            res["chunked_vs_plain_loss"] = statistics.median(
-                a / b for a, b in zip(times["ours"], times["ours+chunked"], strict=True))
-            res["chunked_vs_plain_loss_cpu"] = statistics.median(
-                a / b for a, b in zip(cpu["ours"], cpu["ours+chunked"], strict=True))
+        res["length"] = t
+        _ratios(res, variants)
+        del res["length"]
         if do_profile:
             res["profile_s"] = {v: profile_step(steps[v], ids) for v in variants}
         out["lengths"][str(t)] = res
     out["torch_threads"] = torch.get_num_threads()
+    out["variants"] = list(variants)
+    return out
+
+
+def _ratios(res: dict[str, Any], variants: tuple[str, ...]) -> None:
+    """Per-repetition wall and CPU ratios against the baseline, medians, into ``res``."""
+    times, cpu = res["step_s"], res["step_cpu_s"]
+    res["step_s_median"] = {v: statistics.median(x) for v, x in times.items()}
+    res["tokens_per_s"] = {v: res["length"] / s for v, s in res["step_s_median"].items()}
+    # Without peft the ratios are against the first variant run (plain "ours" if present).
+    base_name = "peft" if "peft" in times else "ours" if "ours" in times else variants[0]
+    base = times[base_name]
+    res[f"speedup_vs_{base_name}"] = {
+        v: statistics.median(p / o for p, o in zip(base, times[v], strict=True))
+        for v in variants}
+    res[f"cpu_speedup_vs_{base_name}"] = {
+        v: statistics.median(p / o for p, o in zip(cpu[base_name], cpu[v], strict=True))
+        for v in variants}
+    if "ours" in times and "ours+chunked" in times:
+        res["chunked_vs_plain_loss"] = statistics.median(
+            a / b for a, b in zip(times["ours"], times["ours+chunked"], strict=True))
+        res["chunked_vs_plain_loss_cpu"] = statistics.median(
+            a / b for a, b in zip(cpu["ours"], cpu["ours+chunked"], strict=True))
+
+
+def run_isolated(quick: bool, lengths: list[int], reps: int,
+                 variants: tuple[str, ...]) -> dict:
+    """Each (repetition, variant) in its own child process, order alternating per repetition."""
+    out: dict[str, Any] = {"lengths": {}, "isolated": True}
+    res = {t: {"length": t, "step_s": {v: [] for v in variants},
+               "step_cpu_s": {v: [] for v in variants}, "loadavg_per_rep": [],
+               "first_loss": {}} for t in lengths}
+    for rep in range(reps):
+        order = variants if rep % 2 == 0 else variants[::-1]
+        for v in order:
+            cmd = [sys.executable, __file__, "--out", "-", "--child", v, "--lengths",
+                   ",".join(map(str, lengths)), *(["--quick"] if quick else [])]
+            load = os.getloadavg()[0]
+            done = subprocess.run(cmd, capture_output=True, text=True)
+            if done.returncode != 0:
+                raise SystemExit(f"the {v} child failed ({done.returncode}):\n{done.stderr[-3000:]}")
+            child = json.loads(done.stdout.strip().splitlines()[-1])
+            print(f"rep {rep + 1} {v}: " + ", ".join(
+                f"T={t} {child['lengths'][str(t)]['step_s'][v][0]:.2f} s" for t in lengths),
+                file=sys.stderr)
+            for t in lengths:
+                c = child["lengths"][str(t)]
+                res[t]["step_s"][v] += c["step_s"][v]
+                res[t]["step_cpu_s"][v] += c["step_cpu_s"][v]
+                res[t]["first_loss"][v] = c["first_loss"][v]
+                res[t]["loadavg_per_rep"].append(load)
+            out["torch_threads"] = child["torch_threads"]
+    for t in lengths:
+        _ratios(res[t], variants)
+        del res[t]["length"]
+        out["lengths"][str(t)] = res[t]
     out["variants"] = list(variants)
     return out
 
@@ -248,7 +298,9 @@ def _markdown(payload: dict) -> str:
              f"Qwen3-MoE, {m['num_hidden_layers']} layers, H={m['hidden_size']}, "
              f"E={m['num_experts']}, k={m['num_experts_per_tok']}, I={m['moe_intermediate_size']}, "
              f"V={m['vocab_size']}, bf16, LoRA rank {RANK} on q/k/v/o + router + experts; "
-             f"{payload['torch_threads']} threads, load average {payload['loadavg']}.", "",
+             f"{payload['torch_threads']} threads, load average {payload['loadavg']}"
+             + ("; each variant and repetition in its own process."
+                if payload.get("isolated") else "; all variants in one process."), "",
              "| T | variant | step (s) | tokens/s | x baseline (peft, else ours, else the first variant) "
              "| step CPU (s) | x baseline, CPU time |", "|---|---|---|---|---|---|---|"]
     vs = payload["variants"]
@@ -285,12 +337,21 @@ def main() -> None:
     parser.add_argument("--variants", default=",".join(VARIANTS[:3]),
                         help="comma-separated subset of " + ",".join(VARIANTS))
     parser.add_argument("--no-profile", action="store_true", help="skip the profiled steps")
+    parser.add_argument("--isolate", action="store_true",
+                        help="each variant and repetition in its own process (no profile)")
+    parser.add_argument("--child", help=argparse.SUPPRESS)  # one variant, one timed step
     args = parser.parse_args()
     lengths = [int(x) for x in (args.lengths or ("128" if args.quick else "512,2048")).split(",")]
     reps = args.reps or (2 if args.quick else 3)
     load0 = os.getloadavg()[0]
+    if args.child:
+        print(json.dumps(run(args.quick, lengths, 1, False, (args.child,))))
+        return
     variants = tuple(v for v in VARIANTS if v in args.variants.split(","))
-    result = run(args.quick, lengths, reps, not args.no_profile, variants)
+    if args.isolate:
+        result = run_isolated(args.quick, lengths, reps, variants)
+    else:
+        result = run(args.quick, lengths, reps, not args.no_profile, variants)
     payload = {"benchmark": "moe-experts/bench_step", "mode": "quick" if args.quick else "full",
                "model": {"family": "qwen3_moe", **(QUICK if args.quick else FULL)},
                "lora_rank": RANK, "loadavg": f"{load0:.1f} -> {os.getloadavg()[0]:.1f}",
