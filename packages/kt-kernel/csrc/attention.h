@@ -13,7 +13,8 @@ namespace attention {
 //  - B is pair-packed with row stride ldb: element (k, n) lies at B[2 * ((k / 2) * ldb + n) +
 //    k % 2], so the two k of a pair sit side by side as AVX512_BF16's dot product wants them;
 //    when K is odd, pair K / 2's second half must be finite and is multiplied by A's zero pad.
-// bf16 (raw bits) runs on vdpbf16ps where the CPU has AVX512_BF16, portable loops elsewhere.
+// bf16 (raw bits) runs on AMX tiles where the CPU and OS allow them (KT_KERNEL_AMX=0: not),
+// on vdpbf16ps where the CPU has AVX512_BF16, and in portable loops elsewhere.
 void gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const float* B,
           int64_t ldb, float* C, int64_t ldc, bool accumulate);
 void gemm(int64_t M, int64_t N, int64_t K, const uint16_t* A, int64_t lda, const uint16_t* B,
@@ -39,7 +40,7 @@ struct Rows {
 };
 const Rows& rows();
 
-// Which GEMM the bf16 path runs: "avx512_bf16" or "portable".
+// Which GEMM the bf16 path runs: "amx_bf16", "avx512_bf16" or "portable".
 const char* gemm_isa();
 
 }  // namespace attention

@@ -7,9 +7,15 @@
 #include "formats.h"
 
 #include <immintrin.h>
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 
 namespace kt_kernel {
@@ -90,6 +96,129 @@ static void gemm_bf16(int64_t M, int64_t N, int64_t K, const uint16_t* A, int64_
 #pragma GCC pop_options
 #endif
 
+#if defined(__x86_64__) && defined(__GNUC__)
+// AMX (Sapphire Rapids and later): the same pair-packed B is AMX-BF16's B-tile layout (16
+// pairs of k by 16 columns a tile row), and row-major A and fp32 C are its A and C tiles. On
+// such CPUs torch's own bf16 matmuls (oneDNN) already run on AMX at about 4x vdpbf16ps's rate
+// per core, which left this op's products as the slowest part of a training step.
+#pragma GCC push_options
+#pragma GCC target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma,bmi2")
+namespace isa_amx {
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// C tiles 0-3 (a 32 x 32 block of C), A tiles 4-5 (32 rows x 32 k), B tiles 6-7 (32 k x 32
+// columns): every tile is 16 rows of 64 bytes.
+static TileConfig make_config() {
+  TileConfig cfg;
+  for (int t = 0; t < 8; ++t) {
+    cfg.rows[t] = 16;
+    cfg.colsb[t] = 64;
+  }
+  return cfg;
+}
+
+// The 32-aligned part of C (M32 x N32, over K32) on AMX; the caller does the edges.
+static void blocks(int64_t M32, int64_t N32, int64_t K32, const uint16_t* A, int64_t lda,
+                   const uint16_t* B, int64_t ldb, float* C, int64_t ldc, bool accumulate) {
+  static const TileConfig cfg = make_config();
+  // Per call: other code on this thread (oneDNN) loads its own configuration.
+  _tile_loadconfig(&cfg);
+  const int64_t sa = lda * 2, sb = ldb * 4, sc = ldc * 4;  // row strides in bytes
+  for (int64_t n0 = 0; n0 < N32; n0 += 32) {
+    for (int64_t m0 = 0; m0 < M32; m0 += 32) {
+      float* c = C + m0 * ldc + n0;
+      if (accumulate) {
+        _tile_loadd(0, c, sc);
+        _tile_loadd(1, c + 16, sc);
+        _tile_loadd(2, c + 16 * ldc, sc);
+        _tile_loadd(3, c + 16 * ldc + 16, sc);
+      } else {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+      }
+      const uint16_t* a = A + m0 * lda;
+      for (int64_t k0 = 0; k0 < K32; k0 += 32) {
+        const uint16_t* b = B + 2 * ((k0 / 2) * ldb + n0);
+        _tile_loadd(4, a + k0, sa);
+        _tile_loadd(5, a + 16 * lda + k0, sa);
+        _tile_loadd(6, b, sb);
+        _tile_loadd(7, b + 32, sb);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+      }
+      _tile_stored(0, c, sc);
+      _tile_stored(1, c + 16, sc);
+      _tile_stored(2, c + 16 * ldc, sc);
+      _tile_stored(3, c + 16 * ldc + 16, sc);
+    }
+  }
+  _tile_release();  // no tile state left for the kernel to save at a context switch
+}
+
+static void gemm_bf16(int64_t M, int64_t N, int64_t K, const uint16_t* A, int64_t lda,
+                      const uint16_t* B, int64_t ldb, float* C, int64_t ldc, bool accumulate) {
+  const int64_t M32 = M / 32 * 32, N32 = N / 32 * 32, K32 = K / 32 * 32;
+  if (M32 == 0 || N32 == 0 || K32 == 0) {
+    isa_avx512::gemm_bf16(M, N, K, A, lda, B, ldb, C, ldc, accumulate);
+    return;
+  }
+  blocks(M32, N32, K32, A, lda, B, ldb, C, ldc, accumulate);
+  if (K32 < K) {  // the rest of k for the aligned block (K32 is even: pairs stay whole)
+    isa_avx512::gemm_bf16(M32, N32, K - K32, A + K32, lda, B + K32 * ldb, ldb, C, ldc, true);
+  }
+  if (N32 < N) {  // the columns right of the block, every row
+    isa_avx512::gemm_bf16(M, N - N32, K, A, lda, B + 2 * N32, ldb, C + N32, ldc, accumulate);
+  }
+  if (M32 < M) {  // the rows below the block
+    isa_avx512::gemm_bf16(M - M32, N32, K, A + M32 * lda, lda, B, ldb, C + M32 * ldc, ldc,
+                          accumulate);
+  }
+}
+}  // namespace isa_amx
+#pragma GCC pop_options
+
+// AMX-TILE and AMX-BF16 in CPUID, tile state enabled by the OS (XCR0 bits 17-18), and this
+// process allowed to use it (Linux's arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)).
+// KT_KERNEL_AMX=0 turns it off; an ISA cap below avx512 (KT_KERNEL_ISA) does too.
+static bool detect_amx() {
+  const char* env = std::getenv("KT_KERNEL_AMX");
+  if ((env != nullptr && std::strcmp(env, "0") == 0) || !has_avx512_bf16()) return false;
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+  if (!(d & (1u << 24)) || !(d & (1u << 22))) return false;  // AMX-TILE, AMX-BF16
+  if (!(c & (1u << 27))) return false;                         // OSXSAVE (xgetbv)
+  unsigned lo = 0, hi = 0;
+  __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+  if ((lo & (3u << 17)) != (3u << 17)) return false;
+#if defined(__linux__)
+  constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+  return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+#else
+  return false;
+#endif
+}
+#endif
+
+static bool has_amx() {
+#if defined(__x86_64__) && defined(__GNUC__)
+  static const bool v = detect_amx();
+  return v;
+#else
+  return false;
+#endif
+}
+
 namespace isa_base {
 #include "attention_rows_body.h"
 }  // namespace isa_base
@@ -108,6 +237,10 @@ void gemm(int64_t M, int64_t N, int64_t K, const float* A, int64_t lda, const fl
 void gemm(int64_t M, int64_t N, int64_t K, const uint16_t* A, int64_t lda, const uint16_t* B,
           int64_t ldb, float* C, int64_t ldc, bool accumulate) {
 #if defined(__x86_64__) && defined(__GNUC__)
+  if (has_amx()) {
+    isa_amx::gemm_bf16(M, N, K, A, lda, B, ldb, C, ldc, accumulate);
+    return;
+  }
   if (has_avx512_bf16()) {
     isa_avx512::gemm_bf16(M, N, K, A, lda, B, ldb, C, ldc, accumulate);
     return;
@@ -116,7 +249,9 @@ void gemm(int64_t M, int64_t N, int64_t K, const uint16_t* A, int64_t lda, const
   isa_base::gemm_loops<uint16_t>(M, N, K, A, lda, B, ldb, C, ldc, accumulate);
 }
 
-const char* gemm_isa() { return has_avx512_bf16() ? "avx512_bf16" : "portable"; }
+const char* gemm_isa() {
+  return has_amx() ? "amx_bf16" : has_avx512_bf16() ? "avx512_bf16" : "portable";
+}
 
 static Rows select_rows() {
 #if defined(__x86_64__) && defined(__GNUC__)

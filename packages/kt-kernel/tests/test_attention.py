@@ -173,6 +173,24 @@ def test_every_isa_cap(cap: str) -> None:
     assert res["torch.bfloat16"] < 3e-2
 
 
+@pytest.mark.parametrize("amx", ["1", "0"])
+def test_amx_on_and_off(amx: str) -> None:
+    # Where the CPU and the OS allow AMX the bf16 products run on its tiles (the 32-aligned
+    # blocks; vdpbf16ps does the edges: T=70 leaves row, column and k remainders);
+    # KT_KERNEL_AMX=0 keeps vdpbf16ps. Both against the float64 reference.
+    env = {**os.environ, "KT_KERNEL_AMX": amx}
+    proc = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True,
+                          text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    if amx == "0":
+        assert res["attention_isa"] in ("avx512_bf16", "portable")
+    elif res["attention_isa"] != "amx_bf16":
+        pytest.skip(f"no AMX on this CPU or OS (the bf16 GEMM is {res['attention_isa']})")
+    assert res["torch.float32"] < 2e-5
+    assert res["torch.bfloat16"] < 1e-2
+
+
 @pytest.mark.parametrize(
     ("change", "error", "match"),
     [
