@@ -12,8 +12,11 @@ loads it in its own child process (peak RSS is a per-process high-water mark):
   with the default ``weight_dtype`` (experts kept as shipped, dense layers dequantised to bf16).
 
 Reported: load seconds, peak and final RSS above the process's post-import baseline, the peak
-over the final footprint, and resident bytes per component (kernel experts, dense weights)
-against the arithmetic. Writes ``bench_load.json`` and ``bench_load.md`` under ``--out``.
+over the final footprint, and resident bytes per component against the arithmetic: kernel
+experts and dense weights after loading; then LoRA (rank 16 on q/k/v/o, the routers and the
+experts, in the model dtype) from ``adapt_model``, and after one AdamW step at T=64 its
+gradients and optimizer state (two moments per parameter), each with the RSS it added
+(``malloc_trim`` first, so freed activations do not count), and what a second step adds. Writes ``bench_load.json`` and ``bench_load.md`` under ``--out``.
 
 Usage: ``python bench_load.py --out DIR [--quick] [--layers N] [--keep DIR]``.
 """
@@ -33,6 +36,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling _common 
 from _common import config, rollup_bytes, shape, write_results
 
 VARIANTS = ("from_pretrained+wrap", "load_pretrained", "load_pretrained fp8")
+RANK = 16
+DENSE = ["q_proj", "k_proj", "v_proj", "o_proj"]
 # Kernel bytes per expert weight: bf16, or E4M3 plus one fp32 scale per 128x128 block.
 BYTES_PER_WEIGHT = {"bf16": 2.0, "fp8": 1.0 + 4.0 / 128**2}
 
@@ -49,6 +54,60 @@ def _peak_mib() -> float:
             if line.startswith("VmHWM:"):
                 return int(line.split()[1]) / 1024
     raise RuntimeError("no VmHWM in /proc/self/status")
+
+
+def _trimmed_rss_mib() -> float:
+    import ctypes
+
+    ctypes.CDLL("libc.so.6").malloc_trim(0)  # hand freed heap pages back before reading RSS
+    return _rss_mib()
+
+
+def lora_arithmetic(cfg: object, rank: int) -> int:
+    """LoRA parameter count: ``rank * (in + out)`` per adapted matrix, experts once per expert."""
+    h, e, i = cfg.hidden_size, cfg.num_experts, cfg.moe_intermediate_size  # type: ignore[attr-defined]
+    q = cfg.num_attention_heads * cfg.head_dim  # type: ignore[attr-defined]
+    kv = cfg.num_key_value_heads * cfg.head_dim  # type: ignore[attr-defined]
+    attention = (h + q) + 2 * (h + kv) + (q + h)
+    router = h + e
+    experts = e * ((h + 2 * i) + (i + h))
+    return cfg.num_hidden_layers * rank * (attention + router + experts)  # type: ignore[attr-defined]
+
+
+def train_memory(model: object, storage: str) -> dict:
+    """LoRA, gradient and AdamW-state bytes (counted and RSS growth) around one step at T=64."""
+    import torch
+
+    import moe_experts
+    from lora_core import LoraConfig
+
+    before = _trimmed_rss_mib()
+    lora = LoraConfig(enable=True, rank=RANK, alpha=2 * RANK, target_modules=DENSE,
+                      target_parameters=list(moe_experts.router_targets(model)))
+    result = moe_experts.adapt_model(model, lora, weight_dtype=storage)
+    params = list(result.parameters())
+    after_lora = _trimmed_rss_mib()
+    opt = torch.optim.AdamW(params, lr=1e-5)
+    ids = torch.randint(0, model.config.vocab_size, (1, 64))  # type: ignore[attr-defined]
+    model.train()  # type: ignore[attr-defined]
+    after = []
+    for _ in range(2):  # the second step shows whether the first one's residue is workspace
+        model(ids, labels=ids).loss.backward()  # type: ignore[operator]
+        opt.step()
+        after.append(_trimmed_rss_mib())
+    after_step = after[0]
+    elem = params[0].element_size()
+    count = sum(p.numel() for p in params)
+    arithmetic = lora_arithmetic(model.config, RANK)  # type: ignore[attr-defined]
+    state = sum(t.nbytes for st in opt.state.values() for t in st.values()
+                if torch.is_tensor(t) and t.dim() > 0)
+    grads = sum(p.grad.nbytes for p in params if p.grad is not None)
+    return {"lora_params": count, "lora_params_arithmetic": arithmetic,
+            "lora_mib": count * elem / 2**20, "lora_arithmetic_mib": arithmetic * elem / 2**20,
+            "lora_rss_mib": after_lora - before,
+            "grad_mib": grads / 2**20, "adam_state_mib": state / 2**20,
+            "grad_adam_arithmetic_mib": 3 * arithmetic * elem / 2**20,
+            "step_rss_mib": after_step - after_lora, "second_step_rss_mib": after[1] - after[0]}
 
 
 def _reset_peak() -> None:
@@ -103,10 +162,11 @@ def run_variant(variant: str, root: Path) -> dict:
     dense = sum(p.nbytes for p in [*model.parameters(), *model.buffers()] if not is_placeholder(p))
     arithmetic = (cfg.num_hidden_layers * cfg.num_experts * 3 * cfg.hidden_size
                   * cfg.moe_intermediate_size * BYTES_PER_WEIGHT[storage])
+    peak = _peak_mib() - base
     return {"variant": variant, "seconds": seconds, "base_mib": base,
-            "peak_mib": _peak_mib() - base, "final_mib": final - base,
+            "peak_mib": peak, "final_mib": final - base,
             "kernel_mib": kernel / 2**20, "kernel_arithmetic_mib": arithmetic / 2**20,
-            "dense_mib": dense / 2**20}
+            "dense_mib": dense / 2**20, **train_memory(model, storage)}
 
 
 def main() -> None:
@@ -149,12 +209,19 @@ def main() -> None:
         f"Qwen3-30B-A3B-shaped, {layers} layer(s), bf16 and FP8-block checkpoints (RSS above "
         "the post-import baseline)",
         ["variant", "load s", "peak MiB", "final MiB", "peak/final",
-         "x less peak than from_pretrained+wrap", "kernel MiB (arith.)", "dense MiB"],
+         "x less peak than from_pretrained+wrap", "kernel MiB (arith.)", "dense MiB",
+         "LoRA MiB (arith.), RSS added", "grads + AdamW MiB (arith.), RSS added",
+         "RSS added by step 2"],
         lambda r: [r["variant"], f"{r['seconds']:.1f}", f"{r['peak_mib']:.0f}",
                    f"{r['final_mib']:.0f}", f"{r['peak_over_final']:.2f}",
                    f"{r['peak_vs_from_pretrained']:.2f}",
                    f"{r['kernel_mib']:.0f} ({r['kernel_arithmetic_mib']:.0f})",
-                   f"{r['dense_mib']:.0f}"],
+                   f"{r['dense_mib']:.0f}",
+                   f"{r['lora_mib']:.1f} ({r['lora_arithmetic_mib']:.1f}), "
+                   f"{r['lora_rss_mib']:.1f}",
+                   f"{r['grad_mib'] + r['adam_state_mib']:.1f} "
+                   f"({r['grad_adam_arithmetic_mib']:.1f}), {r['step_rss_mib']:.1f}",
+                   f"{r['second_step_rss_mib']:.1f}"],
     )
 
 
