@@ -1,15 +1,17 @@
 """GPU check (run by hand on a machine with CUDA, < 5 min): dense layers on the GPU, experts on
 the CPU kernel, one training step against the all-CPU step.
 
-Builds a Qwen3-MoE model (H=1024, E=32, 4 layers, bf16), saves it, loads it twice with
+Builds a Qwen3-MoE model (``--shape small``: H=1024, E=32; ``qwen3-30b``: Qwen3-30B-A3B's
+layer sizes; ``--layers``, in ``--dtype``), saves it, loads it twice with
 ``moe_experts.load_pretrained`` (``dense_device="cpu"`` and ``"cuda"``), puts expert LoRA on
 both with ``moe_experts.adapt`` (rank 8, B filled so gradients reach A), runs one forward and
-backward on the same batch and compares the loss and every expert LoRA gradient within bf16
-tolerance; then times a few AdamW steps of each (hybrid and all-CPU, same process, alternating)
-and prints tokens/s and their ratio. Exit status 1 on a mismatch.
+backward on the same batch and compares the loss and every expert LoRA gradient: within 1e-4
+and 1e-3 in fp32; in bf16 the loss within 2e-2 and the gradients only reported. Then, unless
+``--steps 0``, times that many AdamW steps of the hybrid model and then of the all-CPU one
+(same process) and prints tokens/s and their ratio. Exit status 1 on a mismatch.
 
 Usage: ``python tests/gpu/check_hybrid.py [--seq 512] [--steps 3] [--layers 4]
-[--shape small|qwen3-30b]``.
+[--shape small|qwen3-30b] [--dtype fp32|bf16]``.
 """
 
 from __future__ import annotations

@@ -158,13 +158,17 @@ print(json.dumps(res))
 """
 
 
+def _child(**env: str) -> dict:
+    """CHILD's results in a fresh process with ``env`` added (ISA choices are read once)."""
+    proc = subprocess.run([sys.executable, "-c", CHILD], env={**os.environ, **env},
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return json.loads(proc.stdout.strip().splitlines()[-1])
+
+
 @pytest.mark.parametrize("cap", ["avx512", "avx2", "scalar"])
 def test_every_isa_cap(cap: str) -> None:
-    env = {**os.environ, "KT_KERNEL_ISA": cap}
-    proc = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True,
-                          text=True, timeout=300, check=False)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    res = _child(KT_KERNEL_ISA=cap)
     if res["isa"] != cap:
         pytest.skip(f"this CPU offers at most {res['isa']}")
     if cap != "avx512":
@@ -178,11 +182,7 @@ def test_amx_on_and_off(amx: str) -> None:
     # Where the CPU and the OS allow AMX the bf16 products run on its tiles (the 32-aligned
     # blocks; vdpbf16ps does the edges: T=70 leaves row, column and k remainders);
     # KT_KERNEL_AMX=0 keeps vdpbf16ps. Both against the float64 reference.
-    env = {**os.environ, "KT_KERNEL_AMX": amx}
-    proc = subprocess.run([sys.executable, "-c", CHILD], env=env, capture_output=True,
-                          text=True, timeout=300, check=False)
-    assert proc.returncode == 0, proc.stderr[-2000:]
-    res = json.loads(proc.stdout.strip().splitlines()[-1])
+    res = _child(KT_KERNEL_AMX=amx)
     if amx == "0":
         assert res["attention_isa"] in ("avx512_bf16", "portable")
     elif res["attention_isa"] != "amx_bf16":

@@ -20,6 +20,9 @@ SHAPE: dict[str, Any] = {
     "max_position_embeddings": 4096, "initializer_range": 0.02,
 }
 QUICK: dict[str, Any] = {**SHAPE, "num_experts": 16}
+# The LoRA of the step and load benchmarks: rank 16 on these projections, the routers, the experts.
+RANK = 16
+DENSE = ["q_proj", "k_proj", "v_proj", "o_proj"]
 
 
 def shape(quick: bool) -> dict[str, Any]:

@@ -16,7 +16,8 @@ over the final footprint, and resident bytes per component against the arithmeti
 experts and dense weights after loading; then LoRA (rank 16 on q/k/v/o, the routers and the
 experts, in the model dtype) from ``adapt_model``, and after one AdamW step at T=64 its
 gradients and optimizer state (two moments per parameter), each with the RSS it added
-(``malloc_trim`` first, so freed activations do not count), and what a second step adds. Writes ``bench_load.json`` and ``bench_load.md`` under ``--out``.
+(``malloc_trim`` first, so freed activations do not count), and what a second step adds.
+Writes ``bench_load.json`` and ``bench_load.md`` under ``--out``.
 
 Usage: ``python bench_load.py --out DIR [--quick] [--layers N] [--keep DIR]``.
 """
@@ -33,11 +34,9 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling _common module
-from _common import config, rollup_bytes, shape, write_results
+from _common import DENSE, RANK, config, rollup_bytes, shape, write_results
 
 VARIANTS = ("from_pretrained+wrap", "load_pretrained", "load_pretrained fp8")
-RANK = 16
-DENSE = ["q_proj", "k_proj", "v_proj", "o_proj"]
 # Kernel bytes per expert weight: bf16, or E4M3 plus one fp32 scale per 128x128 block.
 BYTES_PER_WEIGHT = {"bf16": 2.0, "fp8": 1.0 + 4.0 / 128**2}
 
@@ -57,9 +56,9 @@ def _peak_mib() -> float:
 
 
 def _trimmed_rss_mib() -> float:
-    import ctypes
+    from moe_experts.memory import trim_host_heap
 
-    ctypes.CDLL("libc.so.6").malloc_trim(0)  # hand freed heap pages back before reading RSS
+    trim_host_heap()  # hand freed heap pages back before reading RSS
     return _rss_mib()
 
 

@@ -46,6 +46,9 @@ from typing import Any
 
 import torch
 
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling _common module
+from _common import DENSE, RANK
+
 FULL = {"num_hidden_layers": 2, "hidden_size": 2048, "num_experts": 128,
         "num_experts_per_tok": 8, "moe_intermediate_size": 768, "intermediate_size": 6144,
         "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
@@ -53,8 +56,6 @@ FULL = {"num_hidden_layers": 2, "hidden_size": 2048, "num_experts": 128,
 QUICK = {**FULL, "hidden_size": 256, "num_experts": 16, "num_experts_per_tok": 4,
          "moe_intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
          "head_dim": 64, "vocab_size": 4096}
-RANK = 16
-DENSE = ["q_proj", "k_proj", "v_proj", "o_proj"]
 # ours/sdpa: ours with transformers' SDPA kept (adapt_model(kernel_attention=False)) instead of
 # kt-kernel's causal attention, to measure what the attention op changes in a whole step.
 VARIANTS = ("peft", "ours", "ours+chunked", "ours/sdpa")
@@ -225,9 +226,7 @@ def run(quick: bool, lengths: list[int], reps: int, do_profile: bool,
         # shared cores (not to their cache and memory-bandwidth pressure)
         res: dict[str, Any] = {"first_loss": losses, "step_s": times, "step_cpu_s": cpu,
                                "loadavg_per_rep": load}
-        res["length"] = t
-        _ratios(res, variants)
-        del res["length"]
+        _ratios(res, variants, t)
         if do_profile:
             res["profile_s"] = {v: profile_step(steps[v], ids) for v in variants}
         out["lengths"][str(t)] = res
@@ -236,11 +235,11 @@ def run(quick: bool, lengths: list[int], reps: int, do_profile: bool,
     return out
 
 
-def _ratios(res: dict[str, Any], variants: tuple[str, ...]) -> None:
+def _ratios(res: dict[str, Any], variants: tuple[str, ...], length: int) -> None:
     """Per-repetition wall and CPU ratios against the baseline, medians, into ``res``."""
     times, cpu = res["step_s"], res["step_cpu_s"]
     res["step_s_median"] = {v: statistics.median(x) for v, x in times.items()}
-    res["tokens_per_s"] = {v: res["length"] / s for v, s in res["step_s_median"].items()}
+    res["tokens_per_s"] = {v: length / s for v, s in res["step_s_median"].items()}
     # Without peft the ratios are against the first variant run (plain "ours" if present).
     base_name = "peft" if "peft" in times else "ours" if "ours" in times else variants[0]
     base = times[base_name]
@@ -261,7 +260,7 @@ def run_isolated(quick: bool, lengths: list[int], reps: int,
                  variants: tuple[str, ...]) -> dict:
     """Each (repetition, variant) in its own child process, order alternating per repetition."""
     out: dict[str, Any] = {"lengths": {}, "isolated": True}
-    res = {t: {"length": t, "step_s": {v: [] for v in variants},
+    res = {t: {"step_s": {v: [] for v in variants},
                "step_cpu_s": {v: [] for v in variants}, "loadavg_per_rep": [],
                "first_loss": {}} for t in lengths}
     for rep in range(reps):
@@ -285,8 +284,7 @@ def run_isolated(quick: bool, lengths: list[int], reps: int,
                 res[t]["loadavg_per_rep"].append(load)
             out["torch_threads"] = child["torch_threads"]
     for t in lengths:
-        _ratios(res[t], variants)
-        del res[t]["length"]
+        _ratios(res[t], variants, t)
         out["lengths"][str(t)] = res[t]
     out["variants"] = list(variants)
     return out
