@@ -41,8 +41,12 @@ TEST_EXTRAS: dict[str, str] = {"moe-experts": "test,train"}
 # The packages whose wheels contain compiled code built against the session's torch.
 NATIVE = {"kt-kernel"}
 # Extras installed in the integration cells (all four packages, their test deps, the train CLI).
-INTEGRATION_REQUIREMENTS = ("lora-core[test]", "kt-kernel[test]", "lora-checkpoint[test]",
-                            "moe-experts[test,train]")
+INTEGRATION_REQUIREMENTS = (
+    "lora-core[test]",
+    "kt-kernel[test]",
+    "lora-checkpoint[test]",
+    "moe-experts[test,train]",
+)
 COMBOS = sorted(p.stem for p in CONSTRAINTS_DIR.glob("*.txt"))
 DEFAULT_CONSTRAINTS = CONSTRAINTS_DIR / "current.txt"
 ENV = {
@@ -70,8 +74,12 @@ def _source_digest(package: str) -> str:
     base = PACKAGES_DIR / package
     for path in sorted(base.rglob("*")):
         rel = path.relative_to(base)
-        if path.is_file() and not {"build", "__pycache__", "tests", "benchmarks"} & set(rel.parts) \
-                and not path.name.endswith((".so", ".pyc")) and ".egg-info" not in str(rel):
+        if (
+            path.is_file()
+            and not {"build", "__pycache__", "tests", "benchmarks"} & set(rel.parts)
+            and not path.name.endswith((".so", ".pyc"))
+            and ".egg-info" not in str(rel)
+        ):
             h.update(str(rel).encode())
             h.update(path.read_bytes())
     return h.hexdigest()[:16]
@@ -84,8 +92,9 @@ def _pip_env(constraints: Path) -> dict[str, str]:
 
 def _install_torch(session: nox.Session, constraints: Path) -> None:
     """Install the pinned torch first, so nothing later can resolve another build."""
-    session.install("-c", str(constraints), "torch", "setuptools>=69", "wheel",
-                    env=_pip_env(constraints))
+    session.install(
+        "-c", str(constraints), "torch", "setuptools>=69", "wheel", env=_pip_env(constraints)
+    )
 
 
 def _wheel(session: nox.Session, package: str, constraints: Path) -> Path:
@@ -93,9 +102,16 @@ def _wheel(session: nox.Session, package: str, constraints: Path) -> Path:
     key = _source_digest(package)
     if package in NATIVE:
         # Read from metadata: importing torch may print warnings into the captured output.
-        torch_version = session.run(
-            "python", "-c", "import importlib.metadata as m; print(m.version('torch'))",
-            silent=True).strip().splitlines()[-1]
+        torch_version = (
+            session.run(
+                "python",
+                "-c",
+                "import importlib.metadata as m; print(m.version('torch'))",
+                silent=True,
+            )
+            .strip()
+            .splitlines()[-1]
+        )
         key += "-torch" + torch_version
     out = WHEELHOUSE / package / key
     wheels = sorted(out.glob("*.whl"))
@@ -125,15 +141,25 @@ def _install_packages(session: nox.Session, requirements: list[str], constraints
     wheels = {n: _wheel(session, n, constraints) for n in needed}
     specs = []
     for n in needed:
-        extra = next((r[len(n):] for r in requirements if r.split("[")[0] == n), "")
+        extra = next((r[len(n) :] for r in requirements if r.split("[")[0] == n), "")
         specs.append(f"{wheels[n]}{extra}")
     session.install("-c", str(constraints), *specs, env=_pip_env(constraints))
 
 
 def _pytest(session: nox.Session, *paths: str) -> None:
     """Run pytest with the root configuration; pass-through arguments go last."""
-    session.run("python", "-m", "pytest", "-c", PYPROJECT, "--rootdir", str(ROOT),
-                *paths, *session.posargs, env=ENV)
+    session.run(
+        "python",
+        "-m",
+        "pytest",
+        "-c",
+        PYPROJECT,
+        "--rootdir",
+        str(ROOT),
+        *paths,
+        *session.posargs,
+        env=ENV,
+    )
 
 
 def _make_tests_session(package: str) -> None:
@@ -144,8 +170,10 @@ def _make_tests_session(package: str) -> None:
         session.chdir(ROOT / "packages" / package)  # so nothing imports from the source tree
         _pytest(session, "tests")
 
-    tests.__doc__ = (f"Install {package} with only its dependencies (and its extras in "
-                     "TEST_EXTRAS) and run its tests.")
+    tests.__doc__ = (
+        f"Install {package} with only its dependencies (and its extras in "
+        "TEST_EXTRAS) and run its tests."
+    )
     nox.session(name=f"tests-{package}")(tests)
 
 
@@ -158,8 +186,10 @@ def _make_integration_session(combo: str) -> None:
         session.run("python", "-m", "pip", "list", silent=False)
         _pytest(session, str(ROOT / "tests"))
 
-    integration.__doc__ = (f"Install all four wheels pinned by constraints/{combo}.txt and run "
-                           "the cross-package tests in tests/.")
+    integration.__doc__ = (
+        f"Install all four wheels pinned by constraints/{combo}.txt and run "
+        "the cross-package tests in tests/."
+    )
     nox.session(name=f"integration-{combo}")(integration)
 
 
@@ -171,9 +201,10 @@ for _combo in COMBOS:
 
 @nox.session
 def lint(session: nox.Session) -> None:
-    """Run ruff over every package, the root tests and this noxfile."""
+    """Run ruff (lint and format check) over every package, the root tests and this noxfile."""
     session.install("-c", str(DEFAULT_CONSTRAINTS), "ruff")
     session.run("ruff", "check", str(ROOT), *session.posargs)
+    session.run("ruff", "format", "--check", str(ROOT))
 
 
 def _build_dist(session: nox.Session) -> None:
@@ -200,15 +231,30 @@ def _make_install_alone_session(package: str) -> None:
         # resolves through the constraints to the pinned CPU build.
         _install_torch(session, DEFAULT_CONSTRAINTS)
         _build_dist(session)
-        session.run("python", "-m", "pip", "install", "--find-links", str(DIST), "-c",
-                    str(DEFAULT_CONSTRAINTS), package, env=_pip_env(DEFAULT_CONSTRAINTS))
+        session.run(
+            "python",
+            "-m",
+            "pip",
+            "install",
+            "--find-links",
+            str(DIST),
+            "-c",
+            str(DEFAULT_CONSTRAINTS),
+            package,
+            env=_pip_env(DEFAULT_CONSTRAINTS),
+        )
         module = package.replace("-", "_")
         session.chdir(session.create_tmp())  # never import from the source tree
-        session.run("python", "-c", f"import {module}; print({module}.__name__, "
-                    f"{module}.__version__)", env=ENV)
+        session.run(
+            "python",
+            "-c",
+            f"import {module}; print({module}.__name__, {module}.__version__)",
+            env=ENV,
+        )
 
-    install_alone.__doc__ = (f"Install {package} alone from dist/ with the README's one command "
-                             "and import it.")
+    install_alone.__doc__ = (
+        f"Install {package} alone from dist/ with the README's one command and import it."
+    )
     nox.session(name=f"install-alone-{package}")(install_alone)
 
 
@@ -225,24 +271,63 @@ def demo(session: nox.Session) -> None:
     _install_torch(session, DEFAULT_CONSTRAINTS)
     _install_packages(session, ["moe-experts[train]"], DEFAULT_CONSTRAINTS)
     out = ROOT / "demo-output"
-    chat = session.run("python", "-c", "from moe_experts.finetune.data import chat_demo_path; "
-                       "print(chat_demo_path())", silent=True).strip().splitlines()[-1]
+    chat = (
+        session.run(
+            "python",
+            "-c",
+            "from moe_experts.finetune.data import chat_demo_path; print(chat_demo_path())",
+            silent=True,
+        )
+        .strip()
+        .splitlines()[-1]
+    )
     # 128 tokens hold a whole demo conversation, so rows show prompts next to their replies.
     # Rank 32 and a cosine decay to 0 memorise the replies with a margin (3 logits or more on
     # the two prompts below) that the rounding of --loss chunked vs full did not close; the
     # default rank 8 at a constant 3e-3 left under 1 logit, and --loss full then answered
     # "The say is blue.".
-    args = ["--data", chat, "--lora-rank", "32", "--lora-alpha", "64", "--steps", "300",
-            "--seq-len", "128", "--lr", "5e-3", "--lr-schedule", "cosine", "--warmup-steps", "20",
-            "--eval-split", "0.1", "--eval-every", "50", "--output", str(out), *session.posargs]
+    args = [
+        "--data",
+        chat,
+        "--lora-rank",
+        "32",
+        "--lora-alpha",
+        "64",
+        "--steps",
+        "300",
+        "--seq-len",
+        "128",
+        "--lr",
+        "5e-3",
+        "--lr-schedule",
+        "cosine",
+        "--warmup-steps",
+        "20",
+        "--eval-split",
+        "0.1",
+        "--eval-every",
+        "50",
+        "--output",
+        str(out),
+        *session.posargs,
+    ]
     if "--resume" not in session.posargs:
         # A second `nox -s demo` starts again instead of refusing the first one's output.
         args.append("--overwrite")
     session.run("moe-experts", "finetune", *args, env=ENV)
     for prompt in ("What is the opposite of hot?", "What color is the sky?"):
         session.log("moe-experts generate --prompt %r", prompt)
-        session.run("moe-experts", "generate", "--adapter", str(out / "checkpoints"),
-                    "--prompt", prompt, "--max-new-tokens", "40", env=ENV)
+        session.run(
+            "moe-experts",
+            "generate",
+            "--adapter",
+            str(out / "checkpoints"),
+            "--prompt",
+            prompt,
+            "--max-new-tokens",
+            "40",
+            env=ENV,
+        )
 
 
 @nox.session
@@ -252,10 +337,17 @@ def bench(session: nox.Session) -> None:
     _install_packages(session, list(INTEGRATION_REQUIREMENTS), DEFAULT_CONSTRAINTS)
     session.install("-c", str(DEFAULT_CONSTRAINTS), "psutil")
     scripts = sorted(PACKAGES_DIR.glob("*/benchmarks/bench_*.py")) + sorted(
-        (ROOT / "benchmarks").glob("bench_*.py"))
+        (ROOT / "benchmarks").glob("bench_*.py")
+    )
     BENCH_OUT.mkdir(exist_ok=True)
     for script in scripts:
         out = BENCH_OUT / script.stem
-        session.run("python", str(script), "--out", str(out), *session.posargs,
-                    env={**ENV, "OMP_NUM_THREADS": str(os.cpu_count() or 1)})
+        session.run(
+            "python",
+            str(script),
+            "--out",
+            str(out),
+            *session.posargs,
+            env={**ENV, "OMP_NUM_THREADS": str(os.cpu_count() or 1)},
+        )
     session.run("python", str(ROOT / "benchmarks" / "summarize.py"), str(BENCH_OUT))

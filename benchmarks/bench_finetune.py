@@ -28,11 +28,19 @@ TARGETS = ["q_proj", "k_proj", "v_proj", "o_proj", "lm_head"]
 
 def _model_dir(root: Path, quick: bool) -> Path:
     cfg = Qwen3MoeConfig(
-        vocab_size=ByteTokenizer.vocab_size, hidden_size=256 if quick else 512,
-        intermediate_size=512, moe_intermediate_size=128 if quick else 256,
-        num_hidden_layers=2 if quick else 4, num_attention_heads=4, num_key_value_heads=2,
-        head_dim=64, num_experts=8 if quick else 16, num_experts_per_tok=2 if quick else 4,
-        norm_topk_prob=True, max_position_embeddings=512)
+        vocab_size=ByteTokenizer.vocab_size,
+        hidden_size=256 if quick else 512,
+        intermediate_size=512,
+        moe_intermediate_size=128 if quick else 256,
+        num_hidden_layers=2 if quick else 4,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=64,
+        num_experts=8 if quick else 16,
+        num_experts_per_tok=2 if quick else 4,
+        norm_topk_prob=True,
+        max_position_embeddings=512,
+    )
     torch.manual_seed(0)
     path = root / "bench-model"
     AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
@@ -41,8 +49,11 @@ def _model_dir(root: Path, quick: bool) -> Path:
 
 def _ours(path: Path, rank: int):
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    result = adapt_model(model, LoraConfig(enable=True, rank=rank, alpha=2 * rank,
-                                           target_modules=TARGETS), weight_dtype="bf16")
+    result = adapt_model(
+        model,
+        LoraConfig(enable=True, rank=rank, alpha=2 * rank, target_modules=TARGETS),
+        weight_dtype="bf16",
+    )
     return model, result.parameters()
 
 
@@ -51,9 +62,15 @@ def _peft(path: Path, rank: int):
     from peft import get_peft_model
 
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
-    peft_model = get_peft_model(model, PeftConfig(
-        r=rank, lora_alpha=2 * rank, target_modules=TARGETS,
-        target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]))
+    peft_model = get_peft_model(
+        model,
+        PeftConfig(
+            r=rank,
+            lora_alpha=2 * rank,
+            target_modules=TARGETS,
+            target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+        ),
+    )
     return peft_model, [p for p in peft_model.parameters() if p.requires_grad]
 
 
@@ -65,8 +82,9 @@ def _train(model, params, batches: PackedBatches, steps: int, warmup: int) -> tu
         rows = batches.batch(step)
         t0 = time.perf_counter()
         logits = model(input_ids=rows[:, :-1]).logits
-        loss = torch.nn.functional.cross_entropy(logits.float().flatten(0, 1),
-                                                 rows[:, 1:].flatten())
+        loss = torch.nn.functional.cross_entropy(
+            logits.float().flatten(0, 1), rows[:, 1:].flatten()
+        )
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
@@ -85,10 +103,17 @@ def main() -> int:
     seq, batch = (64, 4) if args.quick else (128, 8)
     steps, warmup, rounds, rank = (4, 1, 1, 8) if args.quick else (8, 2, 2, 16)
     path = _model_dir(args.out, args.quick)
-    batches = PackedBatches.build(load_texts(default_corpus_path()), ByteTokenizer().encode,
-                                  seq_len=seq, batch_size=batch, seed=0)
-    runs: dict[str, list[float]] = {"moe-experts (kt-kernel, bf16 experts)": [],
-                                    "transformers + PEFT (fp32)": []}
+    batches = PackedBatches.build(
+        load_texts(default_corpus_path()),
+        ByteTokenizer().encode,
+        seq_len=seq,
+        batch_size=batch,
+        seed=0,
+    )
+    runs: dict[str, list[float]] = {
+        "moe-experts (kt-kernel, bf16 experts)": [],
+        "transformers + PEFT (fp32)": [],
+    }
     for _ in range(rounds):
         for name, build in zip(runs, (_ours, _peft), strict=True):
             model, params = build(path, rank)
@@ -100,14 +125,30 @@ def main() -> int:
     baseline = min(runs["transformers + PEFT (fp32)"])
     for name, secs in runs.items():
         best = min(secs)
-        rows.append({"stack": name, "step_s": best, "tokens_per_s": tokens / best,
-                     "speedup_vs_peft": baseline / best})
-    result = {"benchmark": "finetune", "quick": args.quick, "seq_len": seq, "batch": batch,
-              "rank": rank, "threads": torch.get_num_threads(), "rows": rows}
+        rows.append(
+            {
+                "stack": name,
+                "step_s": best,
+                "tokens_per_s": tokens / best,
+                "speedup_vs_peft": baseline / best,
+            }
+        )
+    result = {
+        "benchmark": "finetune",
+        "quick": args.quick,
+        "seq_len": seq,
+        "batch": batch,
+        "rank": rank,
+        "threads": torch.get_num_threads(),
+        "rows": rows,
+    }
     (args.out / "finetune.json").write_text(json.dumps(result, indent=2))
     lines = ["| stack | step (s) | tokens/s | speed-up vs PEFT |", "|---|---|---|---|"]
-    lines += [f"| {r['stack']} | {r['step_s']:.4f} | {r['tokens_per_s']:,.0f} | "
-              f"{r['speedup_vs_peft']:.2f}x |" for r in rows]
+    lines += [
+        f"| {r['stack']} | {r['step_s']:.4f} | {r['tokens_per_s']:,.0f} | "
+        f"{r['speedup_vs_peft']:.2f}x |"
+        for r in rows
+    ]
     (args.out / "finetune.md").write_text("\n".join(lines) + "\n")
     print("\n".join(lines))
     return 0

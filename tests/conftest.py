@@ -22,8 +22,14 @@ def model_cache(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def cli_env(model_cache: Path) -> dict[str, str]:
     """Environment for CLI subprocesses: offline, isolated cache, deterministic threads."""
     env = dict(os.environ)
-    env.update({"MOE_EXPERTS_CACHE": str(model_cache), "HF_HUB_OFFLINE": "1",
-                "OMP_NUM_THREADS": "1", "PYTHONHASHSEED": "0"})
+    env.update(
+        {
+            "MOE_EXPERTS_CACHE": str(model_cache),
+            "HF_HUB_OFFLINE": "1",
+            "OMP_NUM_THREADS": "1",
+            "PYTHONHASHSEED": "0",
+        }
+    )
     return env
 
 
@@ -39,8 +45,14 @@ class Cli:
         return free_port()
 
     @staticmethod
-    def command(args: list[str], *, nproc: int = 1, nnodes: int = 1, node_rank: int = 0,
-                port: int | None = None) -> list[str]:
+    def command(
+        args: list[str],
+        *,
+        nproc: int = 1,
+        nnodes: int = 1,
+        node_rank: int = 0,
+        port: int | None = None,
+    ) -> list[str]:
         """``python -m moe_experts.finetune ARGS``, under torchrun when nproc or nnodes > 1.
 
         Every "node" of a multi-node job is launched on localhost with the same ``port``
@@ -48,24 +60,49 @@ class Cli:
         """
         if nproc == 1 and nnodes == 1:
             return [sys.executable, "-m", "moe_experts.finetune", *args]
-        return [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes),
-                "--node-rank", str(node_rank), "--nproc-per-node", str(nproc),
-                "--master-addr", "127.0.0.1", "--master-port", str(port or free_port()),
-                "-m", "moe_experts.finetune", *args]
+        return [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            str(nnodes),
+            "--node-rank",
+            str(node_rank),
+            "--nproc-per-node",
+            str(nproc),
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(port or free_port()),
+            "-m",
+            "moe_experts.finetune",
+            *args,
+        ]
 
-    def launch(self, args: list[str], *, merge: bool = False,
-               **where: int) -> subprocess.Popen[str]:
+    def launch(
+        self, args: list[str], *, merge: bool = False, **where: int
+    ) -> subprocess.Popen[str]:
         """Start the CLI (see :meth:`command`) with pipes; ``merge``: stderr into stdout."""
-        return subprocess.Popen(self.command(args, **where), env=self.env,
-                                stdout=subprocess.PIPE,
-                                stderr=subprocess.STDOUT if merge else subprocess.PIPE,
-                                text=True)
+        return subprocess.Popen(
+            self.command(args, **where),
+            env=self.env,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.STDOUT if merge else subprocess.PIPE,
+            text=True,
+        )
 
-    def run(self, args: list[str], *, timeout: float = 240,
-            nproc: int = 1) -> subprocess.CompletedProcess[str]:
+    def run(
+        self, args: list[str], *, timeout: float = 240, nproc: int = 1
+    ) -> subprocess.CompletedProcess[str]:
         """Run the CLI to completion (under torchrun when nproc > 1)."""
-        return subprocess.run(self.command(args, nproc=nproc), env=self.env,
-                              capture_output=True, text=True, timeout=timeout, check=False)
+        return subprocess.run(
+            self.command(args, nproc=nproc),
+            env=self.env,
+            capture_output=True,
+            text=True,
+            timeout=timeout,
+            check=False,
+        )
 
     @staticmethod
     def log(output: Path) -> list[dict]:

@@ -33,7 +33,8 @@ def _modules(tensors: dict) -> set[str]:
 
 @pytest.mark.timeout(300)
 def test_vllm_export_keeps_mla_attention_and_names_what_it_leaves_out(
-        tmp_path: Path, capsys) -> None:
+    tmp_path: Path, capsys
+) -> None:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -41,8 +42,24 @@ def test_vllm_export_keeps_mla_attention_and_names_what_it_leaves_out(
     tiny_model("deepseek_v3", vocab_size=ByteTokenizer.vocab_size).save_pretrained(base_dir)
     save_byte_tokenizer(base_dir)
     run = tmp_path / "run"
-    assert finetune_main(["--model", str(base_dir), "--steps", "2", "--seq-len", "16",
-                          "--batch-size", "2", "--output", str(run), "--no-progress"]) == 0
+    assert (
+        finetune_main(
+            [
+                "--model",
+                str(base_dir),
+                "--steps",
+                "2",
+                "--seq-len",
+                "16",
+                "--batch-size",
+                "2",
+                "--output",
+                str(run),
+                "--no-progress",
+            ]
+        )
+        == 0
+    )
     capsys.readouterr()
     out = tmp_path / "vllm"
     assert export_main([str(run / "checkpoints"), "--format", "vllm", "--output", str(out)]) == 0
@@ -64,12 +81,15 @@ def test_vllm_export_keeps_mla_attention_and_names_what_it_leaves_out(
     # one warning; nothing is dropped without a word.
     for module in trained:
         if ".mlp.experts" in module:  # PEFT's (nested) ParamWrappers on the fused experts
-            experts = module[:module.index(".mlp.experts")] + ".mlp.experts."
+            experts = module[: module.index(".mlp.experts")] + ".mlp.experts."
             assert any(m.startswith(experts) for m in exported), module
             continue
         # A router is named by its parameter (``mlp.gate.weight``), a module by its name.
-        named = [w for w in warnings
-                 if any(f"{module}{end}" in w for end in (",", ";", ".weight,", ".weight;"))]
+        named = [
+            w
+            for w in warnings
+            if any(f"{module}{end}" in w for end in (",", ";", ".weight,", ".weight;"))
+        ]
         assert (module in exported) != bool(named), (module, named)
         assert len(named) <= 1, named
     kv_b = [w for w in warnings if "kv_b_proj" in w]
@@ -83,8 +103,9 @@ def test_vllm_export_keeps_mla_attention_and_names_what_it_leaves_out(
 
     # The exported attention LoRA is what PEFT runs: scaling * B @ A == merged - base.
     base = AutoModelForCausalLM.from_pretrained(base_dir)
-    merged = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(base_dir),
-                                       ckpt).merge_and_unload()
+    merged = PeftModel.from_pretrained(
+        AutoModelForCausalLM.from_pretrained(base_dir), ckpt
+    ).merge_and_unload()
     scaling = cfg["lora_alpha"] / cfg["r"]
     checked = 0
     for i in range(n_layers):
@@ -103,5 +124,9 @@ def test_vllm_export_keeps_mla_attention_and_names_what_it_leaves_out(
     loaded = load_with_adapter(None, run / "checkpoints")
     ids = torch.tensor([[256, *b"hello"]])
     with torch.no_grad():
-        torch.testing.assert_close(loaded.model(input_ids=ids).logits,
-                                   merged.eval()(input_ids=ids).logits, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(
+            loaded.model(input_ids=ids).logits,
+            merged.eval()(input_ids=ids).logits,
+            rtol=1e-4,
+            atol=1e-5,
+        )

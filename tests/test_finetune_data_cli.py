@@ -9,11 +9,19 @@ import pytest
 
 RECORDS = {
     "text": {"text": "the router sends each token to two experts"},
-    "messages": {"messages": [{"role": "user", "content": "What is 2 plus 2?"},
-                              {"role": "assistant", "content": "2 plus 2 is 4."}]},
+    "messages": {
+        "messages": [
+            {"role": "user", "content": "What is 2 plus 2?"},
+            {"role": "assistant", "content": "2 plus 2 is 4."},
+        ]
+    },
     "alpaca": {"instruction": "Add 2 and 2.", "input": "", "output": "2 plus 2 is 4."},
-    "sharegpt": {"conversations": [{"from": "human", "value": "What is 2 plus 2?"},
-                                   {"from": "gpt", "value": "2 plus 2 is 4."}]},
+    "sharegpt": {
+        "conversations": [
+            {"from": "human", "value": "What is 2 plus 2?"},
+            {"from": "gpt", "value": "2 plus 2 is 4."},
+        ]
+    },
 }
 
 
@@ -23,8 +31,23 @@ def test_each_format_trains_through_the_cli(tmp_path: Path, cli, name: str) -> N
     data = tmp_path / "data.jsonl"
     data.write_text((json.dumps(RECORDS[name]) + "\n") * 16)
     out = tmp_path / "run"
-    proc = cli.run(["--data", str(data), "--data-format", name, "--steps", "3", "--seq-len",
-                    "64", "--batch-size", "2", "--output", str(out), "--no-progress"])
+    proc = cli.run(
+        [
+            "--data",
+            str(data),
+            "--data-format",
+            name,
+            "--steps",
+            "3",
+            "--seq-len",
+            "64",
+            "--batch-size",
+            "2",
+            "--output",
+            str(out),
+            "--no-progress",
+        ]
+    )
     assert proc.returncode == 0, proc.stderr
     log = cli.log(out)
     assert len(log) == 3
@@ -35,8 +58,9 @@ def test_each_format_trains_through_the_cli(tmp_path: Path, cli, name: str) -> N
 def test_bad_records_are_one_error_line_each(tmp_path: Path, cli) -> None:
     data = tmp_path / "bad.jsonl"
     good = json.dumps(RECORDS["messages"])
-    data.write_text("\n".join([good, '{"messages": [{"role": "user"}]}', good, "[1, 2]",
-                               good]) + "\n")
+    data.write_text(
+        "\n".join([good, '{"messages": [{"role": "user"}]}', good, "[1, 2]", good]) + "\n"
+    )
     proc = cli.run(["--data", str(data), "--steps", "1"])
     assert proc.returncode == 1, proc.stderr
     assert "Traceback" not in proc.stderr

@@ -20,8 +20,11 @@ def test_two_ranks_match_one_process(tmp_path: Path, cli) -> None:
     common = ["--steps", str(STEPS), "--batch-size", "4", "--seq-len", "32", "--no-progress"]
     single = cli.run([*common, "--output", str(tmp_path / "one")])
     assert single.returncode == 0, single.stderr
-    double = cli.run([*common, "--output", str(tmp_path / "two"), "--save-every", "4",
-                      "--keep-last", "3"], nproc=2, timeout=300)
+    double = cli.run(
+        [*common, "--output", str(tmp_path / "two"), "--save-every", "4", "--keep-last", "3"],
+        nproc=2,
+        timeout=300,
+    )
     assert double.returncode == 0, double.stdout[-3000:] + double.stderr[-3000:]
     # The default under torchrun: one copy of the frozen experts for the machine's two ranks.
     assert "frozen experts: one copy per machine, shared by 2 local ranks" in double.stderr
@@ -37,8 +40,18 @@ def test_two_ranks_match_one_process(tmp_path: Path, cli) -> None:
     # With a copy of the experts per rank (--no-share-experts): the same bytes, so the same
     # bits as the shared run.
     ckpt = tmp_path / "two" / "checkpoints" / "step-00000004"
-    resumed = cli.run([*common, "--output", str(tmp_path / "resumed"), "--resume", str(ckpt),
-                       "--no-share-experts"], nproc=2, timeout=300)
+    resumed = cli.run(
+        [
+            *common,
+            "--output",
+            str(tmp_path / "resumed"),
+            "--resume",
+            str(ckpt),
+            "--no-share-experts",
+        ],
+        nproc=2,
+        timeout=300,
+    )
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-3000:]
     assert "frozen experts: one copy per rank" in resumed.stderr
     again = [r["loss"] for r in cli.log(tmp_path / "resumed")]
@@ -55,16 +68,27 @@ def test_dead_peer_is_named_by_the_survivor(tmp_path: Path, cli) -> None:
     import psutil
 
     out = tmp_path / "run"
-    proc = cli.launch(["--steps", "2000", "--batch-size", "4", "--seq-len", "16",
-                       "--no-progress", "--output", str(out)], nproc=2)
+    proc = cli.launch(
+        [
+            "--steps",
+            "2000",
+            "--batch-size",
+            "4",
+            "--seq-len",
+            "16",
+            "--no-progress",
+            "--output",
+            str(out),
+        ],
+        nproc=2,
+    )
     log = out / "train_log.jsonl"
     deadline = time.monotonic() + 200  # a bound on waiting, not a pass criterion
     while not (log.is_file() and len(log.read_text().splitlines()) >= 3):
         assert proc.poll() is None, proc.communicate()
         assert time.monotonic() < deadline, "the run logged no steps"
         time.sleep(0.05)
-    victims = [c for c in psutil.Process(proc.pid).children()
-               if c.environ().get("RANK") == "1"]
+    victims = [c for c in psutil.Process(proc.pid).children() if c.environ().get("RANK") == "1"]
     assert len(victims) == 1
     victims[0].send_signal(signal.SIGKILL)
     _, stderr = proc.communicate(timeout=200)
@@ -77,7 +101,8 @@ def test_dead_peer_is_named_by_the_survivor(tmp_path: Path, cli) -> None:
     assert first.index("rank 1") < first.index("[")  # the cause comes before the gloo text
     assert "waited" not in first.split("[")[0], first
     assert "Traceback" not in "\n".join(
-        line for line in stderr.splitlines() if line.startswith("[rank0]")), stderr[-4000:]
+        line for line in stderr.splitlines() if line.startswith("[rank0]")
+    ), stderr[-4000:]
 
 
 @pytest.mark.multiprocess
@@ -90,8 +115,17 @@ def test_sigterm_under_torchrun_saves_one_step_on_all_ranks(tmp_path: Path, cli)
     import time
 
     out = tmp_path / "run"
-    flags = ["--steps", "120", "--batch-size", "4", "--seq-len", "16", "--no-progress",
-             "--output", str(out)]
+    flags = [
+        "--steps",
+        "120",
+        "--batch-size",
+        "4",
+        "--seq-len",
+        "16",
+        "--no-progress",
+        "--output",
+        str(out),
+    ]
     proc = cli.launch(flags, nproc=2)
     log = out / "train_log.jsonl"
     deadline = time.monotonic() + 200  # a bound on waiting, not a pass criterion
@@ -106,8 +140,14 @@ def test_sigterm_under_torchrun_saves_one_step_on_all_ranks(tmp_path: Path, cli)
     assert (out / "checkpoints" / "latest").read_text().strip() == f"step-{stopped:08d}"
     command = shlex.split(stderr.split("resume with:\n")[1].strip().splitlines()[0])
     assert command[:5] == ["torchrun", "--nproc-per-node", "2", "-m", "moe_experts.finetune"]
-    resumed = subprocess.run(cli.command(command[5:], nproc=2), env=cli.env,
-                             capture_output=True, text=True, timeout=300, check=False)
+    resumed = subprocess.run(
+        cli.command(command[5:], nproc=2),
+        env=cli.env,
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert resumed.returncode == 0, resumed.stderr[-4000:]
     assert [r["step"] for r in cli.log(out)] == list(range(1, 121))
 
@@ -124,9 +164,17 @@ def test_two_nodes_of_two_ranks_match_one_process(tmp_path: Path, cli) -> None:
     single = cli.run([*common, "--output", str(tmp_path / "one")])
     assert single.returncode == 0, single.stderr
     port = cli.free_port()  # the two nodes meet there
-    nodes = [cli.launch([*common, "--output", str(tmp_path / "four")],
-                        merge=True, nproc=2, nnodes=2, node_rank=node, port=port)
-             for node in range(2)]
+    nodes = [
+        cli.launch(
+            [*common, "--output", str(tmp_path / "four")],
+            merge=True,
+            nproc=2,
+            nnodes=2,
+            node_rank=node,
+            port=port,
+        )
+        for node in range(2)
+    ]
     try:
         logs = [p.communicate(timeout=300)[0] for p in nodes]
     finally:
@@ -135,8 +183,9 @@ def test_two_nodes_of_two_ranks_match_one_process(tmp_path: Path, cli) -> None:
                 p.kill()
     for node, (p, log) in enumerate(zip(nodes, logs, strict=True)):
         assert p.returncode == 0, f"node {node}:\n{log[-4000:]}"
-    assert "frozen experts: one copy per machine, shared by 2 local ranks" in logs[0], \
-        logs[0][-3000:]
+    assert "frozen experts: one copy per machine, shared by 2 local ranks" in logs[0], logs[0][
+        -3000:
+    ]
     one = [r["loss"] for r in cli.log(tmp_path / "one")]
     four = [r["loss"] for r in cli.log(tmp_path / "four")]
     assert len(one) == len(four) == 4

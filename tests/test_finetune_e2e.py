@@ -33,8 +33,13 @@ def test_loss_falls_and_checkpoint_loads_with_peft(tmp_path: Path, cli, cli_env)
     assert "PeftModel.from_pretrained" in proc.stdout
 
     ckpt = Path(proc.stdout.split("checkpoint:")[1].split()[0])
-    verify = subprocess.run([_script("lora-checkpoint"), "verify", str(ckpt)], capture_output=True,
-                            text=True, timeout=120, check=False)
+    verify = subprocess.run(
+        [_script("lora-checkpoint"), "verify", str(ckpt)],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert verify.returncode == 0, verify.stdout + verify.stderr
 
     # The printed PEFT lines work: the adapter loads onto the base and changes its outputs.
@@ -54,11 +59,26 @@ def test_loss_falls_and_checkpoint_loads_with_peft(tmp_path: Path, cli, cli_env)
 
 @pytest.mark.timeout(120)
 def test_console_script_help() -> None:
-    proc = subprocess.run([_script("moe-experts"), "finetune", "--help"], capture_output=True,
-                          text=True, timeout=60, check=False)
+    proc = subprocess.run(
+        [_script("moe-experts"), "finetune", "--help"],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr
-    for flag in ("--model", "--data", "--config", "--steps", "--lr", "--batch-size",
-                 "--seq-len", "--save-every", "--output", "--resume"):
+    for flag in (
+        "--model",
+        "--data",
+        "--config",
+        "--steps",
+        "--lr",
+        "--batch-size",
+        "--seq-len",
+        "--save-every",
+        "--output",
+        "--resume",
+    ):
         assert flag in proc.stdout
 
 
@@ -76,17 +96,40 @@ def test_local_model_directory_with_its_tokenizer(tmp_path: Path, cli) -> None:
     tok.train_from_iterator(lines, trainers.WordLevelTrainer(special_tokens=["[UNK]", "</s>"]))
     fast = PreTrainedTokenizerFast(tokenizer_object=tok, unk_token="[UNK]", eos_token="</s>")
     model_dir = tmp_path / "qwen2-moe"
-    cfg = Qwen2MoeConfig(vocab_size=len(fast), hidden_size=32, intermediate_size=64,
-                         moe_intermediate_size=32, shared_expert_intermediate_size=32,
-                         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1,
-                         num_experts=4, num_experts_per_tok=2, max_position_embeddings=128)
+    cfg = Qwen2MoeConfig(
+        vocab_size=len(fast),
+        hidden_size=32,
+        intermediate_size=64,
+        moe_intermediate_size=32,
+        shared_expert_intermediate_size=32,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        num_experts=4,
+        num_experts_per_tok=2,
+        max_position_embeddings=128,
+    )
     torch.manual_seed(0)
     Qwen2MoeForCausalLM(cfg).save_pretrained(model_dir)
     fast.save_pretrained(model_dir)
     out = tmp_path / "run"
-    proc = cli.run(["--model", str(model_dir), "--data", str(corpus), "--steps", "12",
-                    "--seq-len", "16", "--batch-size", "4", "--output", str(out),
-                    "--no-progress"])
+    proc = cli.run(
+        [
+            "--model",
+            str(model_dir),
+            "--data",
+            str(corpus),
+            "--steps",
+            "12",
+            "--seq-len",
+            "16",
+            "--batch-size",
+            "4",
+            "--output",
+            str(out),
+            "--no-progress",
+        ]
+    )
     assert proc.returncode == 0, proc.stderr
     log = cli.log(out)
     assert len(log) == 12

@@ -16,38 +16,81 @@ def test_bad_config_names_the_key(tmp_path: Path, cli, assert_clean_error) -> No
 
 @pytest.mark.timeout(120)
 def test_missing_data_file(tmp_path: Path, cli, assert_clean_error) -> None:
-    assert_clean_error(cli.run(["--data", str(tmp_path / "nope.jsonl"), "--steps", "1"]),
-                        "nope.jsonl")
+    assert_clean_error(
+        cli.run(["--data", str(tmp_path / "nope.jsonl"), "--steps", "1"]), "nope.jsonl"
+    )
 
 
 @pytest.mark.timeout(120)
 def test_unsupported_model(tmp_path: Path, cli, assert_clean_error) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    cfg = LlamaConfig(vocab_size=64, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                      num_attention_heads=2, num_key_value_heads=1)
+    cfg = LlamaConfig(
+        vocab_size=64,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+    )
     LlamaForCausalLM(cfg).save_pretrained(tmp_path / "llama")
-    assert_clean_error(cli.run(["--model", str(tmp_path / "llama"), "--steps", "1"]),
-                        "qwen3_moe")
+    assert_clean_error(cli.run(["--model", str(tmp_path / "llama"), "--steps", "1"]), "qwen3_moe")
 
 
 @pytest.mark.timeout(200)
 def test_corrupt_checkpoint_on_resume(tmp_path: Path, cli, assert_clean_error) -> None:
     out = tmp_path / "run"
-    first = cli.run(["--steps", "2", "--batch-size", "2", "--seq-len", "16", "--no-progress",
-                     "--output", str(out)])
+    first = cli.run(
+        [
+            "--steps",
+            "2",
+            "--batch-size",
+            "2",
+            "--seq-len",
+            "16",
+            "--no-progress",
+            "--output",
+            str(out),
+        ]
+    )
     assert first.returncode == 0, first.stderr
     ckpt = Path(first.stdout.split("checkpoint:")[1].split()[0])
     victim = ckpt / "adapter_model.safetensors"
     data = bytearray(victim.read_bytes())
     data[-1] ^= 0xFF
     victim.write_bytes(bytes(data))
-    proc = cli.run(["--steps", "4", "--batch-size", "2", "--seq-len", "16", "--no-progress",
-                    "--output", str(out), "--resume", str(ckpt)])
+    proc = cli.run(
+        [
+            "--steps",
+            "4",
+            "--batch-size",
+            "2",
+            "--seq-len",
+            "16",
+            "--no-progress",
+            "--output",
+            str(out),
+            "--resume",
+            str(ckpt),
+        ]
+    )
     assert_clean_error(proc, "adapter_model.safetensors")
-    with_debug = cli.run(["--steps", "4", "--batch-size", "2", "--seq-len", "16",
-                          "--no-progress", "--output", str(out), "--resume", str(ckpt),
-                          "--debug"])
+    with_debug = cli.run(
+        [
+            "--steps",
+            "4",
+            "--batch-size",
+            "2",
+            "--seq-len",
+            "16",
+            "--no-progress",
+            "--output",
+            str(out),
+            "--resume",
+            str(ckpt),
+            "--debug",
+        ]
+    )
     assert with_debug.returncode == 1
     assert "Traceback" in with_debug.stderr
 
@@ -57,18 +100,24 @@ def test_share_experts_misuse_is_named(tmp_path: Path, cli, assert_clean_error) 
     """--share-experts needs torchrun with several local ranks; the two flags exclude each
     other; the YAML key takes true or false only."""
     out = ["--output", str(tmp_path / "out"), "--steps", "1"]
-    assert_clean_error(cli.run(["--share-experts", *out]),
-                       "--share-experts", "LOCAL_WORLD_SIZE=1", "torchrun --nproc-per-node")
+    assert_clean_error(
+        cli.run(["--share-experts", *out]),
+        "--share-experts",
+        "LOCAL_WORLD_SIZE=1",
+        "torchrun --nproc-per-node",
+    )
     both = cli.run(["--share-experts", "--no-share-experts", *out])
     assert both.returncode == 2, both.stderr
     assert "--no-share-experts: not allowed with argument --share-experts" in both.stderr
     cfg = tmp_path / "run.yaml"
     cfg.write_text("model:\n  share_experts: sometimes\n")
-    assert_clean_error(cli.run(["--config", str(cfg), *out]),
-                       "model.share_experts", "'sometimes'", "true or false")
+    assert_clean_error(
+        cli.run(["--config", str(cfg), *out]), "model.share_experts", "'sometimes'", "true or false"
+    )
     cfg.write_text("model:\n  share_experts: true\n")
-    assert_clean_error(cli.run(["--config", str(cfg), *out]), "model.share_experts",
-                       "LOCAL_WORLD_SIZE=1")
+    assert_clean_error(
+        cli.run(["--config", str(cfg), *out]), "model.share_experts", "LOCAL_WORLD_SIZE=1"
+    )
 
 
 @pytest.mark.timeout(120)

@@ -22,20 +22,35 @@ def cold(cli, tmp_path: Path):
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize(("flags", "needles"), [
-    (["--lr", "nan"], ["--lr", "finite"]),
-    (["--lr", "inf"], ["--lr", "finite"]),
-    (["--lr", "0"], ["--lr", "> 0"]),
-    (["--lr=-1e-3"], ["--lr", "> 0"]),
-    (["--max-grad-norm", "nan"], ["--max-grad-norm"]),
-    (["--max-grad-norm", "0"], ["--max-grad-norm", "> 0"]),
-    (["--save-every", "0"], ["--save-every", ">= 1"]),
-    (["--keep-last", "0"], ["--keep-last", ">= 1"]),
-    (["--grad-accum", "3", "--batch-size", "8"], ["--batch-size", "--grad-accum"]),
-    (["--lr-schedule", "cosin"], ["--lr-schedule", "cosine"]),
-    (["--eval-every", "5"], ["--eval-every", "--eval-data"]),
-], ids=["lr-nan", "lr-inf", "lr-zero", "lr-negative", "clip-nan", "clip-zero", "save-every-0",
-        "keep-last-0", "accum-split", "schedule-typo", "eval-without-data"])
+@pytest.mark.parametrize(
+    ("flags", "needles"),
+    [
+        (["--lr", "nan"], ["--lr", "finite"]),
+        (["--lr", "inf"], ["--lr", "finite"]),
+        (["--lr", "0"], ["--lr", "> 0"]),
+        (["--lr=-1e-3"], ["--lr", "> 0"]),
+        (["--max-grad-norm", "nan"], ["--max-grad-norm"]),
+        (["--max-grad-norm", "0"], ["--max-grad-norm", "> 0"]),
+        (["--save-every", "0"], ["--save-every", ">= 1"]),
+        (["--keep-last", "0"], ["--keep-last", ">= 1"]),
+        (["--grad-accum", "3", "--batch-size", "8"], ["--batch-size", "--grad-accum"]),
+        (["--lr-schedule", "cosin"], ["--lr-schedule", "cosine"]),
+        (["--eval-every", "5"], ["--eval-every", "--eval-data"]),
+    ],
+    ids=[
+        "lr-nan",
+        "lr-inf",
+        "lr-zero",
+        "lr-negative",
+        "clip-nan",
+        "clip-zero",
+        "save-every-0",
+        "keep-last-0",
+        "accum-split",
+        "schedule-typo",
+        "eval-without-data",
+    ],
+)
 def test_bad_value_refused_before_the_model_loads(
     cold, tmp_path: Path, flags, needles, assert_clean_error
 ) -> None:
@@ -68,29 +83,46 @@ def test_output_not_writable(cold, tmp_path: Path, assert_clean_error) -> None:
 def test_data_not_utf8_names_file_and_line(cold, tmp_path: Path, assert_clean_error) -> None:
     data = tmp_path / "latin1.txt"
     data.write_bytes("first line\nsecond line\ncaf\xe9 au lait\n".encode("latin-1"))
-    assert_clean_error(cold.run(["--data", str(data), "--output", str(tmp_path / "out")]),
-                        "latin1.txt", "line 3", "UTF-8")
+    assert_clean_error(
+        cold.run(["--data", str(data), "--output", str(tmp_path / "out")]),
+        "latin1.txt",
+        "line 3",
+        "UTF-8",
+    )
 
 
 @pytest.mark.timeout(120)
-@pytest.mark.parametrize(("yaml_text", "needles"), [
-    ("training:\n  lr: 1e-3\n  lerning_rate: 2\n", ["training.lerning_rate"]),
-    ("trainig:\n  lr: 1e-3\n", ["trainig", "training"]),
-    ("training:\n  stepz: 3\n", ["training.stepz", "steps"]),
-    ("lr: 0.1\n", ["lr", "training.lr"]),
-    ("lora:\n  rnak: 4\n", ["lora.rnak", "rank"]),
-    ("models:\n  moe:\n    lora:\n      enable: true\n      rnak: 8\n", ["rnak", "rank"]),
-    ("models:\n  moe:\n    lora: {rank: 4}\n    loar: {}\n", ["models.moe.loar", "lora"]),
-    ("output:\n  keep_last: 0\n", ["output.keep_last", ">= 1"]),
-], ids=["training-key", "section", "near-key", "wrong-section", "lora-key", "legacy-lora-key",
-        "legacy-block", "yaml-value"])
+@pytest.mark.parametrize(
+    ("yaml_text", "needles"),
+    [
+        ("training:\n  lr: 1e-3\n  lerning_rate: 2\n", ["training.lerning_rate"]),
+        ("trainig:\n  lr: 1e-3\n", ["trainig", "training"]),
+        ("training:\n  stepz: 3\n", ["training.stepz", "steps"]),
+        ("lr: 0.1\n", ["lr", "training.lr"]),
+        ("lora:\n  rnak: 4\n", ["lora.rnak", "rank"]),
+        ("models:\n  moe:\n    lora:\n      enable: true\n      rnak: 8\n", ["rnak", "rank"]),
+        ("models:\n  moe:\n    lora: {rank: 4}\n    loar: {}\n", ["models.moe.loar", "lora"]),
+        ("output:\n  keep_last: 0\n", ["output.keep_last", ">= 1"]),
+    ],
+    ids=[
+        "training-key",
+        "section",
+        "near-key",
+        "wrong-section",
+        "lora-key",
+        "legacy-lora-key",
+        "legacy-block",
+        "yaml-value",
+    ],
+)
 def test_config_unknown_keys_suggest_the_nearest(
     cold, tmp_path: Path, yaml_text, needles, assert_clean_error
 ) -> None:
     cfg = tmp_path / "run.yaml"
     cfg.write_text(yaml_text)
-    assert_clean_error(cold.run(["--config", str(cfg), "--output", str(tmp_path / "out")]),
-                        *needles)
+    assert_clean_error(
+        cold.run(["--config", str(cfg), "--output", str(tmp_path / "out")]), *needles
+    )
 
 
 @pytest.mark.timeout(300)
@@ -112,8 +144,17 @@ def test_existing_output_needs_resume_or_overwrite(tmp_path: Path, cli, assert_c
 @pytest.mark.timeout(300)
 def test_resume_logs_each_step_once(tmp_path: Path, cli, assert_clean_error) -> None:
     out = tmp_path / "run"
-    common = ["--batch-size", "2", "--seq-len", "16", "--no-progress", "--output", str(out),
-              "--keep-last", "5"]
+    common = [
+        "--batch-size",
+        "2",
+        "--seq-len",
+        "16",
+        "--no-progress",
+        "--output",
+        str(out),
+        "--keep-last",
+        "5",
+    ]
     full = cli.run([*common, "--steps", "6", "--save-every", "3"])
     assert full.returncode == 0, full.stderr
     before = cli.log(out)
@@ -127,8 +168,9 @@ def test_resume_logs_each_step_once(tmp_path: Path, cli, assert_clean_error) -> 
     assert [r["step"] for r in after] == [1, 2, 3, 4, 5, 6]
     assert [r["loss"] for r in after] == [r["loss"] for r in before]
     # Resuming from an older checkpoint while later ones exist is refused (they would clash).
-    older = cli.run([*common, "--steps", "6", "--resume", str(out / "checkpoints" /
-                                                              "step-00000003")])
+    older = cli.run(
+        [*common, "--steps", "6", "--resume", str(out / "checkpoints" / "step-00000003")]
+    )
     assert_clean_error(older, "later checkpoints", "step-00000006")
 
 
@@ -139,8 +181,23 @@ def test_divergence_stops_with_the_step_and_saves_nothing(
     out = tmp_path / "run"
     # lr 1e6: after one step the adapters are ~1e6, the activations overflow and the
     # gradient vanishes (today: exit 0 with a flat loss and adapters of 5e6 saved as latest).
-    proc = cli.run(["--lr", "1e6", "--steps", "20", "--save-every", "1", "--batch-size", "2",
-                    "--seq-len", "16", "--no-progress", "--output", str(out)])
+    proc = cli.run(
+        [
+            "--lr",
+            "1e6",
+            "--steps",
+            "20",
+            "--save-every",
+            "1",
+            "--batch-size",
+            "2",
+            "--seq-len",
+            "16",
+            "--no-progress",
+            "--output",
+            str(out),
+        ]
+    )
     line = assert_clean_error(proc, "diverged", "step 2", "--lr")
     assert "1e+06" in line or "1000000" in line
     # Only the step-1 checkpoint exists (finite), and it is what latest names.

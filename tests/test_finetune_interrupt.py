@@ -14,8 +14,17 @@ from pathlib import Path
 import pytest
 
 STEPS = 200
-COMMON = ["--batch-size", "2", "--seq-len", "16", "--no-progress", "--steps", str(STEPS),
-          "--keep-last", "3"]
+COMMON = [
+    "--batch-size",
+    "2",
+    "--seq-len",
+    "16",
+    "--no-progress",
+    "--steps",
+    str(STEPS),
+    "--keep-last",
+    "3",
+]
 
 
 def _wait_for_steps(proc: subprocess.Popen, log: Path, n: int, limit_s: float = 120) -> None:
@@ -31,13 +40,18 @@ def _wait_for_steps(proc: subprocess.Popen, log: Path, n: int, limit_s: float = 
 
 
 @pytest.mark.timeout(400)
-@pytest.mark.parametrize(("sig", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)],
-                         ids=["sigint", "sigterm"])
+@pytest.mark.parametrize(
+    ("sig", "code"), [(signal.SIGINT, 130), (signal.SIGTERM, 143)], ids=["sigint", "sigterm"]
+)
 def test_signal_saves_and_resume_command_continues(tmp_path: Path, cli, sig, code) -> None:
     out = tmp_path / "run"
-    proc = subprocess.Popen([sys.executable, "-m", "moe_experts.finetune", *COMMON,
-                             "--output", str(out)], env=cli.env, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "moe_experts.finetune", *COMMON, "--output", str(out)],
+        env=cli.env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
     _wait_for_steps(proc, out / "train_log.jsonl", 3)
     proc.send_signal(sig)
     stdout, stderr = proc.communicate(timeout=120)
@@ -54,8 +68,9 @@ def test_signal_saves_and_resume_command_continues(tmp_path: Path, cli, sig, cod
     argv = shlex.split(command)
     assert argv[:3] == [sys.executable, "-m", "moe_experts.finetune"]
     assert argv[-2:] == ["--resume", str(out / "checkpoints")]
-    resumed = subprocess.run(argv, env=cli.env, capture_output=True, text=True, timeout=300,
-                             check=False)
+    resumed = subprocess.run(
+        argv, env=cli.env, capture_output=True, text=True, timeout=300, check=False
+    )
     assert resumed.returncode == 0, resumed.stderr
     log = cli.log(out)
     assert [r["step"] for r in log] == list(range(1, STEPS + 1))

@@ -36,8 +36,21 @@ def test_multimodal_checkpoint_fine_tunes_on_text(family: str, tmp_path: Path, c
         AutoModelForCausalLM.from_pretrained(base_dir)  # why the CLI needs another class
 
     run = tmp_path / "run"
-    rc = finetune_main(["--model", str(base_dir), "--steps", "2", "--seq-len", "16",
-                        "--batch-size", "2", "--output", str(run), "--no-progress"])
+    rc = finetune_main(
+        [
+            "--model",
+            str(base_dir),
+            "--steps",
+            "2",
+            "--seq-len",
+            "16",
+            "--batch-size",
+            "2",
+            "--output",
+            str(run),
+            "--no-progress",
+        ]
+    )
     out, err = capsys.readouterr()
     assert rc == 0, err
     assert "from transformers import AutoModelForImageTextToText; from peft import" in out

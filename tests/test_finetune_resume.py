@@ -19,8 +19,9 @@ def test_resume_equals_uninterrupted(tmp_path: Path, cli) -> None:
     part = cli.run([*common, "--steps", "3", "--output", str(tmp_path / "b")])
     assert part.returncode == 0, part.stderr
     ckpt_b = Path(part.stdout.split("checkpoint:")[1].split()[0])
-    resumed = cli.run([*common, "--steps", "6", "--output", str(tmp_path / "b"),
-                       "--resume", str(ckpt_b)])
+    resumed = cli.run(
+        [*common, "--steps", "6", "--output", str(tmp_path / "b"), "--resume", str(ckpt_b)]
+    )
     assert resumed.returncode == 0, resumed.stderr
 
     losses_a = [r["loss"] for r in cli.log(tmp_path / "a")]

@@ -37,8 +37,9 @@ def hub_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> Path:
     return path
 
 
-def test_load_model_streams_and_equals_from_pretrained_and_wrap(hub_checkpoint: Path,
-                                                                monkeypatch) -> None:
+def test_load_model_streams_and_equals_from_pretrained_and_wrap(
+    hub_checkpoint: Path, monkeypatch
+) -> None:
     want = AutoModelForCausalLM.from_pretrained(hub_checkpoint, dtype=torch.float32)
     moe_experts.wrap(want, weight_dtype="bf16")
 
@@ -56,24 +57,46 @@ def test_load_model_streams_and_equals_from_pretrained_and_wrap(hub_checkpoint: 
         assert torch.equal(loaded.model(ids).logits, want(ids).logits)
 
 
-def test_cli_fine_tunes_without_from_pretrained(hub_checkpoint: Path, tmp_path: Path,
-                                                monkeypatch, capsys) -> None:
+def test_cli_fine_tunes_without_from_pretrained(
+    hub_checkpoint: Path, tmp_path: Path, monkeypatch, capsys
+) -> None:
     def refuse(*args, **kwargs):
         raise AssertionError("the CLI loaded the whole model with from_pretrained")
 
     monkeypatch.setattr(AutoModelForCausalLM, "from_pretrained", refuse)
     run = tmp_path / "run"
-    rc = finetune_main(["--model", str(hub_checkpoint), "--steps", "2", "--seq-len", "16",
-                        "--batch-size", "2", "--weight-dtype", "bf16", "--output", str(run),
-                        "--no-progress"])
+    rc = finetune_main(
+        [
+            "--model",
+            str(hub_checkpoint),
+            "--steps",
+            "2",
+            "--seq-len",
+            "16",
+            "--batch-size",
+            "2",
+            "--weight-dtype",
+            "bf16",
+            "--output",
+            str(run),
+            "--no-progress",
+        ]
+    )
     assert rc == 0, capsys.readouterr().err
     assert (resolve_checkpoint(run / "checkpoints") / "adapter_model.safetensors").is_file()
 
 
 def test_cli_fine_tunes_fp8_checkpoint_on_its_shipped_bytes(tmp_path: Path, capsys) -> None:
     path = save_fp8_checkpoint(
-        tiny_model("deepseek_v3", vocab_size=ByteTokenizer.vocab_size, hidden_size=256,
-                   moe_intermediate_size=128, intermediate_size=256), tmp_path / "fp8")
+        tiny_model(
+            "deepseek_v3",
+            vocab_size=ByteTokenizer.vocab_size,
+            hidden_size=256,
+            moe_intermediate_size=128,
+            intermediate_size=256,
+        ),
+        tmp_path / "fp8",
+    )
     save_byte_tokenizer(path)
     loaded = load_model(str(path), weight_dtype="fp8")
     kernels = _kernels(loaded.model)
@@ -81,9 +104,23 @@ def test_cli_fine_tunes_fp8_checkpoint_on_its_shipped_bytes(tmp_path: Path, caps
     assert all(k.expert_weights.weight_dtype == "fp8" for k in kernels)
 
     run = tmp_path / "run"
-    rc = finetune_main(["--model", str(path), "--steps", "3", "--seq-len", "16",
-                        "--batch-size", "2", "--weight-dtype", "fp8", "--output", str(run),
-                        "--no-progress"])
+    rc = finetune_main(
+        [
+            "--model",
+            str(path),
+            "--steps",
+            "3",
+            "--seq-len",
+            "16",
+            "--batch-size",
+            "2",
+            "--weight-dtype",
+            "fp8",
+            "--output",
+            str(run),
+            "--no-progress",
+        ]
+    )
     err = capsys.readouterr().err
     assert rc == 0, err
     ckpt = resolve_checkpoint(run / "checkpoints")

@@ -28,12 +28,16 @@ from moe_experts.testing import tiny_model
 # family -> (router target, attention targets the default resolves to)
 EXPECTED = {
     "gemma4": ("router.proj.weight", ["q_proj", "k_proj", "v_proj", "o_proj"]),
-    "deepseek_v4": ("mlp.gate.weight",
-                    ["q_a_proj", "self_attn.q_b_proj", "self_attn.kv_proj", "o_b_proj"]),
+    "deepseek_v4": (
+        "mlp.gate.weight",
+        ["q_a_proj", "self_attn.q_b_proj", "self_attn.kv_proj", "o_b_proj"],
+    ),
     "phimoe": ("mlp.router.weight", ["q_proj", "k_proj", "v_proj", "o_proj"]),
     "granitemoe": ("block_sparse_moe.router.weight", ["q_proj", "k_proj", "v_proj", "o_proj"]),
-    "deepseek_v3": ("mlp.gate.weight",
-                    ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"]),
+    "deepseek_v3": (
+        "mlp.gate.weight",
+        ["q_a_proj", "q_b_proj", "kv_a_proj_with_mqa", "kv_b_proj", "o_proj"],
+    ),
 }
 
 
@@ -62,12 +66,22 @@ def _save(family: str, root: Path) -> Path:
 
 @pytest.mark.timeout(300)
 @pytest.mark.parametrize("family", sorted(EXPECTED))
-def test_default_targets_train_router_and_attention(family: str, tmp_path: Path,
-                                                    capsys) -> None:
+def test_default_targets_train_router_and_attention(family: str, tmp_path: Path, capsys) -> None:
     model = _save(family, tmp_path)
     out = tmp_path / "run"
-    args = ["--model", str(model), "--steps", "1", "--seq-len", "16", "--batch-size", "2",
-            "--output", str(out), "--no-progress"]
+    args = [
+        "--model",
+        str(model),
+        "--steps",
+        "1",
+        "--seq-len",
+        "16",
+        "--batch-size",
+        "2",
+        "--output",
+        str(out),
+        "--no-progress",
+    ]
     assert finetune_main([*args, "--print-config"]) == 0
     shown = yaml.safe_load(capsys.readouterr().out)["lora"]
     router, attention = EXPECTED[family]
@@ -82,8 +96,7 @@ def test_default_targets_train_router_and_attention(family: str, tmp_path: Path,
     # names another module (DeepSeek-V4's indexer/compressor q_b_proj, kv_proj): PEFT matches
     # suffixes, so a bare leaf would adapt those too.
     assert set(cfg["target_modules"]) == {t.removeprefix("mlp.") for t in [*attention, "lm_head"]}
-    adapted = {k.split(".lora_")[0]
-               for k in load_file(str(ckpt / "adapter_model.safetensors"))}
+    adapted = {k.split(".lora_")[0] for k in load_file(str(ckpt / "adapter_model.safetensors"))}
     # Every router and every layer's attention carry LoRA in the adapter PEFT loads.
     reference = tiny_model(family)
     blocks = list(iter_moe_blocks(reference, find_architecture(reference)))
@@ -100,11 +113,25 @@ def test_a_written_target_is_kept_and_must_match(tmp_path: Path, capsys) -> None
     model = _save("gemma4", tmp_path)
     cfg = tmp_path / "run.yaml"
     cfg.write_text(yaml.safe_dump({"lora": {"target_parameters": ["mlp.gate.weight"]}}))
-    args = ["--config", str(cfg), "--model", str(model), "--steps", "1", "--seq-len", "16",
-            "--batch-size", "2", "--output", str(tmp_path / "run"), "--no-progress"]
+    args = [
+        "--config",
+        str(cfg),
+        "--model",
+        str(model),
+        "--steps",
+        "1",
+        "--seq-len",
+        "16",
+        "--batch-size",
+        "2",
+        "--output",
+        str(tmp_path / "run"),
+        "--no-progress",
+    ]
     assert finetune_main([*args, "--print-config"]) == 0
     assert yaml.safe_load(capsys.readouterr().out)["lora"]["target_parameters"] == [
-        "mlp.gate.weight"]
+        "mlp.gate.weight"
+    ]
     assert finetune_main(args) == 1
     err = capsys.readouterr().err
     lines = [line for line in err.splitlines() if line.startswith("error:")]
@@ -122,15 +149,20 @@ def test_a_written_target_is_kept_and_must_match(tmp_path: Path, capsys) -> None
 
 def test_attention_rule_on_hybrid_layers() -> None:
     # LFM2: short-convolution layers also have an out_proj, so the attention one is qualified.
-    assert attention_targets(tiny_model("lfm2_moe")) == ("q_proj", "k_proj", "v_proj",
-                                                         "self_attn.out_proj")
+    assert attention_targets(tiny_model("lfm2_moe")) == (
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "self_attn.out_proj",
+    )
     # Qwen3-Next: linear-attention layers stay as they were, the full-attention ones keep q/k/v/o.
     assert attention_targets(tiny_model("qwen3_next")) == ("q_proj", "k_proj", "v_proj", "o_proj")
 
 
 @pytest.mark.timeout(120)
-def test_shared_expert_targets_peft_cannot_load_are_refused(tmp_path: Path, capsys,
-                                                            monkeypatch) -> None:
+def test_shared_expert_targets_peft_cannot_load_are_refused(
+    tmp_path: Path, capsys, monkeypatch
+) -> None:
     from peft import PeftModel
     from transformers import AutoModelForCausalLM
 
@@ -140,8 +172,19 @@ def test_shared_expert_targets_peft_cannot_load_are_refused(tmp_path: Path, caps
     cfg = tmp_path / "run.yaml"
     shared = [f"mlp.shared_experts.{p}" for p in ("gate_proj", "up_proj", "down_proj")]
     cfg.write_text(yaml.safe_dump({"lora": {"target_modules": ["auto", *shared]}}))
-    args = ["--config", str(cfg), "--model", str(model), "--steps", "1", "--seq-len", "16",
-            "--batch-size", "2", "--no-progress"]
+    args = [
+        "--config",
+        str(cfg),
+        "--model",
+        str(model),
+        "--steps",
+        "1",
+        "--seq-len",
+        "16",
+        "--batch-size",
+        "2",
+        "--no-progress",
+    ]
     for extra in (["--print-config"], []):
         assert finetune_main([*args, "--output", str(tmp_path / "run"), *extra]) == 1
         err = capsys.readouterr().err

@@ -64,21 +64,42 @@ def _expected_lr(step: int, peak: float, warmup: int, total: int, kind: str) -> 
     if step < warmup:
         return peak * (step + 1) / warmup
     p = (step - warmup) / (total - warmup)
-    return peak * {"constant": 1.0, "linear": 1.0 - p,
-                   "cosine": 0.5 * (1 + math.cos(math.pi * p))}[kind]
+    return (
+        peak
+        * {"constant": 1.0, "linear": 1.0 - p, "cosine": 0.5 * (1 + math.cos(math.pi * p))}[kind]
+    )
 
 
 @pytest.mark.timeout(400)
 def test_schedule_eval_and_accumulation_resume_exactly(tmp_path: Path, cli) -> None:
-    common = [*TINY, "--steps", "6", "--batch-size", "4", "--grad-accum", "2", "--lr", "4e-3",
-              "--lr-schedule", "cosine", "--warmup-steps", "2", "--eval-split", "0.1",
-              "--eval-every", "2", "--keep-last", "5"]
+    common = [
+        *TINY,
+        "--steps",
+        "6",
+        "--batch-size",
+        "4",
+        "--grad-accum",
+        "2",
+        "--lr",
+        "4e-3",
+        "--lr-schedule",
+        "cosine",
+        "--warmup-steps",
+        "2",
+        "--eval-split",
+        "0.1",
+        "--eval-every",
+        "2",
+        "--keep-last",
+        "5",
+    ]
     full = cli.run([*common, "--save-every", "3", "--output", str(tmp_path / "a")])
     assert full.returncode == 0, full.stderr
     log_a = cli.log(tmp_path / "a")
     for r in log_a:
-        assert math.isclose(r["lr"], _expected_lr(r["step"] - 1, 4e-3, 2, 6, "cosine"),
-                            rel_tol=1e-12), r
+        assert math.isclose(
+            r["lr"], _expected_lr(r["step"] - 1, 4e-3, 2, 6, "cosine"), rel_tol=1e-12
+        ), r
     assert [r["step"] for r in log_a if "eval_loss" in r] == [2, 4, 6]
     assert log_a[-1]["eval_loss"] < log_a[1]["eval_loss"]  # it learns what it is tested on
     assert "eval loss" in full.stdout
@@ -87,13 +108,21 @@ def test_schedule_eval_and_accumulation_resume_exactly(tmp_path: Path, cli) -> N
     assert position.data_position["eval_loss"] == log_a[1]["eval_loss"]
     assert position.data_position["micro_step"] == 0
 
-    resumed = cli.run([*common, "--output", str(tmp_path / "b"), "--resume",
-                       str(tmp_path / "a" / "checkpoints" / "step-00000003")])
+    resumed = cli.run(
+        [
+            *common,
+            "--output",
+            str(tmp_path / "b"),
+            "--resume",
+            str(tmp_path / "a" / "checkpoints" / "step-00000003"),
+        ]
+    )
     assert resumed.returncode == 0, resumed.stderr
     log_b = cli.log(tmp_path / "b")
     keys = ("step", "loss", "grad_norm", "lr", "eval_loss")
-    assert [[r.get(k) for k in keys] for r in log_b] == \
-        [[r.get(k) for k in keys] for r in log_a[3:]]
+    assert [[r.get(k) for k in keys] for r in log_b] == [
+        [r.get(k) for k in keys] for r in log_a[3:]
+    ]
     ta, tb = _final_tensors(tmp_path / "a"), _final_tensors(tmp_path / "b")
     for key in ta:
         assert ta[key].equal(tb[key]), key
@@ -104,12 +133,26 @@ def test_linear_schedule_and_eval_data_file(tmp_path: Path, cli) -> None:
     eval_file = tmp_path / "eval.txt"
     eval_file.write_text("the router sends each token to two experts\n" * 20)
     out = tmp_path / "run"
-    proc = cli.run([*TINY, "--steps", "4", "--batch-size", "2", "--lr-schedule", "linear",
-                    "--eval-data", str(eval_file), "--output", str(out)])
+    proc = cli.run(
+        [
+            *TINY,
+            "--steps",
+            "4",
+            "--batch-size",
+            "2",
+            "--lr-schedule",
+            "linear",
+            "--eval-data",
+            str(eval_file),
+            "--output",
+            str(out),
+        ]
+    )
     assert proc.returncode == 0, proc.stderr
     log = cli.log(out)
     assert [r["lr"] for r in log] == pytest.approx(
-        [_expected_lr(s, 3e-3, 0, 4, "linear") for s in range(4)], rel=1e-12)
+        [_expected_lr(s, 3e-3, 0, 4, "linear") for s in range(4)], rel=1e-12
+    )
     # No --eval-every: evaluated once, at the end.
     assert [r["step"] for r in log if "eval_loss" in r] == [4]
 
@@ -118,14 +161,24 @@ def test_linear_schedule_and_eval_data_file(tmp_path: Path, cli) -> None:
 def test_one_yaml_holds_the_run_and_flags_override_it(tmp_path: Path, cli) -> None:
     out = tmp_path / "from-yaml"
     cfg = tmp_path / "run.yaml"
-    cfg.write_text(yaml.safe_dump({
-        "model": {"name": "tiny-qwen3-moe", "weight_dtype": "fp32"},
-        "data": {"seq_len": 16, "eval_split": 0.1},
-        "training": {"steps": 5, "lr": "2e-3", "batch_size": 4, "grad_accum": 2,
-                     "lr_schedule": "linear", "warmup_steps": 1},
-        "lora": {"rank": 4, "alpha": 8},
-        "output": {"dir": str(out), "keep_last": 1},
-    }))
+    cfg.write_text(
+        yaml.safe_dump(
+            {
+                "model": {"name": "tiny-qwen3-moe", "weight_dtype": "fp32"},
+                "data": {"seq_len": 16, "eval_split": 0.1},
+                "training": {
+                    "steps": 5,
+                    "lr": "2e-3",
+                    "batch_size": 4,
+                    "grad_accum": 2,
+                    "lr_schedule": "linear",
+                    "warmup_steps": 1,
+                },
+                "lora": {"rank": 4, "alpha": 8},
+                "output": {"dir": str(out), "keep_last": 1},
+            }
+        )
+    )
     shown = cli.run(["--config", str(cfg), "--steps", "3", "--print-config"])
     assert shown.returncode == 0, shown.stderr
     resolved = yaml.safe_load(shown.stdout)
@@ -147,8 +200,9 @@ def test_one_yaml_holds_the_run_and_flags_override_it(tmp_path: Path, cli) -> No
     log = cli.log(out)
     assert [r["step"] for r in log] == [1, 2, 3]
     assert log[0]["lr"] == pytest.approx(2e-3)  # warm-up of 1 step reaches the peak at once
-    adapter = json.loads((out / "checkpoints" / "step-00000003" /
-                          "adapter_config.json").read_text())
+    adapter = json.loads(
+        (out / "checkpoints" / "step-00000003" / "adapter_config.json").read_text()
+    )
     assert adapter["r"] == 4
     assert adapter["lora_alpha"] == 8
 
@@ -161,8 +215,23 @@ def test_loss_png_and_tensorboard_scalars(tmp_path: Path, cli) -> None:
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     out = tmp_path / "run"
-    proc = cli.run([*TINY, "--steps", "4", "--batch-size", "2", "--eval-split", "0.1",
-                    "--eval-every", "2", "--report-to", "tensorboard", "--output", str(out)])
+    proc = cli.run(
+        [
+            *TINY,
+            "--steps",
+            "4",
+            "--batch-size",
+            "2",
+            "--eval-split",
+            "0.1",
+            "--eval-every",
+            "2",
+            "--report-to",
+            "tensorboard",
+            "--output",
+            str(out),
+        ]
+    )
     assert proc.returncode == 0, proc.stderr
     log = cli.log(out)
     image = imread(out / "loss.png")
@@ -176,8 +245,9 @@ def test_loss_png_and_tensorboard_scalars(tmp_path: Path, cli) -> None:
     assert [e.value for e in train] == pytest.approx([r["loss"] for r in log], rel=1e-6)
     assert [e.value for e in acc.Scalars("train/lr")] == pytest.approx([r["lr"] for r in log])
     evals = acc.Scalars("eval/loss")
-    assert [(e.step, pytest.approx(e.value, rel=1e-6)) for e in evals] == \
-        [(r["step"], r["eval_loss"]) for r in log if "eval_loss" in r]
+    assert [(e.step, pytest.approx(e.value, rel=1e-6)) for e in evals] == [
+        (r["step"], r["eval_loss"]) for r in log if "eval_loss" in r
+    ]
 
 
 def _wandb_history(run_file: Path) -> list[dict]:
@@ -202,7 +272,7 @@ def _wandb_history(run_file: Path) -> list[dict]:
         length, kind = struct.unpack_from("<HB", data, pos + 4)
         if length == 0 and kind == 0:
             break
-        payload = data[pos + 7:pos + 7 + length]
+        payload = data[pos + 7 : pos + 7 + length]
         pos += 7 + length
         pending = payload if kind in (1, 2) else pending + payload  # FULL/FIRST start anew
         if kind not in (1, 4):  # FULL or LAST completes a record
@@ -210,8 +280,12 @@ def _wandb_history(run_file: Path) -> list[dict]:
         record = wandb_internal_pb2.Record()
         record.ParseFromString(pending)
         if record.WhichOneof("record_type") == "history":
-            out.append({item.key or "/".join(item.nested_key): json.loads(item.value_json)
-                        for item in record.history.item})
+            out.append(
+                {
+                    item.key or "/".join(item.nested_key): json.loads(item.value_json)
+                    for item in record.history.item
+                }
+            )
     return out
 
 
@@ -221,20 +295,35 @@ def test_wandb_offline_run_holds_the_logged_scalars(tmp_path: Path, cli) -> None
     out = tmp_path / "run"
     env = {k: v for k, v in cli.env.items() if not k.startswith("WANDB_")}
     cli.env = {**env, "WANDB_SILENT": "true"}  # offline is the Reporter's default mode
-    proc = cli.run([*TINY, "--steps", "3", "--batch-size", "2", "--eval-split", "0.1",
-                    "--eval-every", "2", "--report-to", "wandb", "--output", str(out)])
+    proc = cli.run(
+        [
+            *TINY,
+            "--steps",
+            "3",
+            "--batch-size",
+            "2",
+            "--eval-split",
+            "0.1",
+            "--eval-every",
+            "2",
+            "--report-to",
+            "wandb",
+            "--output",
+            str(out),
+        ]
+    )
     assert proc.returncode == 0, proc.stderr
     runs = sorted((out / "wandb").glob("offline-run-*/run-*.wandb"))
     assert len(runs) == 1, sorted(p.name for p in (out / "wandb").iterdir())
     history = _wandb_history(runs[0])
     log = cli.log(out)
     assert [h["_step"] for h in history] == [r["step"] for r in log] == [1, 2, 3]
-    assert [h["train/loss"] for h in history] == pytest.approx([r["loss"] for r in log],
-                                                               rel=1e-6)
+    assert [h["train/loss"] for h in history] == pytest.approx([r["loss"] for r in log], rel=1e-6)
     assert [h["train/lr"] for h in history] == pytest.approx([r["lr"] for r in log])
     evals = [(h["_step"], h["eval/loss"]) for h in history if "eval/loss" in h]
-    assert evals == [(r["step"], pytest.approx(r["eval_loss"], rel=1e-6))
-                     for r in log if "eval_loss" in r]
+    assert evals == [
+        (r["step"], pytest.approx(r["eval_loss"], rel=1e-6)) for r in log if "eval_loss" in r
+    ]
     assert [s for s, _ in evals] == [2, 3]
 
 
@@ -244,8 +333,10 @@ def test_wandb_missing_is_one_clear_error(tmp_path: Path, cli) -> None:
     fake = tmp_path / "no-wandb" / "wandb"
     fake.mkdir(parents=True)
     (fake / "__init__.py").write_text("raise ImportError(\"No module named 'wandb'\")\n")
-    cli.env = {**cli.env, "PYTHONPATH": os.pathsep.join(
-        filter(None, [str(fake.parent), cli.env.get("PYTHONPATH")]))}
+    cli.env = {
+        **cli.env,
+        "PYTHONPATH": os.pathsep.join(filter(None, [str(fake.parent), cli.env.get("PYTHONPATH")])),
+    }
     proc = cli.run(["--report-to", "wandb", "--output", str(tmp_path / "run")])
     assert proc.returncode == 1
     assert proc.stderr.strip().splitlines()[-1].startswith("error: --report-to wandb needs")

@@ -16,8 +16,9 @@ PROMPT = "What is the opposite of hot?"
 
 def _moe_experts(args: list[str], env: dict[str, str]) -> subprocess.CompletedProcess[str]:
     script = str(Path(sys.executable).with_name("moe-experts"))
-    return subprocess.run([script, *args], env=env, capture_output=True, text=True, timeout=240,
-                          check=False)
+    return subprocess.run(
+        [script, *args], env=env, capture_output=True, text=True, timeout=240, check=False
+    )
 
 
 @pytest.fixture(scope="module")
@@ -27,14 +28,30 @@ def trained(tmp_path_factory: pytest.TempPathFactory, model_cache: Path) -> dict
 
     from moe_experts.finetune.data import chat_demo_path
 
-    env = dict(os.environ, MOE_EXPERTS_CACHE=str(model_cache), HF_HUB_OFFLINE="1",
-               OMP_NUM_THREADS="1")
+    env = dict(
+        os.environ, MOE_EXPERTS_CACHE=str(model_cache), HF_HUB_OFFLINE="1", OMP_NUM_THREADS="1"
+    )
     out = tmp_path_factory.mktemp("run")
-    proc = _moe_experts(["finetune", "--data", str(chat_demo_path()), "--steps", "20",
-                         "--output", str(out), "--no-progress"], env)
+    proc = _moe_experts(
+        [
+            "finetune",
+            "--data",
+            str(chat_demo_path()),
+            "--steps",
+            "20",
+            "--output",
+            str(out),
+            "--no-progress",
+        ],
+        env,
+    )
     assert proc.returncode == 0, proc.stderr
-    return {"env": env, "root": out / "checkpoints", "base": model_cache / "tiny-qwen3-moe",
-            "tmp": tmp_path_factory.mktemp("exports")}
+    return {
+        "env": env,
+        "root": out / "checkpoints",
+        "base": model_cache / "tiny-qwen3-moe",
+        "tmp": tmp_path_factory.mktemp("exports"),
+    }
 
 
 def _peft(base: Path, adapter: Path):
@@ -51,13 +68,24 @@ IDS = torch.tensor([[256, *PROMPT.encode()]])
 def test_generate_greedy_matches_peft_argmax(trained: dict) -> None:
     from transformers import AutoTokenizer
 
-    proc = _moe_experts(["generate", "--adapter", str(trained["root"]), "--prompt", PROMPT,
-                         "--max-new-tokens", "12"], trained["env"])
+    proc = _moe_experts(
+        [
+            "generate",
+            "--adapter",
+            str(trained["root"]),
+            "--prompt",
+            PROMPT,
+            "--max-new-tokens",
+            "12",
+        ],
+        trained["env"],
+    )
     assert proc.returncode == 0, proc.stderr
     model = _peft(trained["base"], trained["root"] / "step-00000020")
     tok = AutoTokenizer.from_pretrained(trained["base"])
-    text = tok.apply_chat_template([{"role": "user", "content": PROMPT}],
-                                   add_generation_prompt=True, tokenize=False)
+    text = tok.apply_chat_template(
+        [{"role": "user", "content": PROMPT}], add_generation_prompt=True, tokenize=False
+    )
     ids = tok(text, add_special_tokens=False)["input_ids"]
     new: list[int] = []
     with torch.no_grad():
@@ -81,8 +109,9 @@ def test_generate_bad_adapter_is_one_error_line(trained: dict, tmp_path: Path) -
 @pytest.mark.timeout(300)
 def test_export_peft_loads_with_peft(trained: dict) -> None:
     out = trained["tmp"] / "peft"
-    proc = _moe_experts(["export", str(trained["root"]), "--format", "peft", "--output", str(out)],
-                        trained["env"])
+    proc = _moe_experts(
+        ["export", str(trained["root"]), "--format", "peft", "--output", str(out)], trained["env"]
+    )
     assert proc.returncode == 0, proc.stderr
     with torch.no_grad():
         exported = _peft(trained["base"], out)(input_ids=IDS).logits
@@ -95,16 +124,28 @@ def test_export_merged_is_base_plus_adapter(trained: dict) -> None:
     from transformers import AutoModelForCausalLM
 
     out = trained["tmp"] / "merged"
-    proc = _moe_experts(["export", str(trained["root"]), "--format", "merged", "--output",
-                         str(out), "--max-shard-size", "200KB"], trained["env"])
+    proc = _moe_experts(
+        [
+            "export",
+            str(trained["root"]),
+            "--format",
+            "merged",
+            "--output",
+            str(out),
+            "--max-shard-size",
+            "200KB",
+        ],
+        trained["env"],
+    )
     assert proc.returncode == 0, proc.stderr
     index = json.loads((out / "model.safetensors.index.json").read_text())
     assert len(set(index["weight_map"].values())) > 1  # really sharded
     merged = AutoModelForCausalLM.from_pretrained(out).eval()
     peft_model = _peft(trained["base"], trained["root"] / "step-00000020")
     with torch.no_grad():
-        torch.testing.assert_close(merged(input_ids=IDS).logits,
-                                   peft_model(input_ids=IDS).logits, rtol=1e-4, atol=1e-5)
+        torch.testing.assert_close(
+            merged(input_ids=IDS).logits, peft_model(input_ids=IDS).logits, rtol=1e-4, atol=1e-5
+        )
         base = AutoModelForCausalLM.from_pretrained(trained["base"])(input_ids=IDS).logits
     assert not torch.allclose(merged(input_ids=IDS).logits, base, atol=1e-3)
 
@@ -144,8 +185,9 @@ def _check_vllm_load_rules(cfg: dict, tensors: dict, base) -> None:
     n_experts = base.config.num_experts
     # vLLM's expected expert modules for a 2-D (per-expert checkpoint) MoE: experts.{e}.{w}
     # from the model's expert mapping (gate_proj, up_proj, down_proj per expert).
-    expected_experts = {f"experts.{e}.{w}" for e in range(n_experts)
-                        for w in ("gate_proj", "up_proj", "down_proj")}
+    expected_experts = {
+        f"experts.{e}.{w}" for e in range(n_experts) for w in ("gate_proj", "up_proj", "down_proj")
+    }
     # Attention: the packed qkv_proj's parts and o_proj (Qwen3MoeForCausalLM's mapping).
     expected_plain = {"q_proj", "k_proj", "v_proj", "o_proj"}
     halves: dict[str, dict[bool, torch.Tensor]] = {}
@@ -153,7 +195,7 @@ def _check_vllm_load_rules(cfg: dict, tensors: dict, base) -> None:
         assert ".base_layer." not in key, f"{key}: vLLM reads base_layer keys as 3-D experts"
         module, is_a = _vllm_module(key)
         if ".experts" in module:
-            suffix = module[module.index(".experts") + 1:]
+            suffix = module[module.index(".experts") + 1 :]
             assert suffix in expected_experts, f"vLLM: unexpected expert module {module}"
         else:
             assert module.rsplit(".", 1)[-1] in expected_plain, f"vLLM: unexpected {module}"
@@ -168,7 +210,7 @@ def _check_vllm_load_rules(cfg: dict, tensors: dict, base) -> None:
         if ".experts." not in module:
             w = base.get_submodule(module).weight
             assert (b.shape[0], a.shape[1]) == tuple(w.shape), module
-    experts_seen = {m[m.index(".experts") + 1:] for m in halves if ".experts." in m}
+    experts_seen = {m[m.index(".experts") + 1 :] for m in halves if ".experts." in m}
     assert experts_seen == expected_experts  # every expert of every projection, none extra
 
 
@@ -178,8 +220,9 @@ def test_export_vllm_per_expert_equals_peft_merge_deltas(trained: dict) -> None:
     from transformers import AutoModelForCausalLM
 
     out = trained["tmp"] / "vllm"
-    proc = _moe_experts(["export", str(trained["root"]), "--format", "vllm", "--output", str(out)],
-                        trained["env"])
+    proc = _moe_experts(
+        ["export", str(trained["root"]), "--format", "vllm", "--output", str(out)], trained["env"]
+    )
     assert proc.returncode == 0, proc.stderr
     # The router and lm_head LoRA that vLLM refuses are named, not dropped silently.
     warnings = [line for line in proc.stderr.splitlines() if line.startswith("warning: ")]
@@ -187,11 +230,20 @@ def test_export_vllm_per_expert_equals_peft_merge_deltas(trained: dict) -> None:
     assert any("lm_head" in line for line in warnings), proc.stderr
     cfg = json.loads((out / "adapter_config.json").read_text())
     tensors = load_file(out / "adapter_model.safetensors")
-    pattern = re.compile(r"base_model\.model\.model\.layers\.\d+\.(self_attn\.[qkvo]_proj|"
-                         r"mlp\.experts\.\d+\.(gate|up|down)_proj)\.lora_[AB]\.weight$")
+    pattern = re.compile(
+        r"base_model\.model\.model\.layers\.\d+\.(self_attn\.[qkvo]_proj|"
+        r"mlp\.experts\.\d+\.(gate|up|down)_proj)\.lora_[AB]\.weight$"
+    )
     assert all(pattern.match(k) for k in tensors), sorted(tensors)[:5]
-    assert sorted(cfg["target_modules"]) == ["down_proj", "gate_proj", "k_proj", "o_proj",
-                                              "q_proj", "up_proj", "v_proj"]
+    assert sorted(cfg["target_modules"]) == [
+        "down_proj",
+        "gate_proj",
+        "k_proj",
+        "o_proj",
+        "q_proj",
+        "up_proj",
+        "v_proj",
+    ]
     scaling = cfg["lora_alpha"] / cfg["r"]
 
     base = AutoModelForCausalLM.from_pretrained(trained["base"])
@@ -214,8 +266,7 @@ def test_export_vllm_per_expert_equals_peft_merge_deltas(trained: dict) -> None:
                 a, b = tensors[f"{key}.lora_A.weight"], tensors[f"{key}.lora_B.weight"]
                 assert a.shape == (cfg["r"], delta.shape[1])  # A [r, in]
                 assert b.shape == (delta.shape[0], cfg["r"])  # B [out, r]
-                torch.testing.assert_close(scaling * b @ a, delta.detach(), rtol=1e-4,
-                                           atol=1e-6)
+                torch.testing.assert_close(scaling * b @ a, delta.detach(), rtol=1e-4, atol=1e-6)
                 checked += 1
     assert checked == n_layers * n_experts * 3
     assert any(float(tensors[k].abs().max()) > 0 for k in tensors if ".lora_B." in k)

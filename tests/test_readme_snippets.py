@@ -40,16 +40,21 @@ def _blocks(readme: Path) -> list[tuple[str, int, str, str | None]]:
     out = []
     for m in FENCE.finditer(text):
         line = text.count("\n", 0, m.start()) + 1
-        before = text[:m.start()].rstrip("\n").rsplit("\n", 1)[-1]
+        before = text[: m.start()].rstrip("\n").rsplit("\n", 1)[-1]
         reason = NOT_RUN.search(before)
         out.append((m.group(1), line, m.group(2), reason.group(1) if reason else None))
     return out
 
 
 def _env(tmp_path: Path) -> dict[str, str]:
-    return dict(os.environ, MOE_EXPERTS_CACHE=str(tmp_path / "cache"), HF_HUB_OFFLINE="1",
-                TRANSFORMERS_OFFLINE="1", OMP_NUM_THREADS="1",
-                PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}")
+    return dict(
+        os.environ,
+        MOE_EXPERTS_CACHE=str(tmp_path / "cache"),
+        HF_HUB_OFFLINE="1",
+        TRANSFORMERS_OFFLINE="1",
+        OMP_NUM_THREADS="1",
+        PATH=f"{Path(sys.executable).parent}{os.pathsep}{os.environ.get('PATH', '')}",
+    )
 
 
 def test_every_readme_has_its_blocks_found() -> None:
@@ -61,13 +66,23 @@ def test_every_readme_has_its_blocks_found() -> None:
 @pytest.mark.timeout(600)
 @pytest.mark.parametrize("readme", READMES, ids=lambda p: str(p.relative_to(ROOT)))
 def test_python_blocks_run(readme: Path, tmp_path: Path) -> None:
-    blocks = [(line, src) for lang, line, src, reason in _blocks(readme)
-              if lang == "python" and reason is None]
+    blocks = [
+        (line, src)
+        for lang, line, src, reason in _blocks(readme)
+        if lang == "python" and reason is None
+    ]
     if not blocks:
         pytest.skip("no python blocks")
     script = RUNNER.format(blocks=blocks, readme=readme.relative_to(ROOT))
-    proc = subprocess.run([sys.executable, "-c", script], cwd=tmp_path, env=_env(tmp_path),
-                          capture_output=True, text=True, timeout=540, check=False)
+    proc = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=tmp_path,
+        env=_env(tmp_path),
+        capture_output=True,
+        text=True,
+        timeout=540,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr[-4000:]
 
 
@@ -79,8 +94,13 @@ def test_bash_blocks_run_or_say_why_not(readme: Path, tmp_path: Path) -> None:
             assert yaml.safe_load(src) is not None
         if lang != "bash" or reason is not None:
             continue
-        proc = subprocess.run(["bash", "-euo", "pipefail", "-c", src], cwd=tmp_path,
-                              env=_env(tmp_path), capture_output=True, text=True, timeout=540,
-                              check=False)
-        assert proc.returncode == 0, (f"{readme}:{line}", proc.stdout[-2000:],
-                                      proc.stderr[-2000:])
+        proc = subprocess.run(
+            ["bash", "-euo", "pipefail", "-c", src],
+            cwd=tmp_path,
+            env=_env(tmp_path),
+            capture_output=True,
+            text=True,
+            timeout=540,
+            check=False,
+        )
+        assert proc.returncode == 0, (f"{readme}:{line}", proc.stdout[-2000:], proc.stderr[-2000:])

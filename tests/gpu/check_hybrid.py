@@ -24,12 +24,28 @@ import time
 import torch
 
 SHAPES = {
-    "small": {"hidden_size": 1024, "moe_intermediate_size": 256, "num_experts": 32,
-              "num_experts_per_tok": 4, "intermediate_size": 2048, "head_dim": 64,
-              "num_attention_heads": 16, "num_key_value_heads": 4, "vocab_size": 4096},
-    "qwen3-30b": {"hidden_size": 2048, "moe_intermediate_size": 768, "num_experts": 128,
-                  "num_experts_per_tok": 8, "intermediate_size": 6144, "head_dim": 128,
-                  "num_attention_heads": 32, "num_key_value_heads": 4, "vocab_size": 32000},
+    "small": {
+        "hidden_size": 1024,
+        "moe_intermediate_size": 256,
+        "num_experts": 32,
+        "num_experts_per_tok": 4,
+        "intermediate_size": 2048,
+        "head_dim": 64,
+        "num_attention_heads": 16,
+        "num_key_value_heads": 4,
+        "vocab_size": 4096,
+    },
+    "qwen3-30b": {
+        "hidden_size": 2048,
+        "moe_intermediate_size": 768,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "intermediate_size": 6144,
+        "head_dim": 128,
+        "num_attention_heads": 32,
+        "num_key_value_heads": 4,
+        "vocab_size": 32000,
+    },
 }
 
 
@@ -39,10 +55,18 @@ def main() -> int:
     ap.add_argument("--seq", type=int, default=512)
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--layers", type=int, default=4)
-    ap.add_argument("--dtype", choices=["fp32", "bf16"], default="fp32",
-                    help="fp32 (default): the comparison is tight (1e-3); bf16: the timed dtype")
-    ap.add_argument("--shape", choices=sorted(SHAPES), default="small",
-                    help="small: H=1024, E=32; qwen3-30b: Qwen3-30B-A3B's real layer sizes")
+    ap.add_argument(
+        "--dtype",
+        choices=["fp32", "bf16"],
+        default="fp32",
+        help="fp32 (default): the comparison is tight (1e-3); bf16: the timed dtype",
+    )
+    ap.add_argument(
+        "--shape",
+        choices=sorted(SHAPES),
+        default="small",
+        help="small: H=1024, E=32; qwen3-30b: Qwen3-30B-A3B's real layer sizes",
+    )
     args = ap.parse_args()
     if not torch.cuda.is_available():
         print("no CUDA device: nothing to check")
@@ -53,8 +77,12 @@ def main() -> int:
     from lora_core import LoraConfig
     from moe_experts.testing import tiny_config
 
-    cfg = tiny_config("qwen3_moe", **SHAPES[args.shape], num_hidden_layers=args.layers,
-                      max_position_embeddings=args.seq)
+    cfg = tiny_config(
+        "qwen3_moe",
+        **SHAPES[args.shape],
+        num_hidden_layers=args.layers,
+        max_position_embeddings=args.seq,
+    )
     dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[args.dtype]
     torch.backends.cuda.matmul.allow_tf32 = False  # the fp32 comparison means fp32 on the GPU
     torch.manual_seed(0)
@@ -65,8 +93,9 @@ def main() -> int:
     ids = torch.randint(0, cfg.vocab_size, (1, args.seq), generator=gen)
 
     def step(device: str) -> tuple[float, dict[str, torch.Tensor], torch.nn.Module, list]:
-        model = moe_experts.load_pretrained(path, weight_dtype=args.dtype, dtype=dtype,
-                                            dense_device=device)
+        model = moe_experts.load_pretrained(
+            path, weight_dtype=args.dtype, dtype=dtype, dense_device=device
+        )
         result = moe_experts.adapt(model, lora)
         params = [p for _, p in result.named_optimizer_parameters]
         with torch.no_grad():
@@ -95,8 +124,10 @@ def main() -> int:
         if rel > grad_tol:
             ok = False
             print(f"grad {n}: relative difference {rel:.3e} MISMATCH")
-    print(f"{len(grads_cpu)} LoRA gradients, worst relative difference {worst:.3e} "
-          f"{'OK' if worst <= grad_tol else 'MISMATCH'} (bound {grad_tol:g})")
+    print(
+        f"{len(grads_cpu)} LoRA gradients, worst relative difference {worst:.3e} "
+        f"{'OK' if worst <= grad_tol else 'MISMATCH'} (bound {grad_tol:g})"
+    )
     if args.steps == 0:
         return 0 if ok else 1
 
@@ -118,9 +149,11 @@ def main() -> int:
 
     tps_gpu = timed(model, params, "cuda")
     tps_cpu = timed(model_cpu, params_cpu, "cpu")
-    print(f"{args.dtype} training step T={args.seq}, {args.steps} steps, "
-          f"{torch.get_num_threads()} CPU threads: hybrid {tps_gpu:.0f} tokens/s, "
-          f"all-CPU {tps_cpu:.0f} tokens/s, hybrid/all-CPU {tps_gpu / tps_cpu:.2f}x")
+    print(
+        f"{args.dtype} training step T={args.seq}, {args.steps} steps, "
+        f"{torch.get_num_threads()} CPU threads: hybrid {tps_gpu:.0f} tokens/s, "
+        f"all-CPU {tps_cpu:.0f} tokens/s, hybrid/all-CPU {tps_gpu / tps_cpu:.2f}x"
+    )
     return 0 if ok else 1
 
 

@@ -19,12 +19,14 @@ import torch
 
 import kt_kernel as kk
 
-pytestmark = pytest.mark.skipif(kk.backend_info().active != "native",
-                                reason="needs the compiled extension")
+pytestmark = pytest.mark.skipif(
+    kk.backend_info().active != "native", reason="needs the compiled extension"
+)
 
 
-def reference64(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, go: torch.Tensor,
-                scale: float) -> list[torch.Tensor]:
+def reference64(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, go: torch.Tensor, scale: float
+) -> list[torch.Tensor]:
     """out, dq, dk, dv of softmax(masked q k^T * scale) v in float64 by autograd."""
     q, k, v = (x.detach().double().requires_grad_() for x in (q, k, v))
     rep = q.shape[1] // k.shape[1]
@@ -36,8 +38,9 @@ def reference64(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, go: torch.Ten
     return [out.detach(), q.grad, k.grad, v.grad]
 
 
-def native(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, go: torch.Tensor,
-           scale: float | None = None) -> list[torch.Tensor]:
+def native(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, go: torch.Tensor, scale: float | None = None
+) -> list[torch.Tensor]:
     """out, dq, dk, dv of kk.causal_attention (native backend)."""
     q, k, v = (x.detach().clone().requires_grad_() for x in (q, k, v))
     out = kk.causal_attention(q, k, v, scale, backend="native")
@@ -45,8 +48,9 @@ def native(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, go: torch.Tensor,
     return [out.detach(), q.grad, k.grad, v.grad]
 
 
-def inputs(b: int, hq: int, hkv: int, t: int, d: int, dtype: torch.dtype,
-           seed: int = 0) -> list[torch.Tensor]:
+def inputs(
+    b: int, hq: int, hkv: int, t: int, d: int, dtype: torch.dtype, seed: int = 0
+) -> list[torch.Tensor]:
     """q, k, v and an upstream gradient; q and k scaled up so the softmax is peaked."""
     g = torch.Generator().manual_seed(seed)
     q = (2 * torch.randn(b, hq, t, d, generator=g)).to(dtype)
@@ -86,8 +90,9 @@ def test_bf16_error_is_like_torch_sdpa() -> None:
     want = reference64(q, k, v, go, 128**-0.5)
     ours = native(q, k, v, go)
     qs, ks, vs = (x.detach().clone().requires_grad_() for x in (q, k, v))
-    out = torch.nn.functional.scaled_dot_product_attention(qs, ks, vs, is_causal=True,
-                                                           enable_gqa=True)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        qs, ks, vs, is_causal=True, enable_gqa=True
+    )
     out.backward(go)
     theirs = [out.detach(), qs.grad, ks.grad, vs.grad]
     for a, s, b in zip(ours, theirs, want, strict=True):
@@ -132,8 +137,12 @@ def test_gradcheck_float32() -> None:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", UserWarning)  # "not double precision"
         assert torch.autograd.gradcheck(
-            lambda a, b, c: kk.causal_attention(a, b, c, backend="native"), (q, k, v),
-            eps=1e-2, atol=2e-3, rtol=2e-3)
+            lambda a, b, c: kk.causal_attention(a, b, c, backend="native"),
+            (q, k, v),
+            eps=1e-2,
+            atol=2e-3,
+            rtol=2e-3,
+        )
 
 
 CHILD = r"""
@@ -160,8 +169,14 @@ print(json.dumps(res))
 
 def _child(**env: str) -> dict:
     """CHILD's results in a fresh process with ``env`` added (ISA choices are read once)."""
-    proc = subprocess.run([sys.executable, "-c", CHILD], env={**os.environ, **env},
-                          capture_output=True, text=True, timeout=300, check=False)
+    proc = subprocess.run(
+        [sys.executable, "-c", CHILD],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=300,
+        check=False,
+    )
     assert proc.returncode == 0, proc.stderr[-2000:]
     return json.loads(proc.stdout.strip().splitlines()[-1])
 

@@ -355,8 +355,9 @@ def test_fp8_small_row_decodes_every_byte_as_the_tile_loader(flush_denormal: boo
         if flush_denormal and not torch.set_flush_denormal(True):
             pytest.skip("this CPU cannot flush denormals")
         eye = torch.eye(k).to(torch.bfloat16)
-        got = torch.cat([ops.project(f.name, args, n, k, 1, eye[c : c + 24], False)
-                         for c in range(0, k, 24)]).t()
+        got = torch.cat(
+            [ops.project(f.name, args, n, k, 1, eye[c : c + 24], False) for c in range(0, k, 24)]
+        ).t()
         nan_out = ops.project(f.name, nan_args, n, k, 1, torch.ones(3, k).bfloat16(), False)
     finally:
         torch.set_flush_denormal(False)

@@ -31,7 +31,9 @@ def _weights(fmt: str, bias: bool, seed: int = 0) -> kk.ExpertWeights:
     down = torch.randn(E, H, I, generator=gen) / I**0.5
     dense = fmt in ("float32", "bfloat16")
     return kk.ExpertWeights.from_fused(
-        spec, gate_up, down,
+        spec,
+        gate_up,
+        down,
         dtype=getattr(torch, fmt) if dense else torch.bfloat16,
         weight_dtype=None if dense else fmt,
         gate_up_bias=torch.randn(E, 2 * I, generator=gen) if bias else None,
@@ -62,7 +64,8 @@ def _memfd_holders(label: str) -> list[int]:
             continue
         try:
             held = needle in (proc / "maps").read_text() or any(
-                os.readlink(fd).startswith(needle.rstrip()) for fd in (proc / "fd").iterdir())
+                os.readlink(fd).startswith(needle.rstrip()) for fd in (proc / "fd").iterdir()
+            )
         except OSError:  # gone meanwhile, or not ours to read
             continue
         if held:
@@ -119,8 +122,14 @@ def test_another_process_maps_the_same_bytes(how: str) -> None:
             arg, fds = str(made.fd), (made.fd,)
         else:
             arg, fds = f"/proc/{os.getpid()}/fd/{made.fd}", ()
-        out = subprocess.run([sys.executable, "-c", _CHILD, arg], capture_output=True,
-                             text=True, timeout=120, check=False, pass_fds=fds)
+        out = subprocess.run(
+            [sys.executable, "-c", _CHILD, arg],
+            capture_output=True,
+            text=True,
+            timeout=120,
+            check=False,
+            pass_fds=fds,
+        )
     finally:
         os.close(made.fd)
     assert out.returncode == 0, out.stderr
@@ -164,8 +173,11 @@ def test_storage_is_mapped_private_read_only_so_kernels_before_6_7_map_it() -> N
     try:
         mapped = kk.map_shared(made.fd, w.spec, w.format)
         assert _digest(mapped) == _digest(w)
-        perms = [line.split()[1] for line in Path("/proc/self/maps").read_text().splitlines()
-                 if f"/memfd:ktk-{label} " in line]
+        perms = [
+            line.split()[1]
+            for line in Path("/proc/self/maps").read_text().splitlines()
+            if f"/memfd:ktk-{label} " in line
+        ]
     finally:
         os.close(made.fd)
     assert len(perms) == 2, perms  # the writer's own view and the second mapping
@@ -193,8 +205,11 @@ def test_mismatches_and_misuse_are_refused(tmp_path: Path) -> None:
     fd = os.memfd_create("ktk-junk", os.MFD_ALLOW_SEALING)
     try:
         os.write(fd, b"x" * 64)
-        fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
-                    | fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SEAL)
+        fcntl.fcntl(
+            fd,
+            fcntl.F_ADD_SEALS,
+            fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SEAL,
+        )
         with pytest.raises(kk.SharedMemoryError, match="bad magic"):
             kk.map_shared(fd, w.spec, w.format)
     finally:
@@ -207,22 +222,45 @@ def _sealed(header: dict, size: int = 8192) -> int:
     blob = b"KTKSHM01" + len(body).to_bytes(8, "little") + body
     fd = os.memfd_create("ktk-forged", os.MFD_ALLOW_SEALING)
     os.write(fd, blob + b"\0" * (size - len(blob)))
-    fcntl.fcntl(fd, fcntl.F_ADD_SEALS, fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW
-                | fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SEAL)
+    fcntl.fcntl(
+        fd,
+        fcntl.F_ADD_SEALS,
+        fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SEAL,
+    )
     return fd
 
 
-@pytest.mark.parametrize(("header", "needle"), [
-    ({"format": "int8", "shape": [E, H, I]}, "KeyError: 'tensors'"),
-    ({"tensors": []}, "no 'format'"),
-    ({"format": "int8", "shape": [E, H, I],
-      "tensors": [{"name": "x", "dtype": "Tensor", "shape": [2], "offset": 0}]}, "TypeError"),
-    ({"format": "int8", "shape": [E, H, I],
-      "tensors": [{"name": "x", "dtype": "nosuch", "shape": [2], "offset": 0}]}, "AttributeError"),
-    ({"format": "int8", "shape": [E, H, I],
-      "tensors": [{"name": "x", "dtype": "float32", "shape": [2], "offset": -8192}]},
-     "runs past the end"),
-])
+@pytest.mark.parametrize(
+    ("header", "needle"),
+    [
+        ({"format": "int8", "shape": [E, H, I]}, "KeyError: 'tensors'"),
+        ({"tensors": []}, "no 'format'"),
+        (
+            {
+                "format": "int8",
+                "shape": [E, H, I],
+                "tensors": [{"name": "x", "dtype": "Tensor", "shape": [2], "offset": 0}],
+            },
+            "TypeError",
+        ),
+        (
+            {
+                "format": "int8",
+                "shape": [E, H, I],
+                "tensors": [{"name": "x", "dtype": "nosuch", "shape": [2], "offset": 0}],
+            },
+            "AttributeError",
+        ),
+        (
+            {
+                "format": "int8",
+                "shape": [E, H, I],
+                "tensors": [{"name": "x", "dtype": "float32", "shape": [2], "offset": -8192}],
+            },
+            "runs past the end",
+        ),
+    ],
+)
 def test_a_malformed_header_is_one_clear_error(header: dict, needle: str) -> None:
     """Storage with the right magic but a broken header never raises a raw KeyError."""
     w = _weights("int8", bias=False)
@@ -248,8 +286,9 @@ def test_no_room_is_one_clear_error_at_creation() -> None:
             print("ERROR", exc)
             print("CAUSE", type(exc.__cause__).__name__)
     """)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=120, check=False)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
     assert out.returncode == 0, out.stderr
     assert "cannot reserve 3.0 MiB of anonymous shared memory (memfd)" in out.stdout, out.stdout
     assert "container's memory limit" in out.stdout
@@ -277,9 +316,14 @@ def test_kernel_thread_count_is_its_own_and_does_not_change_results(kt) -> None:
     with pytest.raises(kk.KernelInputError, match="set_num_threads"):
         kk.set_num_threads(-1)
     probe = "import kt_kernel as kk; print(kk.get_num_threads())"
-    out = subprocess.run([sys.executable, "-c", probe],
-                         env={**os.environ, "KT_KERNEL_THREADS": "5"}, capture_output=True,
-                         text=True, timeout=120, check=False)
+    out = subprocess.run(
+        [sys.executable, "-c", probe],
+        env={**os.environ, "KT_KERNEL_THREADS": "5"},
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
     assert out.stdout.strip() == "5", out.stderr
 
 
@@ -299,7 +343,8 @@ def test_without_memfd_kt_kernel_imports_and_write_shared_is_one_clear_error() -
         except kk.SharedMemoryError as exc:
             print("ERROR", exc)
     """)
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=120, check=False)
+    out = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=False
+    )
     assert out.returncode == 0, out.stderr
     assert "ERROR shared expert storage needs Linux" in out.stdout, out.stdout

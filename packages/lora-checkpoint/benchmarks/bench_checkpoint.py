@@ -95,7 +95,7 @@ def best_interleaved(
     times: dict[str, list[float]] = {name: [] for name in fns}
     names = list(fns)
     for k in range(repeats):
-        for name in names[k % len(names):] + names[:k % len(names)]:
+        for name in names[k % len(names) :] + names[: k % len(names)]:
             if before is not None:
                 before()
             os.sync()
@@ -189,9 +189,11 @@ def main() -> None:
         shutil.rmtree(work, ignore_errors=True)
 
     gbps = {k: nbytes / v / 1e9 for k, v in timings.items()}
-    pairs = {"save_vs_raw": ("raw_save", "ours_save_verify"),
-             "save_vs_raw_fsync": ("raw_save_fsync", "ours_save_verify"),
-             "load_vs_raw": ("raw_load", "ours_load_verify")}
+    pairs = {
+        "save_vs_raw": ("raw_save", "ours_save_verify"),
+        "save_vs_raw_fsync": ("raw_save_fsync", "ours_save_verify"),
+        "load_vs_raw": ("raw_load", "ours_load_verify"),
+    }
     ratios = {k: timings[raw] / timings[ours] for k, (raw, ours) in pairs.items()}
     median_ratios = {k: medians[raw] / medians[ours] for k, (raw, ours) in pairs.items()}
     load_after = os.getloadavg()

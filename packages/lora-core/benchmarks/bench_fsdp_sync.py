@@ -55,8 +55,9 @@ def _worker(out: Path, quick: bool) -> None:
     params = []
     grads = []
     for i, shape in enumerate(_sizes(quick)):
-        p = nn.Parameter(DTensor.from_local(torch.zeros(shape), mesh, [Replicate()],
-                                            run_check=False))
+        p = nn.Parameter(
+            DTensor.from_local(torch.zeros(shape), mesh, [Replicate()], run_check=False)
+        )
         params.append((f"layers.{i // 2:03d}.proj.lora_{'AB'[i % 2]}.weight", p))
         grads.append(torch.randn(shape, generator=gen))
 
@@ -170,8 +171,14 @@ def main() -> int:
     port = _free_port()
     procs = []
     for rank in range(WORLD):
-        env = {**os.environ, "RANK": str(rank), "WORLD_SIZE": str(WORLD),
-               "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(port), "OMP_NUM_THREADS": "1"}
+        env = {
+            **os.environ,
+            "RANK": str(rank),
+            "WORLD_SIZE": str(WORLD),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "OMP_NUM_THREADS": "1",
+        }
         if sys.platform.startswith("linux"):
             env["GLOO_SOCKET_IFNAME"] = "lo"
         cmd = [sys.executable, __file__, "--out", str(args.out), "--rank-worker"]

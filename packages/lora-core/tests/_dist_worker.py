@@ -223,13 +223,19 @@ def train(
             record["pre_grads"] = {n: local(named[n].grad) for n in names}
         stats = SyncStats()
         n = sync_replicated_lora_gradients(
-            model if sync_target is None else sync_target, check_timeout=CHECK_TIMEOUT,
+            model if sync_target is None else sync_target,
+            check_timeout=CHECK_TIMEOUT,
             stats=stats,
         )
         if step == RECORD_STEP:
             record["synced"] = n
-            record["stats"] = [stats.parameters, stats.zero_filled, stats.skipped,
-                               stats.buckets, stats.collectives]
+            record["stats"] = [
+                stats.parameters,
+                stats.zero_filled,
+                stats.skipped,
+                stats.buckets,
+                stats.collectives,
+            ]
             record["post_grads"] = {nm: local(named[nm].grad) for nm in names}
         torch.nn.utils.clip_grad_norm_(params, 1.0)
         opt.step()
@@ -253,8 +259,10 @@ def check_plain_tensors(rank: int, world: int, out: dict[str, Any]) -> None:
     result = AdaptationResult.create(
         adapted_layers=["experts"],
         named_optimizer_parameters=[*named, ("experts.rank_local", rank_local)],
-        ownership={**{n: ParameterOwnership.REPLICATED for n, _ in named},
-                   "experts.rank_local": ParameterOwnership.RANK_LOCAL},
+        ownership={
+            **{n: ParameterOwnership.REPLICATED for n, _ in named},
+            "experts.rank_local": ParameterOwnership.RANK_LOCAL,
+        },
         producer=ComponentVersion("moe-experts", "0.1.0"),
     )
     out["plain_pre"] = [local(t.grad) for t in tensors]
@@ -274,8 +282,10 @@ def check_plain_tensors(rank: int, world: int, out: dict[str, Any]) -> None:
     out["tiny_bucket_stats"] = [stats.buckets, stats.collectives]
     out["tiny_bucket_post"] = [local(t.grad) for t in again]
     # Mixed dtypes: one bucket per dtype, each dtype kept.
-    mixed = [("m.a", torch.zeros(3, requires_grad=True)),
-             ("m.b", torch.zeros(3, dtype=torch.bfloat16, requires_grad=True))]
+    mixed = [
+        ("m.a", torch.zeros(3, requires_grad=True)),
+        ("m.b", torch.zeros(3, dtype=torch.bfloat16, requires_grad=True)),
+    ]
     for _, t in mixed:
         t.grad = torch.full_like(t, float(rank + 1))
     stats = SyncStats()
@@ -319,9 +329,7 @@ def scenario_fsdp(rank: int, world: int, out: dict[str, Any]) -> None:
     named = dict(model.named_parameters())
     # A second call finds everything replicated already and changes no Parameter object.
     out["replicated_again"] = replicate_lora_parameters(model)
-    out["same_objects_after_again"] = all(
-        p is named[n] for n, p in model.named_parameters()
-    )
+    out["same_objects_after_again"] = all(p is named[n] for n, p in model.named_parameters())
     out["rebound"] = all(
         named[n] is p and isinstance(p, DTensor) for n, p in result.named_optimizer_parameters
     )
@@ -366,9 +374,7 @@ def scenario_fsdp(rank: int, world: int, out: dict[str, Any]) -> None:
             native, rank, skip_rank=world - 1, record=native_rec, sync_target=native_result
         )
         out["native_synced"] = native_rec["synced"]
-        out["native_final"] = {
-            n: full(p) for n, p in native.named_parameters() if p.requires_grad
-        }
+        out["native_final"] = {n: full(p) for n, p in native.named_parameters() if p.requires_grad}
         check_plain_tensors(rank, world, out)
 
     # Mismatch: the last rank carries one extra LoRA parameter.
@@ -428,10 +434,10 @@ def scenario_hsdp(rank: int, world: int, out: dict[str, Any]) -> None:
 def scenario_stale(rank: int, world: int, out: dict[str, Any], port2: int) -> None:
     """Ranks 0 and 1 prepare a model for world size 2, then all 3 ranks meet in a new world."""
     if rank < 2:
-        store = dist.TCPStore("127.0.0.1", int(os.environ["MASTER_PORT"]), 2, rank == 0,
-                              timeout=PG_TIMEOUT)
-        dist.init_process_group("gloo", store=store, rank=rank, world_size=2,
-                                timeout=PG_TIMEOUT)
+        store = dist.TCPStore(
+            "127.0.0.1", int(os.environ["MASTER_PORT"]), 2, rank == 0, timeout=PG_TIMEOUT
+        )
+        dist.init_process_group("gloo", store=store, rank=rank, world_size=2, timeout=PG_TIMEOUT)
         model, _, n = post_load_model(init_device_mesh("cpu", (2,)))
         out["replicated"] = n
         loss_fn(model, batch(rank, 0)).backward()
@@ -441,8 +447,7 @@ def scenario_stale(rank: int, world: int, out: dict[str, Any], port2: int) -> No
         enable_lora_training(model, lora_config())
         loss_fn(model, batch(rank, 0)).backward()
     store = dist.TCPStore("127.0.0.1", port2, world, rank == 0, timeout=PG_TIMEOUT)
-    dist.init_process_group("gloo", store=store, rank=rank, world_size=world,
-                            timeout=PG_TIMEOUT)
+    dist.init_process_group("gloo", store=store, rank=rank, world_size=world, timeout=PG_TIMEOUT)
     try:
         sync_replicated_lora_gradients(model, check_timeout=CHECK_TIMEOUT)
         out["stale"] = None

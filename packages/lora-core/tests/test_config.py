@@ -11,8 +11,16 @@ from pydantic import ValidationError
 
 from lora_core import DEFAULT_TARGET_MODULES, LoraConfig, LoraConfigError
 
-VALID_KEYS = ["enable", "rank", "alpha", "target_modules", "exclude_modules",
-              "target_parameters", "dropout", "init_seed"]
+VALID_KEYS = [
+    "enable",
+    "rank",
+    "alpha",
+    "target_modules",
+    "exclude_modules",
+    "target_parameters",
+    "dropout",
+    "init_seed",
+]
 
 
 def _yaml(block: str, role: str = "policy") -> str:
@@ -26,8 +34,17 @@ def test_defaults() -> None:
     assert cfg.rank is None
     assert cfg.alpha is None
     assert cfg.target_modules == DEFAULT_TARGET_MODULES
-    assert cfg.target_modules == ("q_proj", "k_proj", "v_proj", "o_proj", "to_q", "to_k",
-                                  "to_v", "to_out", "to_qkv")
+    assert cfg.target_modules == (
+        "q_proj",
+        "k_proj",
+        "v_proj",
+        "o_proj",
+        "to_q",
+        "to_k",
+        "to_v",
+        "to_out",
+        "to_qkv",
+    )
     assert cfg.exclude_modules == ()
     assert cfg.dropout == 0.0
     assert cfg.init_seed == 0
@@ -40,8 +57,9 @@ def test_alpha_defaults_to_rank_and_explicit_alpha_kept() -> None:
     assert cfg.scaling == 4.0
 
 
-@pytest.mark.parametrize("data", [{"enable": True}, {"enable": True, "rank": 0},
-                                  {"enable": True, "rank": None}])
+@pytest.mark.parametrize(
+    "data", [{"enable": True}, {"enable": True, "rank": 0}, {"enable": True, "rank": None}]
+)
 def test_enabled_without_positive_rank_names_lora_rank(data: dict) -> None:
     with pytest.raises(ValidationError, match=r"lora\.rank must be a positive integer"):
         LoraConfig.model_validate(data)
@@ -121,8 +139,9 @@ def test_target_parameters_refuse_dropout_and_patterns() -> None:
 
 def test_frozen_hashable_equal_and_json() -> None:
     a = LoraConfig(enable=True, rank=8, target_modules=["q_proj", "v_proj"])
-    b = LoraConfig.model_validate({"enable": True, "rank": 8, "target_modules": ("q_proj",
-                                                                                "v_proj")})
+    b = LoraConfig.model_validate(
+        {"enable": True, "rank": 8, "target_modules": ("q_proj", "v_proj")}
+    )
     assert a == b
     assert hash(a) == hash(b)
     assert len({a, b}) == 1
@@ -131,18 +150,26 @@ def test_frozen_hashable_equal_and_json() -> None:
         a.rank = 4  # type: ignore[misc]
     dumped = a.model_dump(mode="json")
     assert json.loads(json.dumps(dumped)) == {
-        "enable": True, "rank": 8, "alpha": 8.0, "target_modules": ["q_proj", "v_proj"],
-        "exclude_modules": [], "target_parameters": [], "dropout": 0.0, "init_seed": 0,
+        "enable": True,
+        "rank": 8,
+        "alpha": 8.0,
+        "target_modules": ["q_proj", "v_proj"],
+        "exclude_modules": [],
+        "target_parameters": [],
+        "dropout": 0.0,
+        "init_seed": 0,
     }
     assert LoraConfig.model_validate(dumped) == a
 
 
 def test_from_yaml_text_and_file(tmp_path: Path) -> None:
-    text = _yaml("enable: true\nrank: 4\nalpha: 8\ntarget_modules: [q_proj, self_attn.o_proj]"
-                 "\ninit_seed: 7")
+    text = _yaml(
+        "enable: true\nrank: 4\nalpha: 8\ntarget_modules: [q_proj, self_attn.o_proj]\ninit_seed: 7"
+    )
     cfg = LoraConfig.from_yaml(text, "policy")
-    assert cfg == LoraConfig(enable=True, rank=4, alpha=8,
-                             target_modules=["q_proj", "self_attn.o_proj"], init_seed=7)
+    assert cfg == LoraConfig(
+        enable=True, rank=4, alpha=8, target_modules=["q_proj", "self_attn.o_proj"], init_seed=7
+    )
     path = tmp_path / "train.yaml"
     path.write_text(text, encoding="utf-8")
     assert LoraConfig.from_yaml(path, "policy") == cfg
@@ -151,8 +178,13 @@ def test_from_yaml_text_and_file(tmp_path: Path) -> None:
 
 @pytest.mark.parametrize(
     "text",
-    ["", "trainer: {lr: 1}\n", "models:\n  reference: {}\n", "models:\n  policy:\n    x: 1\n",
-     "models:\n  policy:\n    lora:\n"],
+    [
+        "",
+        "trainer: {lr: 1}\n",
+        "models:\n  reference: {}\n",
+        "models:\n  policy:\n    x: 1\n",
+        "models:\n  policy:\n    lora:\n",
+    ],
 )
 def test_from_yaml_missing_block_is_none(text: str) -> None:
     assert LoraConfig.from_yaml(text, "policy") is None

@@ -32,8 +32,7 @@ def _model() -> nn.Module:
 
 
 def _golden_result() -> AdaptationResult:
-    cfg = LoraConfig(enable=True, rank=2, alpha=4, target_modules=["q_proj", "o_proj"],
-                     init_seed=1)
+    cfg = LoraConfig(enable=True, rank=2, alpha=4, target_modules=["q_proj", "o_proj"], init_seed=1)
     result = enable_lora_training(_model(), cfg)
     return dataclasses.replace(result, producer=TEST_PRODUCER, components=(TEST_PRODUCER,))
 
@@ -60,9 +59,12 @@ def test_describe_matches_golden_fixture_byte_for_byte() -> None:
 def test_describe_is_json_and_carries_no_tensor_values() -> None:
     desc = _golden_result().describe()
     assert json.loads(json.dumps(desc)) == desc
-    assert desc["parameters"][0] == {"name": "layers.0.self_attn.q_proj.lora_A.weight",
-                                     "shape": [2, 8], "dtype": "float32",
-                                     "ownership": "replicated"}
+    assert desc["parameters"][0] == {
+        "name": "layers.0.self_attn.q_proj.lora_A.weight",
+        "shape": [2, 8],
+        "dtype": "float32",
+        "ownership": "replicated",
+    }
 
 
 def test_unknown_schema_version_refused() -> None:
@@ -88,9 +90,12 @@ def test_merge_refuses_duplicate_placeholders() -> None:
 def test_merge_refuses_the_same_tensor_under_two_names() -> None:
     a = _single("x.lora_A.weight")
     p = a.named_optimizer_parameters[0][1]
-    b = AdaptationResult.create(adapted_layers=["y"], named_optimizer_parameters=[("y.w", p)],
-                                ownership={"y.w": "replicated"},
-                                producer=ComponentVersion("b", "1"))
+    b = AdaptationResult.create(
+        adapted_layers=["y"],
+        named_optimizer_parameters=[("y.w", p)],
+        ownership={"y.w": "replicated"},
+        producer=ComponentVersion("b", "1"),
+    )
     with pytest.raises(ContractError, match=r"same tensor is published twice"):
         a.merge(b)
 
@@ -117,10 +122,19 @@ def test_merge_combines_everything_in_order() -> None:
         calls.append("b")
         return 3
 
-    a = _single("x.w", missing_parameter_initializer=init_a, peft_target_modules=["q_proj"],
-                peft_exports={"x.w": PeftExport("base_model.model.x.w")})
-    b = _single("y.w", producer="b", missing_parameter_initializer=init_b,
-                peft_target_modules=["q_proj", "gate"], rank_local_names=["y.w"])
+    a = _single(
+        "x.w",
+        missing_parameter_initializer=init_a,
+        peft_target_modules=["q_proj"],
+        peft_exports={"x.w": PeftExport("base_model.model.x.w")},
+    )
+    b = _single(
+        "y.w",
+        producer="b",
+        missing_parameter_initializer=init_b,
+        peft_target_modules=["q_proj", "gate"],
+        rank_local_names=["y.w"],
+    )
     merged = a.merge(b)
     assert merged.parameter_names == ("x.w", "y.w")
     assert merged.components == (ComponentVersion("a", "1.0"), ComponentVersion("b", "1.0"))
@@ -136,28 +150,54 @@ def test_merge_combines_everything_in_order() -> None:
 def test_create_validates() -> None:
     p = nn.Parameter(torch.zeros(1))
     with pytest.raises(ContractError, match=r"ownership values must be one of"):
-        AdaptationResult.create(adapted_layers=[], named_optimizer_parameters=[("a", p)],
-                                ownership={"a": "everywhere"}, producer=TEST_PRODUCER)
+        AdaptationResult.create(
+            adapted_layers=[],
+            named_optimizer_parameters=[("a", p)],
+            ownership={"a": "everywhere"},
+            producer=TEST_PRODUCER,
+        )
     with pytest.raises(ContractError, match=r"ownership has no entry for \['a'\]"):
-        AdaptationResult.create(adapted_layers=[], named_optimizer_parameters=[("a", p)],
-                                ownership={}, producer=TEST_PRODUCER)
+        AdaptationResult.create(
+            adapted_layers=[],
+            named_optimizer_parameters=[("a", p)],
+            ownership={},
+            producer=TEST_PRODUCER,
+        )
     with pytest.raises(ContractError, match=r"duplicate parameter names: \['a'\]"):
-        AdaptationResult.create(adapted_layers=[], named_optimizer_parameters=[("a", p),
-                                                                               ("a", p)],
-                                ownership={"a": "sharded"}, producer=TEST_PRODUCER)
+        AdaptationResult.create(
+            adapted_layers=[],
+            named_optimizer_parameters=[("a", p), ("a", p)],
+            ownership={"a": "sharded"},
+            producer=TEST_PRODUCER,
+        )
     with pytest.raises(ContractError, match=r"peft_exports names unknown parameters \['b'\]"):
-        AdaptationResult.create(adapted_layers=[], named_optimizer_parameters=[("a", p)],
-                                ownership={"a": "rank0"}, producer=TEST_PRODUCER,
-                                peft_exports={"b": PeftExport("k")})
+        AdaptationResult.create(
+            adapted_layers=[],
+            named_optimizer_parameters=[("a", p)],
+            ownership={"a": "rank0"},
+            producer=TEST_PRODUCER,
+            peft_exports={"b": PeftExport("k")},
+        )
     with pytest.raises(ContractError, match=r"lora_config must be a lora_core\.LoraConfig"):
-        AdaptationResult.create(adapted_layers=[], named_optimizer_parameters=[],
-                                ownership={}, producer=TEST_PRODUCER,
-                                lora_config={"rank": 2})  # type: ignore[arg-type]
+        AdaptationResult.create(
+            adapted_layers=[],
+            named_optimizer_parameters=[],
+            ownership={},
+            producer=TEST_PRODUCER,
+            lora_config={"rank": 2},
+        )  # type: ignore[arg-type]
     with pytest.raises(ContractError, match=r"must be a tuple"):
-        AdaptationResult(adapted_layers=["x"], named_optimizer_parameters=(),  # type: ignore
-                         ownership=AdaptationResult.create(
-                             adapted_layers=[], named_optimizer_parameters=[], ownership={},
-                             producer=TEST_PRODUCER).ownership, producer=TEST_PRODUCER)
+        AdaptationResult(
+            adapted_layers=["x"],
+            named_optimizer_parameters=(),  # type: ignore
+            ownership=AdaptationResult.create(
+                adapted_layers=[],
+                named_optimizer_parameters=[],
+                ownership={},
+                producer=TEST_PRODUCER,
+            ).ownership,
+            producer=TEST_PRODUCER,
+        )
 
 
 def test_frozen() -> None:

@@ -41,18 +41,27 @@ def _launch(scenario: str, world: int, out: Path, *extra: str) -> list[dict[str,
     for rank in range(world):
         env = dict(os.environ)
         env.update(
-            RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world),
-            LOCAL_WORLD_SIZE=str(world), MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
-            OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore",
+            RANK=str(rank),
+            LOCAL_RANK=str(rank),
+            WORLD_SIZE=str(world),
+            LOCAL_WORLD_SIZE=str(world),
+            MASTER_ADDR="127.0.0.1",
+            MASTER_PORT=str(port),
+            OMP_NUM_THREADS="1",
+            PYTHONWARNINGS="ignore",
         )
         if sys.platform.startswith("linux"):
             env["GLOO_SOCKET_IFNAME"] = "lo"  # loopback only, never a real interface
         log = (out / f"log{rank}.txt").open("w")
         logs.append(log)
-        procs.append(subprocess.Popen(
-            [sys.executable, str(WORKER), "--scenario", scenario, "--out", str(out), *extra],
-            env=env, stdout=log, stderr=subprocess.STDOUT,
-        ))
+        procs.append(
+            subprocess.Popen(
+                [sys.executable, str(WORKER), "--scenario", scenario, "--out", str(out), *extra],
+                env=env,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+            )
+        )
     deadline = time.monotonic() + SPAWN_DEADLINE_S
     timed_out = False
     try:
@@ -70,8 +79,7 @@ def _launch(scenario: str, world: int, out: Path, *extra: str) -> list[dict[str,
         for log in logs:
             log.close()
     tails = "\n".join(
-        f"--- rank {r} (rc={p.returncode}) ---\n"
-        + (out / f"log{r}.txt").read_text()[-3000:]
+        f"--- rank {r} (rc={p.returncode}) ---\n" + (out / f"log{r}.txt").read_text()[-3000:]
         for r, p in enumerate(procs)
     )
     if timed_out:
@@ -263,7 +271,8 @@ def test_hsdp_mesh_averages_over_both_replicated_dims(hsdp_run):
         assert r["bases_unchanged"]
     assert [r["coordinate"] for r in hsdp_run] == [[0, 0], [0, 1], [1, 0], [1, 1]]
     assert {n for n, g in hsdp_run[3]["pre_grads"].items() if g is None} == {
-        f"{SKIPPED}.lora_A.weight", f"{SKIPPED}.lora_B.weight"
+        f"{SKIPPED}.lora_A.weight",
+        f"{SKIPPED}.lora_B.weight",
     }
     for name in hsdp_run[0]["names"]:
         expected = _hand_average(hsdp_run, name)

@@ -48,15 +48,17 @@ def adapted() -> tuple[nn.Module, AdaptationResult]:
 
 
 def test_public_api_is_curated() -> None:
-    assert sorted(fsdp.__all__) == sorted([
-        "DEFAULT_BUCKET_BYTES",
-        "DEFAULT_CHECK_TIMEOUT",
-        "FsdpLayoutError",
-        "LoraStateMismatchError",
-        "SyncStats",
-        "replicate_lora_parameters",
-        "sync_replicated_lora_gradients",
-    ])
+    assert sorted(fsdp.__all__) == sorted(
+        [
+            "DEFAULT_BUCKET_BYTES",
+            "DEFAULT_CHECK_TIMEOUT",
+            "FsdpLayoutError",
+            "LoraStateMismatchError",
+            "SyncStats",
+            "replicate_lora_parameters",
+            "sync_replicated_lora_gradients",
+        ]
+    )
     assert all(not name.startswith("_") for name in fsdp.__all__)
     assert DEFAULT_BUCKET_BYTES == 25 * 1024 * 1024
     assert isinstance(fsdp.DEFAULT_CHECK_TIMEOUT, timedelta)
@@ -118,8 +120,12 @@ def test_adaptation_result_selects_only_replicated_ownership() -> None:
     result = AdaptationResult.create(
         adapted_layers=["x"],
         named_optimizer_parameters=list(tensors.items()),
-        ownership={"r": ParameterOwnership.REPLICATED, "l": ParameterOwnership.RANK_LOCAL,
-                   "s": ParameterOwnership.SHARDED, "z": ParameterOwnership.RANK0},
+        ownership={
+            "r": ParameterOwnership.REPLICATED,
+            "l": ParameterOwnership.RANK_LOCAL,
+            "s": ParameterOwnership.SHARDED,
+            "z": ParameterOwnership.RANK0,
+        },
         producer=ComponentVersion("moe-experts", "0.1.0"),
     )
     assert [n for n, _ in fsdp._named_inputs(result)] == ["r"]

@@ -108,9 +108,14 @@ def test_same_bytes_in_a_separate_process() -> None:
         "        h.update(vals[n][s])\n"
         "print(h.hexdigest())\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         check=True, timeout=100,
-                         env={**os.environ, "PYTHONHASHSEED": "12345", "OMP_NUM_THREADS": "1"})
+    out = subprocess.run(
+        [sys.executable, "-c", code],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=100,
+        env={**os.environ, "PYTHONHASHSEED": "12345", "OMP_NUM_THREADS": "1"},
+    )
     assert out.stdout.strip() == _digest(11)
 
 

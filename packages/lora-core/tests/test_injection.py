@@ -44,8 +44,10 @@ class Attention(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         b, t, _ = x.shape
-        q, k, v = (m(x).view(b, t, 2, H // 2).transpose(1, 2)
-                   for m in (self.q_proj, self.k_proj, self.v_proj))
+        q, k, v = (
+            m(x).view(b, t, 2, H // 2).transpose(1, 2)
+            for m in (self.q_proj, self.k_proj, self.v_proj)
+        )
         y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
         return self.o_proj(y.transpose(1, 2).reshape(b, t, H))
 
@@ -121,8 +123,11 @@ def test_matches_module_whole_components() -> None:
 def test_default_targets_adapt_attention_only() -> None:
     model = TinyTransformer()
     result = enable_lora_training(model, CFG)
-    expected = [f"model.layers.{i}.{p}" for i in range(2)
-                for p in [f"self_attn.{n}" for n in ATTN] + ["cross_attn.q_proj"]]
+    expected = [
+        f"model.layers.{i}.{p}"
+        for i in range(2)
+        for p in [f"self_attn.{n}" for n in ATTN] + ["cross_attn.q_proj"]
+    ]
     assert list(result.adapted_layers) == expected
     for name in expected:
         assert isinstance(model.get_submodule(name), LoRALinear)
@@ -134,19 +139,27 @@ def test_dotted_suffix_target() -> None:
     model = TinyTransformer()
     cfg = CFG.model_copy(update={"target_modules": ("self_attn.q_proj",)})
     result = enable_lora_training(model, LoraConfig.model_validate(cfg.model_dump()))
-    assert result.adapted_layers == ("model.layers.0.self_attn.q_proj",
-                                     "model.layers.1.self_attn.q_proj")
+    assert result.adapted_layers == (
+        "model.layers.0.self_attn.q_proj",
+        "model.layers.1.self_attn.q_proj",
+    )
     assert type(model.get_submodule("model.layers.0.cross_attn.q_proj")) is nn.Linear
 
 
 def test_excludes_apply_after_targets() -> None:
     model = TinyTransformer()
-    cfg = LoraConfig(enable=True, rank=2, target_modules=["q_proj", "o_proj"],
-                     exclude_modules=["cross_attn.q_proj", "layers.1.self_attn.o_proj"])
+    cfg = LoraConfig(
+        enable=True,
+        rank=2,
+        target_modules=["q_proj", "o_proj"],
+        exclude_modules=["cross_attn.q_proj", "layers.1.self_attn.o_proj"],
+    )
     result = enable_lora_training(model, cfg)
-    assert result.adapted_layers == ("model.layers.0.self_attn.q_proj",
-                                     "model.layers.0.self_attn.o_proj",
-                                     "model.layers.1.self_attn.q_proj")
+    assert result.adapted_layers == (
+        "model.layers.0.self_attn.q_proj",
+        "model.layers.0.self_attn.o_proj",
+        "model.layers.1.self_attn.q_proj",
+    )
 
 
 def test_only_linear_modules_are_replaced() -> None:
@@ -173,8 +186,11 @@ def test_nothing_matched_names_targets_and_existing_linears() -> None:
 
 def test_all_excluded_says_so() -> None:
     cfg = LoraConfig(enable=True, rank=2, target_modules=["o_proj"], exclude_modules=["o_proj"])
-    with pytest.raises(LoraTargetError, match=r"2 matched but all were removed by "
-                                              r"lora\.exclude_modules \['o_proj'\]"):
+    with pytest.raises(
+        LoraTargetError,
+        match=r"2 matched but all were removed by "
+        r"lora\.exclude_modules \['o_proj'\]",
+    ):
         enable_lora_training(TinyTransformer(), cfg)
 
 
@@ -186,8 +202,9 @@ def test_shared_linear_refused() -> None:
 
 
 @pytest.mark.parametrize("cfg", [None, LoraConfig(), LoraConfig(rank=8)])
-def test_disabled_returns_empty_result_and_logs(cfg: LoraConfig | None,
-                                                caplog: pytest.LogCaptureFixture) -> None:
+def test_disabled_returns_empty_result_and_logs(
+    cfg: LoraConfig | None, caplog: pytest.LogCaptureFixture
+) -> None:
     model = TinyTransformer()
     before = {k: v.clone() for k, v in model.state_dict().items()}
     with caplog.at_level(logging.INFO, logger="lora_core.injection"):
@@ -214,16 +231,18 @@ def test_idempotent_second_call() -> None:
     assert second.adapted_layers == ()
     assert second.already_adapted_layers == first.adapted_layers
     assert len(second.already_adapted_layers) == 10
-    assert not any(isinstance(m.base_layer, LoRALinear)
-                   for m in model.modules() if isinstance(m, LoRALinear))
+    assert not any(
+        isinstance(m.base_layer, LoRALinear) for m in model.modules() if isinstance(m, LoRALinear)
+    )
     assert second.parameter_names == first.parameter_names
     assert all(p is q for p, q in zip(second.parameters(), first.parameters(), strict=True))
     assert all(p.requires_grad for p in second.parameters())
     for k, v in _adapter_state(model).items():
         assert torch.equal(v, values[k])
     # A broader second call adapts only the new layers.
-    third = enable_lora_training(model, CFG.model_copy(update={"target_modules": ("foo_proj",
-                                                                                  "q_proj")}))
+    third = enable_lora_training(
+        model, CFG.model_copy(update={"target_modules": ("foo_proj", "q_proj")})
+    )
     assert third.adapted_layers == ("model.layers.0.foo_proj", "model.layers.1.foo_proj")
     assert len(third.already_adapted_layers) == 4
 
@@ -303,8 +322,12 @@ def test_same_adapters_in_a_separate_process() -> None:
         "print(ns['_digest'](m))\n"
     )
     out = subprocess.run(
-        [sys.executable, "-c", code, __file__], capture_output=True, text=True, check=True,
-        timeout=100, env={**os.environ, "PYTHONHASHSEED": "77", "OMP_NUM_THREADS": "1"},
+        [sys.executable, "-c", code, __file__],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=100,
+        env={**os.environ, "PYTHONHASHSEED": "77", "OMP_NUM_THREADS": "1"},
     )
     model = TinyTransformer()
     enable_lora_training(model, CFG)
@@ -336,8 +359,10 @@ def test_meta_path_bitwise_equal_to_eager(dtype: torch.dtype) -> None:
     assert got.keys() == want.keys()
     for k, v in want.items():
         assert v.dtype == got[k].dtype
-        assert torch.equal(v.view(torch.uint8) if v.dtype == torch.bfloat16 else v,
-                           got[k].view(torch.uint8) if v.dtype == torch.bfloat16 else got[k]), k
+        assert torch.equal(
+            v.view(torch.uint8) if v.dtype == torch.bfloat16 else v,
+            got[k].view(torch.uint8) if v.dtype == torch.bfloat16 else got[k],
+        ), k
     ids = torch.randint(0, 11, (2, 5))
     assert torch.equal(lazy(ids), eager(ids))
     # to_empty replaced the Parameter objects; rebind_parameters points at the live ones.
@@ -401,7 +426,8 @@ def test_remap_checkpoint_keys() -> None:
     assert remap_checkpoint_keys(remapped, result) == remapped
     mixed = dict(base)
     mixed["model.layers.0.self_attn.q_proj.base_layer.weight"] = base[
-        "model.layers.0.self_attn.q_proj.weight"]
+        "model.layers.0.self_attn.q_proj.weight"
+    ]
     with pytest.raises(ContractError, match=r"both 'model\.layers\.0\.self_attn\.q_proj"):
         remap_checkpoint_keys(mixed, result)
 
@@ -410,8 +436,10 @@ _component = st.sampled_from(["q_proj", "o_proj", "foo_proj", "self_attn", "laye
 
 
 @settings(max_examples=150, deadline=None)
-@given(name=st.lists(_component, min_size=1, max_size=5),
-       target=st.lists(_component, min_size=1, max_size=3))
+@given(
+    name=st.lists(_component, min_size=1, max_size=5),
+    target=st.lists(_component, min_size=1, max_size=3),
+)
 def test_matching_equals_peft_string_rule(name: list[str], target: list[str]) -> None:
     # PEFT's rule for a plain (non-regex) target: equal, or a suffix after a dot.
     n, t = ".".join(name), ".".join(target)
@@ -424,8 +452,10 @@ def test_adapter_internals_are_never_targets() -> None:
     cfg = LoraConfig(enable=True, rank=2, target_modules=["lora_A", "base_layer", "q_proj"])
     result = enable_lora_training(model, cfg)
     assert result.adapted_layers == ()
-    assert result.already_adapted_layers == ("model.layers.0.self_attn.q_proj",
-                                             "model.layers.0.cross_attn.q_proj")
+    assert result.already_adapted_layers == (
+        "model.layers.0.self_attn.q_proj",
+        "model.layers.0.cross_attn.q_proj",
+    )
     with pytest.raises(LoraTargetError) as info:
         enable_lora_training(model, LoraConfig(enable=True, rank=2, target_modules=["lora_B"]))
     assert "lora_B" not in str(info.value).split("exist:")[1]
@@ -437,9 +467,12 @@ class _TwoDownProjs(nn.Module):
     def __init__(self) -> None:
         super().__init__()
         self.dense = nn.ModuleDict({"down_proj": nn.Linear(4, 4, bias=False)})
-        self.moe = nn.ModuleDict({"shared": nn.ModuleDict({"down_proj": nn.Linear(4, 4,
-                                                                                  bias=False)}),
-                                  "q_proj": nn.Linear(4, 4, bias=False)})
+        self.moe = nn.ModuleDict(
+            {
+                "shared": nn.ModuleDict({"down_proj": nn.Linear(4, 4, bias=False)}),
+                "q_proj": nn.Linear(4, 4, bias=False),
+            }
+        )
         self.experts = nn.Module()
         self.experts.down_proj = nn.Parameter(torch.zeros(2, 4, 4))
 
@@ -456,8 +489,12 @@ def test_peft_target_modules_qualify_a_leaf_that_names_something_else() -> None:
     result = enable_lora_training(model, cfg)
     # A bare "down_proj" would make PEFT adapt dense.down_proj too; q_proj is unambiguous.
     assert result.peft_target_modules == ("q_proj", "shared.down_proj")
-    peft_model = get_peft_model(_TwoDownProjs(), PeftLoraConfig(
-        r=2, target_modules=list(result.peft_target_modules)))
-    adapted = {n.removeprefix("base_model.model.").split(".lora_A")[0]
-               for n, _ in peft_model.named_parameters() if ".lora_A." in n}
+    peft_model = get_peft_model(
+        _TwoDownProjs(), PeftLoraConfig(r=2, target_modules=list(result.peft_target_modules))
+    )
+    adapted = {
+        n.removeprefix("base_model.model.").split(".lora_A")[0]
+        for n, _ in peft_model.named_parameters()
+        if ".lora_A." in n
+    }
     assert adapted == {"moe.shared.down_proj", "moe.q_proj"}

@@ -13,8 +13,9 @@ DTYPES = [torch.float32, torch.bfloat16]
 TOL = {torch.float32: {"atol": 1e-5, "rtol": 1e-5}, torch.bfloat16: {"atol": 3e-2, "rtol": 2e-2}}
 
 
-def _layer(dtype: torch.dtype, bias: bool, *, rank: int = 4, alpha: float = 8.0,
-           dropout: float = 0.0) -> LoRALinear:
+def _layer(
+    dtype: torch.dtype, bias: bool, *, rank: int = 4, alpha: float = 8.0, dropout: float = 0.0
+) -> LoRALinear:
     base = nn.Linear(12, 10, bias=bias, dtype=dtype)
     layer = LoRALinear(base, rank, alpha, dropout, fqn="blk.q_proj", init_seed=3)
     with torch.no_grad():  # a non-zero B so the update is visible
@@ -44,15 +45,20 @@ def test_layout_and_state_dict_keys() -> None:
     assert layer.scaling == 2.0
     assert layer.merged is False
     shapes = {k: tuple(v.shape) for k, v in layer.state_dict().items()}
-    assert shapes == {"base_layer.weight": (10, 12), "base_layer.bias": (10,),
-                      "lora_A.weight": (4, 12), "lora_B.weight": (10, 4)}
+    assert shapes == {
+        "base_layer.weight": (10, 12),
+        "base_layer.bias": (10,),
+        "lora_A.weight": (4, 12),
+        "lora_B.weight": (10, 4),
+    }
 
 
 def test_init_values_come_from_init_lora_tensor() -> None:
     layer = LoRALinear(nn.Linear(12, 10), 4, 4, fqn="m.layers.0.q_proj", init_seed=9)
-    assert torch.equal(layer.lora_A.weight,
-                       init_lora_tensor("m.layers.0.q_proj.lora_A", (4, 12), torch.float32,
-                                        seed=9))
+    assert torch.equal(
+        layer.lora_A.weight,
+        init_lora_tensor("m.layers.0.q_proj.lora_A", (4, 12), torch.float32, seed=9),
+    )
     assert torch.equal(layer.lora_B.weight, torch.zeros(10, 4))
     x = torch.randn(3, 12)
     assert torch.equal(layer(x), layer.base_layer(x))
@@ -107,8 +113,9 @@ def test_base_frozen_grads_only_on_a_b_and_base_bitwise_unchanged() -> None:
     a0 = layer.lora_A.weight.detach().clone()
     assert not layer.base_layer.weight.requires_grad
     assert not layer.base_layer.bias.requires_grad
-    opt = torch.optim.AdamW([p for p in layer.parameters() if p.requires_grad], lr=1e-2,
-                            weight_decay=0.1)
+    opt = torch.optim.AdamW(
+        [p for p in layer.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.1
+    )
     for _ in range(3):
         opt.zero_grad()
         loss = layer(torch.randn(8, 12)).pow(2).mean()
@@ -212,7 +219,9 @@ def test_matches_peft_on_same_weights(bias: bool) -> None:
     torch.testing.assert_close(ours_model(x), peft_model(x), atol=1e-6, rtol=1e-6)
     # Same state-dict suffixes as PEFT's adapter file.
     peft_keys = set(peft.get_peft_model_state_dict(peft_model))
-    assert peft_keys == {"base_model.model.q_proj.lora_A.weight",
-                         "base_model.model.q_proj.lora_B.weight"}
+    assert peft_keys == {
+        "base_model.model.q_proj.lora_A.weight",
+        "base_model.model.q_proj.lora_B.weight",
+    }
     ours_keys = {f"base_model.model.{k}" for k in ours_model.state_dict() if "lora_" in k}
     assert ours_keys == peft_keys

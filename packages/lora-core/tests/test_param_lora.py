@@ -60,8 +60,9 @@ class Model(nn.Module):
         return x
 
 
-CFG = LoraConfig(enable=True, rank=2, alpha=6, target_modules=[],
-                 target_parameters=["gate.weight"], init_seed=4)
+CFG = LoraConfig(
+    enable=True, rank=2, alpha=6, target_modules=[], target_parameters=["gate.weight"], init_seed=4
+)
 
 
 def _perturb_b(model: nn.Module) -> None:
@@ -77,21 +78,24 @@ def test_result_names_aliases_exports_and_init() -> None:
     result = enable_lora_training(model, CFG)
     assert result.adapted_layers == ("layers.0.gate", "layers.1.gate")
     assert result.parameter_names == (
-        "layers.0.gate.lora_A.weight", "layers.0.gate.lora_B.weight",
-        "layers.1.gate.lora_A.weight", "layers.1.gate.lora_B.weight",
+        "layers.0.gate.lora_A.weight",
+        "layers.0.gate.lora_B.weight",
+        "layers.1.gate.lora_A.weight",
+        "layers.1.gate.lora_B.weight",
     )
     wrapper = model.layers[0].gate
     assert isinstance(wrapper, LoRAParameter)
     assert wrapper.lora_A.weight.shape == (2, H)
     assert wrapper.lora_B.weight.shape == (E, 2)
-    assert torch.equal(wrapper.lora_A.weight, init_lora_tensor(
-        "layers.0.gate.lora_A", (2, H), torch.float32, seed=4))
+    assert torch.equal(
+        wrapper.lora_A.weight,
+        init_lora_tensor("layers.0.gate.lora_A", (2, H), torch.float32, seed=4),
+    )
     assert torch.equal(wrapper.lora_B.weight, torch.zeros(E, 2))
     aliases = result.checkpoint_key_aliases
     assert aliases["layers.0.gate.weight"] == "layers.0.gate.base_layer.weight"
     # Buffers of the wrapped module move under base_layer too.
-    assert (aliases["layers.1.gate.bias_correction"]
-            == "layers.1.gate.base_layer.bias_correction")
+    assert aliases["layers.1.gate.bias_correction"] == "layers.1.gate.base_layer.bias_correction"
     export = result.peft_exports["layers.1.gate.lora_B.weight"]
     assert export.key == "base_model.model.layers.1.gate.lora_B.weight"
     assert export.layout is PeftTensorLayout.IDENTITY
@@ -135,9 +139,15 @@ def test_matches_peft_target_parameters() -> None:
     ref.load_state_dict(ours.state_dict())
     result = enable_lora_training(ours, CFG)
     _perturb_b(ours)
-    theirs = peft.get_peft_model(ref, peft.LoraConfig(
-        r=CFG.rank, lora_alpha=CFG.alpha, target_modules=[],
-        target_parameters=list(result.peft_target_parameters)))
+    theirs = peft.get_peft_model(
+        ref,
+        peft.LoraConfig(
+            r=CFG.rank,
+            lora_alpha=CFG.alpha,
+            target_modules=[],
+            target_parameters=list(result.peft_target_parameters),
+        ),
+    )
     peft_sd = peft.get_peft_model_state_dict(theirs)
     assert set(peft_sd) == {e.key for e in result.peft_exports.values()}
     named = dict(theirs.named_parameters())
@@ -192,8 +202,13 @@ def test_merge_unmerge_and_idempotent_second_call() -> None:
 
 def test_with_linear_targets_and_excludes() -> None:
     model = Model()
-    cfg = LoraConfig(enable=True, rank=2, target_modules=["proj"],
-                     target_parameters=["gate.weight"], exclude_modules=["layers.1.gate"])
+    cfg = LoraConfig(
+        enable=True,
+        rank=2,
+        target_modules=["proj"],
+        target_parameters=["gate.weight"],
+        exclude_modules=["layers.1.gate"],
+    )
     result = enable_lora_training(model, cfg)
     assert result.adapted_layers == ("layers.0.proj", "layers.1.proj", "layers.0.gate")
     assert result.peft_target_modules == ("proj",)
@@ -211,8 +226,7 @@ def test_meta_path_bitwise_equal_to_eager() -> None:
     result = enable_lora_training(lazy, CFG, prepare_for_fsdp=True)
     assert all(p.is_meta for p in result.parameters())
     lazy.to_empty(device="cpu")
-    missing, unexpected = lazy.load_state_dict(remap_checkpoint_keys(base_sd, result),
-                                               strict=False)
+    missing, unexpected = lazy.load_state_dict(remap_checkpoint_keys(base_sd, result), strict=False)
     assert unexpected == []
     assert sorted(missing) == sorted(result.parameter_names)
     assert result.missing_parameter_initializer(lazy) == 4
@@ -227,15 +241,23 @@ def test_meta_path_bitwise_equal_to_eager() -> None:
     ("cfg", "match"),
     [
         ({"target_parameters": ["experts"]}, r"'layers\.0\.experts' of shape \[6, 12, 12\]"),
-        ({"target_parameters": ["gate.wieght"]},
-         r"matched no parameter of Model\. Parameters that exist: "
-         r"\['layers\.0\.experts', 'layers\.0\.gate\.weight'"),
-        ({"target_parameters": ["gate.weight"], "exclude_modules": ["gate"]},
-         r"lora\.exclude_modules removed them"),
-        ({"target_modules": ["proj"], "target_parameters": ["proj.weight"]},
-         r"'layers\.0\.proj' is matched by lora\.target_modules and its parameter"),
-        ({"target_modules": ["nothing"], "target_parameters": ["gate.weight"]},
-         r"lora\.target_modules \['nothing'\] matched no nn\.Linear"),
+        (
+            {"target_parameters": ["gate.wieght"]},
+            r"matched no parameter of Model\. Parameters that exist: "
+            r"\['layers\.0\.experts', 'layers\.0\.gate\.weight'",
+        ),
+        (
+            {"target_parameters": ["gate.weight"], "exclude_modules": ["gate"]},
+            r"lora\.exclude_modules removed them",
+        ),
+        (
+            {"target_modules": ["proj"], "target_parameters": ["proj.weight"]},
+            r"'layers\.0\.proj' is matched by lora\.target_modules and its parameter",
+        ),
+        (
+            {"target_modules": ["nothing"], "target_parameters": ["gate.weight"]},
+            r"lora\.target_modules \['nothing'\] matched no nn\.Linear",
+        ),
     ],
 )
 def test_errors_name_the_target(cfg: dict, match: str) -> None:
@@ -262,6 +284,9 @@ def test_a_router_shared_by_two_blocks_is_refused() -> None:
     model = Model()
     model.layers[1].gate = model.layers[0].gate
     cfg = LoraConfig(enable=True, rank=2, target_parameters=["gate.weight"])
-    with pytest.raises(LoraTargetError, match=r"'layers\.1\.gate' is the same object as "
-                                              r"'layers\.0\.gate' \(a shared or tied module\)"):
+    with pytest.raises(
+        LoraTargetError,
+        match=r"'layers\.1\.gate' is the same object as "
+        r"'layers\.0\.gate' \(a shared or tied module\)",
+    ):
         enable_lora_training(model, cfg)

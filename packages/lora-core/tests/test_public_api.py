@@ -83,7 +83,6 @@ def test_import_has_no_side_effects_and_does_not_import_fsdp() -> None:
         "assert 'peft' not in sys.modules and 'transformers' not in sys.modules\n"
         "print('ok')\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
-                         timeout=100)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=100)
     assert out.returncode == 0, out.stderr
     assert out.stdout.strip() == "ok"

@@ -14,10 +14,17 @@ from typing import Any
 
 # Qwen3-30B-A3B's layer dimensions (H=2048, I=768, E=128, k=8), vocab cut to 32000.
 SHAPE: dict[str, Any] = {
-    "hidden_size": 2048, "moe_intermediate_size": 768, "num_experts": 128,
-    "num_experts_per_tok": 8, "intermediate_size": 6144, "num_attention_heads": 32,
-    "num_key_value_heads": 4, "head_dim": 128, "vocab_size": 32000,
-    "max_position_embeddings": 4096, "initializer_range": 0.02,
+    "hidden_size": 2048,
+    "moe_intermediate_size": 768,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "intermediate_size": 6144,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "vocab_size": 32000,
+    "max_position_embeddings": 4096,
+    "initializer_range": 0.02,
 }
 QUICK: dict[str, Any] = {**SHAPE, "num_experts": 16}
 # The LoRA of the step and load benchmarks: rank 16 on these projections, the routers, the experts.
@@ -46,9 +53,15 @@ def rollup_bytes(field: str) -> int:
     raise RuntimeError(f"no {field} in /proc/self/smaps_rollup")
 
 
-def write_results(out: Path, stem: str, meta: dict[str, Any], rows: list[dict[str, Any]],
-                  title: str, header: list[str], cells: Callable[[dict[str, Any]], list[str]]
-                  ) -> None:
+def write_results(
+    out: Path,
+    stem: str,
+    meta: dict[str, Any],
+    rows: list[dict[str, Any]],
+    title: str,
+    header: list[str],
+    cells: Callable[[dict[str, Any]], list[str]],
+) -> None:
     """Write ``out/stem.json`` (meta and rows) and ``out/stem.md`` (a titled table), print it."""
     (out / f"{stem}.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
     lines = ["| " + " | ".join(header) + " |", "|" + "---|" * len(header)]

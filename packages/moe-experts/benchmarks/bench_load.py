@@ -81,8 +81,13 @@ def train_memory(model: object, storage: str) -> dict:
     from lora_core import LoraConfig
 
     before = _trimmed_rss_mib()
-    lora = LoraConfig(enable=True, rank=RANK, alpha=2 * RANK, target_modules=DENSE,
-                      target_parameters=list(moe_experts.router_targets(model)))
+    lora = LoraConfig(
+        enable=True,
+        rank=RANK,
+        alpha=2 * RANK,
+        target_modules=DENSE,
+        target_parameters=list(moe_experts.router_targets(model)),
+    )
     result = moe_experts.adapt_model(model, lora, weight_dtype=storage)
     params = list(result.parameters())
     after_lora = _trimmed_rss_mib()
@@ -98,15 +103,25 @@ def train_memory(model: object, storage: str) -> dict:
     elem = params[0].element_size()
     count = sum(p.numel() for p in params)
     arithmetic = lora_arithmetic(model.config, RANK)  # type: ignore[attr-defined]
-    state = sum(t.nbytes for st in opt.state.values() for t in st.values()
-                if torch.is_tensor(t) and t.dim() > 0)
+    state = sum(
+        t.nbytes
+        for st in opt.state.values()
+        for t in st.values()
+        if torch.is_tensor(t) and t.dim() > 0
+    )
     grads = sum(p.grad.nbytes for p in params if p.grad is not None)
-    return {"lora_params": count, "lora_params_arithmetic": arithmetic,
-            "lora_mib": count * elem / 2**20, "lora_arithmetic_mib": arithmetic * elem / 2**20,
-            "lora_rss_mib": after_lora - before,
-            "grad_mib": grads / 2**20, "adam_state_mib": state / 2**20,
-            "grad_adam_arithmetic_mib": 3 * arithmetic * elem / 2**20,
-            "step_rss_mib": after_step - after_lora, "second_step_rss_mib": after[1] - after[0]}
+    return {
+        "lora_params": count,
+        "lora_params_arithmetic": arithmetic,
+        "lora_mib": count * elem / 2**20,
+        "lora_arithmetic_mib": arithmetic * elem / 2**20,
+        "lora_rss_mib": after_lora - before,
+        "grad_mib": grads / 2**20,
+        "adam_state_mib": state / 2**20,
+        "grad_adam_arithmetic_mib": 3 * arithmetic * elem / 2**20,
+        "step_rss_mib": after_step - after_lora,
+        "second_step_rss_mib": after[1] - after[0],
+    }
 
 
 def _reset_peak() -> None:
@@ -159,13 +174,26 @@ def run_variant(variant: str, root: Path) -> dict:
     cfg = model.config
     kernel = sum(k.expert_weights.nbytes for _, k in moe_experts.experts_sites(model))
     dense = sum(p.nbytes for p in [*model.parameters(), *model.buffers()] if not is_placeholder(p))
-    arithmetic = (cfg.num_hidden_layers * cfg.num_experts * 3 * cfg.hidden_size
-                  * cfg.moe_intermediate_size * BYTES_PER_WEIGHT[storage])
+    arithmetic = (
+        cfg.num_hidden_layers
+        * cfg.num_experts
+        * 3
+        * cfg.hidden_size
+        * cfg.moe_intermediate_size
+        * BYTES_PER_WEIGHT[storage]
+    )
     peak = _peak_mib() - base
-    return {"variant": variant, "seconds": seconds, "base_mib": base,
-            "peak_mib": peak, "final_mib": final - base,
-            "kernel_mib": kernel / 2**20, "kernel_arithmetic_mib": arithmetic / 2**20,
-            "dense_mib": dense / 2**20, **train_memory(model, storage)}
+    return {
+        "variant": variant,
+        "seconds": seconds,
+        "base_mib": base,
+        "peak_mib": peak,
+        "final_mib": final - base,
+        "kernel_mib": kernel / 2**20,
+        "kernel_arithmetic_mib": arithmetic / 2**20,
+        "dense_mib": dense / 2**20,
+        **train_memory(model, storage),
+    }
 
 
 def main() -> None:
@@ -189,9 +217,13 @@ def main() -> None:
     rows = []
     env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
     for variant in VARIANTS:
-        out = subprocess.run([sys.executable, __file__, "--out", str(args.out), "--child",
-                              variant, str(path)], capture_output=True, text=True, env=env,
-                             check=False)
+        out = subprocess.run(
+            [sys.executable, __file__, "--out", str(args.out), "--child", variant, str(path)],
+            capture_output=True,
+            text=True,
+            env=env,
+            check=False,
+        )
         if out.returncode:
             sys.exit(f"{variant} failed:\n{out.stderr[-3000:]}")
         rows.append(json.loads(out.stdout.strip().splitlines()[-1]))
@@ -201,26 +233,46 @@ def main() -> None:
     for r in rows:
         r["peak_over_final"] = r["peak_mib"] / r["final_mib"]
         r["peak_vs_from_pretrained"] = ref["peak_mib"] / r["peak_mib"]
-    meta = {"layers": layers, "quick": args.quick, "shape": shape(args.quick),
-            "targets": {"peak_over_final": 1.15, "peak_vs_from_pretrained": 2.0}}
+    meta = {
+        "layers": layers,
+        "quick": args.quick,
+        "shape": shape(args.quick),
+        "targets": {"peak_over_final": 1.15, "peak_vs_from_pretrained": 2.0},
+    }
     write_results(
-        args.out, "bench_load", meta, rows,
+        args.out,
+        "bench_load",
+        meta,
+        rows,
         f"Qwen3-30B-A3B-shaped, {layers} layer(s), bf16 and FP8-block checkpoints (RSS above "
         "the post-import baseline)",
-        ["variant", "load s", "peak MiB", "final MiB", "peak/final",
-         "x less peak than from_pretrained+wrap", "kernel MiB (arith.)", "dense MiB",
-         "LoRA MiB (arith.), RSS added", "grads + AdamW MiB (arith.), RSS added",
-         "RSS added by step 2"],
-        lambda r: [r["variant"], f"{r['seconds']:.1f}", f"{r['peak_mib']:.0f}",
-                   f"{r['final_mib']:.0f}", f"{r['peak_over_final']:.2f}",
-                   f"{r['peak_vs_from_pretrained']:.2f}",
-                   f"{r['kernel_mib']:.0f} ({r['kernel_arithmetic_mib']:.0f})",
-                   f"{r['dense_mib']:.0f}",
-                   f"{r['lora_mib']:.1f} ({r['lora_arithmetic_mib']:.1f}), "
-                   f"{r['lora_rss_mib']:.1f}",
-                   f"{r['grad_mib'] + r['adam_state_mib']:.1f} "
-                   f"({r['grad_adam_arithmetic_mib']:.1f}), {r['step_rss_mib']:.1f}",
-                   f"{r['second_step_rss_mib']:.1f}"],
+        [
+            "variant",
+            "load s",
+            "peak MiB",
+            "final MiB",
+            "peak/final",
+            "x less peak than from_pretrained+wrap",
+            "kernel MiB (arith.)",
+            "dense MiB",
+            "LoRA MiB (arith.), RSS added",
+            "grads + AdamW MiB (arith.), RSS added",
+            "RSS added by step 2",
+        ],
+        lambda r: [
+            r["variant"],
+            f"{r['seconds']:.1f}",
+            f"{r['peak_mib']:.0f}",
+            f"{r['final_mib']:.0f}",
+            f"{r['peak_over_final']:.2f}",
+            f"{r['peak_vs_from_pretrained']:.2f}",
+            f"{r['kernel_mib']:.0f} ({r['kernel_arithmetic_mib']:.0f})",
+            f"{r['dense_mib']:.0f}",
+            f"{r['lora_mib']:.1f} ({r['lora_arithmetic_mib']:.1f}), {r['lora_rss_mib']:.1f}",
+            f"{r['grad_mib'] + r['adam_state_mib']:.1f} "
+            f"({r['grad_adam_arithmetic_mib']:.1f}), {r['step_rss_mib']:.1f}",
+            f"{r['second_step_rss_mib']:.1f}",
+        ],
     )
 
 

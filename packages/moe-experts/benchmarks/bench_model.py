@@ -27,14 +27,34 @@ import time
 from pathlib import Path
 
 VARIANTS = ("peft", "kt-fp32", "kt-bf16")
-FULL = {"num_hidden_layers": 4, "hidden_size": 1024, "num_experts": 32, "num_experts_per_tok": 4,
-        "moe_intermediate_size": 256, "intermediate_size": 2048, "num_attention_heads": 8,
-        "num_key_value_heads": 4, "head_dim": 128, "vocab_size": 2048,
-        "max_position_embeddings": 512, "initializer_range": 0.02}
-QUICK = {"num_hidden_layers": 2, "hidden_size": 256, "num_experts": 8, "num_experts_per_tok": 2,
-         "moe_intermediate_size": 128, "intermediate_size": 512, "num_attention_heads": 4,
-         "num_key_value_heads": 2, "head_dim": 64, "vocab_size": 1024,
-         "max_position_embeddings": 256, "initializer_range": 0.02}
+FULL = {
+    "num_hidden_layers": 4,
+    "hidden_size": 1024,
+    "num_experts": 32,
+    "num_experts_per_tok": 4,
+    "moe_intermediate_size": 256,
+    "intermediate_size": 2048,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "vocab_size": 2048,
+    "max_position_embeddings": 512,
+    "initializer_range": 0.02,
+}
+QUICK = {
+    "num_hidden_layers": 2,
+    "hidden_size": 256,
+    "num_experts": 8,
+    "num_experts_per_tok": 2,
+    "moe_intermediate_size": 128,
+    "intermediate_size": 512,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "vocab_size": 1024,
+    "max_position_embeddings": 256,
+    "initializer_range": 0.02,
+}
 RANK = 8
 
 
@@ -62,9 +82,15 @@ def run_variant(variant: str, quick: bool) -> dict:
     if variant == "peft":
         import peft
 
-        model = peft.get_peft_model(model, peft.LoraConfig(
-            r=RANK, lora_alpha=2 * RANK, target_modules=[],
-            target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]))
+        model = peft.get_peft_model(
+            model,
+            peft.LoraConfig(
+                r=RANK,
+                lora_alpha=2 * RANK,
+                target_modules=[],
+                target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+            ),
+        )
         params = [p for p in model.parameters() if p.requires_grad]
     else:
         import kt_kernel
@@ -99,15 +125,17 @@ def run_variant(variant: str, quick: bool) -> dict:
         losses.append(loss.item())
         if i >= warmup:
             times.append(dt)
-    info.update({
-        "step_s_median": statistics.median(times),
-        "step_s_all": times,
-        "tokens_per_step": batch * seq,
-        "peak_rss_mib": _peak_rss_mib(),
-        "rss_before_model_mib": rss_start,
-        "first_loss": losses[0],
-        "torch_threads": torch.get_num_threads(),
-    })
+    info.update(
+        {
+            "step_s_median": statistics.median(times),
+            "step_s_all": times,
+            "tokens_per_step": batch * seq,
+            "peak_rss_mib": _peak_rss_mib(),
+            "rss_before_model_mib": rss_start,
+            "first_loss": losses[0],
+            "torch_threads": torch.get_num_threads(),
+        }
+    )
     return info
 
 
@@ -126,8 +154,9 @@ def main() -> None:
         cmd = [sys.executable, __file__, "--out", str(args.out), "--variant", variant]
         if args.quick:
             cmd.append("--quick")
-        proc = subprocess.run(cmd, capture_output=True, text=True, env=os.environ.copy(),
-                              timeout=1800, check=False)
+        proc = subprocess.run(
+            cmd, capture_output=True, text=True, env=os.environ.copy(), timeout=1800, check=False
+        )
         if proc.returncode != 0:
             raise SystemExit(f"variant {variant} failed:\n{proc.stderr[-3000:]}")
         results[variant] = json.loads(proc.stdout.strip().splitlines()[-1])

@@ -24,8 +24,9 @@ def _layer(h: int, i: int, e: int, dtype: torch.dtype) -> torch.nn.Module:
     from transformers import Qwen3MoeConfig
     from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeExperts
 
-    cfg = Qwen3MoeConfig(hidden_size=h, moe_intermediate_size=i, num_experts=e,
-                         num_experts_per_tok=8)
+    cfg = Qwen3MoeConfig(
+        hidden_size=h, moe_intermediate_size=i, num_experts=e, num_experts_per_tok=8
+    )
     experts = Qwen3MoeExperts(cfg)
     gen = torch.Generator().manual_seed(0)
     with torch.no_grad():
@@ -49,11 +50,17 @@ def main() -> None:
     build, check, errs = [], [], []
     for _ in range(args.repeats):
         t0 = time.perf_counter()
-        weights = kt_kernel.ExpertWeights.from_fused(spec, experts.gate_up_proj.data,
-                                                     experts.down_proj.data, dtype=dtype)
-        kernel = KernelExperts(weights, gate_up_like=experts.gate_up_proj,
-                               down_like=experts.down_proj, gate_up_name="gate_up_proj",
-                               down_name="down_proj", label="layer")
+        weights = kt_kernel.ExpertWeights.from_fused(
+            spec, experts.gate_up_proj.data, experts.down_proj.data, dtype=dtype
+        )
+        kernel = KernelExperts(
+            weights,
+            gate_up_like=experts.gate_up_proj,
+            down_like=experts.down_proj,
+            gate_up_name="gate_up_proj",
+            down_name="down_proj",
+            label="layer",
+        )
         t1 = time.perf_counter()
         result = self_check("layer", experts, kernel, args.weight_dtype)
         t2 = time.perf_counter()
@@ -62,8 +69,7 @@ def main() -> None:
         errs.append(result.relative_error)
         del weights, kernel
     out = {
-        "shape": {"hidden": h, "intermediate": i, "experts": e, "top_k": min(e, 2),
-                  "tokens": 8},
+        "shape": {"hidden": h, "intermediate": i, "experts": e, "top_k": min(e, 2), "tokens": 8},
         "weight_dtype": args.weight_dtype,
         "threads": torch.get_num_threads(),
         "build_kernel_weights_s": {"median": statistics.median(build), "min": min(build)},
@@ -72,12 +78,16 @@ def main() -> None:
         "relative_error": max(errs),
     }
     args.json.write_text(json.dumps(out, indent=2) + "\n")
-    print(f"| step | median s | min s |\n|---|---|---|\n"
-          f"| build kernel weights (wrap anyway) | {out['build_kernel_weights_s']['median']:.3f} "
-          f"| {out['build_kernel_weights_s']['min']:.3f} |\n"
-          f"| self-check | {out['self_check_s']['median']:.3f} | {out['self_check_s']['min']:.3f} |")
-    print(f"self-check / build = {out['self_check_over_build']:.2f}, relative error "
-          f"{out['relative_error']:.2e}, {out['threads']} threads")
+    print(
+        f"| step | median s | min s |\n|---|---|---|\n"
+        f"| build kernel weights (wrap anyway) | {out['build_kernel_weights_s']['median']:.3f} "
+        f"| {out['build_kernel_weights_s']['min']:.3f} |\n"
+        f"| self-check | {out['self_check_s']['median']:.3f} | {out['self_check_s']['min']:.3f} |"
+    )
+    print(
+        f"self-check / build = {out['self_check_over_build']:.2f}, relative error "
+        f"{out['relative_error']:.2e}, {out['threads']} threads"
+    )
 
 
 if __name__ == "__main__":

@@ -66,8 +66,11 @@ def rank_main(path: Path, out: Path) -> None:
     start = time.perf_counter()
     model = moe_experts.load_pretrained(path, weight_dtype="bf16", dtype=torch.bfloat16)
     seconds = time.perf_counter() - start
-    dense = sum(p.nbytes for p in [*model.parameters(), *model.buffers()]
-                if not moe_experts.is_placeholder(p))
+    dense = sum(
+        p.nbytes
+        for p in [*model.parameters(), *model.buffers()]
+        if not moe_experts.is_placeholder(p)
+    )
     kernel = 0
     for _, k in moe_experts.experts_sites(model):
         w = k.expert_weights
@@ -75,8 +78,14 @@ def rank_main(path: Path, out: Path) -> None:
         for t in (*w.storage[0], *w.storage[1]):
             t.view(-1).view(torch.uint8)[::4096].sum()  # one read per page: all resident
     dist.barrier()
-    row = {"rank": dist.get_rank(), "seconds": seconds, "kernel_bytes": kernel,
-           "dense_bytes": dense, "segment_pss": _segment_pss(), "pss_growth": rollup_bytes("Pss") - base}
+    row = {
+        "rank": dist.get_rank(),
+        "seconds": seconds,
+        "kernel_bytes": kernel,
+        "dense_bytes": dense,
+        "segment_pss": _segment_pss(),
+        "pss_growth": rollup_bytes("Pss") - base,
+    }
     (out / f"rank{dist.get_rank()}.json").write_text(json.dumps(row))
     dist.barrier()
     dist.destroy_process_group()
@@ -90,7 +99,8 @@ def save(path: Path, quick: bool, layers: int) -> None:
     torch.manual_seed(0)
     cfg = config(quick, layers)
     AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).save_pretrained(
-        path, max_shard_size="1GB")
+        path, max_shard_size="1GB"
+    )
 
 
 def _port() -> int:
@@ -103,11 +113,27 @@ def run_variant(variant: str, path: Path, work: Path) -> dict:
     """Launch the two-rank job for ``variant``; the sums over its ranks."""
     out = work / variant
     out.mkdir(parents=True, exist_ok=True)
-    env = {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1",
-           "MOE_EXPERTS_SHARE_EXPERTS": VARIANTS[variant]}
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc-per-node", "2",
-           "--master-addr", "127.0.0.1", "--master-port", str(_port()), __file__,
-           "--rank-main", str(path), str(out)]
+    env = {
+        **os.environ,
+        "HF_HUB_OFFLINE": "1",
+        "TRANSFORMERS_OFFLINE": "1",
+        "MOE_EXPERTS_SHARE_EXPERTS": VARIANTS[variant],
+    }
+    cmd = [
+        sys.executable,
+        "-m",
+        "torch.distributed.run",
+        "--nproc-per-node",
+        "2",
+        "--master-addr",
+        "127.0.0.1",
+        "--master-port",
+        str(_port()),
+        __file__,
+        "--rank-main",
+        str(path),
+        str(out),
+    ]
     done = subprocess.run(cmd, capture_output=True, text=True, env=env, check=False)
     if done.returncode:
         sys.exit(f"{variant} failed:\n{done.stdout[-2000:]}\n{done.stderr[-3000:]}")
@@ -116,10 +142,15 @@ def run_variant(variant: str, path: Path, work: Path) -> dict:
     seg = sum(r["segment_pss"] for r in ranks)
     # Whole-process growth less each rank's own dense weights: the experts plus overheads.
     growth = sum(r["pss_growth"] - r["dense_bytes"] for r in ranks)
-    return {"variant": variant, "one_copy_mib": one / 2**20, "segment_pss_mib": seg / 2**20,
-            "segment_pss_over_one_copy": seg / one, "pss_growth_mib": growth / 2**20,
-            "pss_growth_over_one_copy": growth / one,
-            "load_seconds": max(r["seconds"] for r in ranks)}
+    return {
+        "variant": variant,
+        "one_copy_mib": one / 2**20,
+        "segment_pss_mib": seg / 2**20,
+        "segment_pss_over_one_copy": seg / one,
+        "pss_growth_mib": growth / 2**20,
+        "pss_growth_over_one_copy": growth / one,
+        "load_seconds": max(r["seconds"] for r in ranks),
+    }
 
 
 def main() -> None:
@@ -143,18 +174,33 @@ def main() -> None:
         if not (path / "config.json").is_file():
             save(path, args.quick, layers)
         rows = [run_variant(v, path, Path(tmp)) for v in VARIANTS]
-    meta = {"layers": layers, "quick": args.quick, "ranks": 2,
-            "shape": shape(args.quick),
-            "targets": {"shared segment_pss_over_one_copy": 1.15}}
+    meta = {
+        "layers": layers,
+        "quick": args.quick,
+        "ranks": 2,
+        "shape": shape(args.quick),
+        "targets": {"shared segment_pss_over_one_copy": 1.15},
+    }
     write_results(
-        args.out, "bench_shared", meta, rows,
+        args.out,
+        "bench_shared",
+        meta,
+        rows,
         f"Qwen3-30B-A3B-shaped, {layers} layer(s), bf16 experts, 2 local ranks (torchrun, gloo)",
-        ["variant", "one copy MiB", "summed PSS of the shared storage MiB (x one copy)",
-         "summed PSS growth less dense MiB (x one copy)", "load s"],
-        lambda r: [r["variant"], f"{r['one_copy_mib']:.0f}",
-                   f"{r['segment_pss_mib']:.0f} ({r['segment_pss_over_one_copy']:.3f})",
-                   f"{r['pss_growth_mib']:.0f} ({r['pss_growth_over_one_copy']:.3f})",
-                   f"{r['load_seconds']:.1f}"],
+        [
+            "variant",
+            "one copy MiB",
+            "summed PSS of the shared storage MiB (x one copy)",
+            "summed PSS growth less dense MiB (x one copy)",
+            "load s",
+        ],
+        lambda r: [
+            r["variant"],
+            f"{r['one_copy_mib']:.0f}",
+            f"{r['segment_pss_mib']:.0f} ({r['segment_pss_over_one_copy']:.3f})",
+            f"{r['pss_growth_mib']:.0f} ({r['pss_growth_over_one_copy']:.3f})",
+            f"{r['load_seconds']:.1f}",
+        ],
     )
 
 

@@ -49,13 +49,31 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling _common module
 from _common import DENSE, RANK
 
-FULL = {"num_hidden_layers": 2, "hidden_size": 2048, "num_experts": 128,
-        "num_experts_per_tok": 8, "moe_intermediate_size": 768, "intermediate_size": 6144,
-        "num_attention_heads": 32, "num_key_value_heads": 4, "head_dim": 128,
-        "vocab_size": 32000, "max_position_embeddings": 4096, "initializer_range": 0.02}
-QUICK = {**FULL, "hidden_size": 256, "num_experts": 16, "num_experts_per_tok": 4,
-         "moe_intermediate_size": 128, "num_attention_heads": 4, "num_key_value_heads": 2,
-         "head_dim": 64, "vocab_size": 4096}
+FULL = {
+    "num_hidden_layers": 2,
+    "hidden_size": 2048,
+    "num_experts": 128,
+    "num_experts_per_tok": 8,
+    "moe_intermediate_size": 768,
+    "intermediate_size": 6144,
+    "num_attention_heads": 32,
+    "num_key_value_heads": 4,
+    "head_dim": 128,
+    "vocab_size": 32000,
+    "max_position_embeddings": 4096,
+    "initializer_range": 0.02,
+}
+QUICK = {
+    **FULL,
+    "hidden_size": 256,
+    "num_experts": 16,
+    "num_experts_per_tok": 4,
+    "moe_intermediate_size": 128,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "head_dim": 64,
+    "vocab_size": 4096,
+}
 # ours/sdpa: ours with transformers' SDPA kept (adapt_model(kernel_attention=False)) instead of
 # kt-kernel's causal attention, to measure what the attention op changes in a whole step.
 VARIANTS = ("peft", "ours", "ours+chunked", "ours/sdpa")
@@ -66,9 +84,17 @@ def _label_modules(lm: torch.nn.Module) -> None:
     """Run each interesting module's forward inside a ``record_function`` range."""
     for name, mod in lm.named_modules():
         leaf = name.rpartition(".")[2]
-        cat = ("qkvo" if leaf in DENSE else "router" if name.endswith("mlp.gate")
-               else "experts" if name.endswith("mlp.experts") else
-               "lm_head" if leaf == "lm_head" else None)
+        cat = (
+            "qkvo"
+            if leaf in DENSE
+            else "router"
+            if name.endswith("mlp.gate")
+            else "experts"
+            if name.endswith("mlp.experts")
+            else "lm_head"
+            if leaf == "lm_head"
+            else None
+        )
         if cat is None:
             continue
         fwd = mod.forward
@@ -92,20 +118,35 @@ def build(variant: str, cfg: Any) -> tuple[torch.nn.Module, torch.nn.Module, lis
     if variant == "peft":
         import peft
 
-        model = peft.get_peft_model(lm, peft.LoraConfig(
-            r=RANK, lora_alpha=2 * RANK, target_modules=DENSE,
-            target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj",
-                               "mlp.gate.weight"]))
+        model = peft.get_peft_model(
+            lm,
+            peft.LoraConfig(
+                r=RANK,
+                lora_alpha=2 * RANK,
+                target_modules=DENSE,
+                target_parameters=[
+                    "mlp.experts.gate_up_proj",
+                    "mlp.experts.down_proj",
+                    "mlp.gate.weight",
+                ],
+            ),
+        )
         params = [p for p in model.parameters() if p.requires_grad]
     else:
         import moe_experts
         from lora_core import LoraConfig
 
         model = lm
-        cfg_l = LoraConfig(enable=True, rank=RANK, alpha=2 * RANK, target_modules=DENSE,
-                           target_parameters=list(moe_experts.router_targets(lm)))
-        result = moe_experts.adapt_model(lm, cfg_l, weight_dtype="bf16",
-                                         kernel_attention=variant != "ours/sdpa")
+        cfg_l = LoraConfig(
+            enable=True,
+            rank=RANK,
+            alpha=2 * RANK,
+            target_modules=DENSE,
+            target_parameters=list(moe_experts.router_targets(lm)),
+        )
+        result = moe_experts.adapt_model(
+            lm, cfg_l, weight_dtype="bf16", kernel_attention=variant != "ours/sdpa"
+        )
         want = "sdpa" if variant == "ours/sdpa" else moe_experts.KERNEL_ATTENTION
         if lm.config._attn_implementation != want:
             raise RuntimeError(f"{variant} runs {lm.config._attn_implementation}, not {want}")
@@ -116,8 +157,9 @@ def build(variant: str, cfg: Any) -> tuple[torch.nn.Module, torch.nn.Module, lis
     return model, lm, list(params)
 
 
-def make_step(variant: str, model: torch.nn.Module, lm: torch.nn.Module,
-              opt: torch.optim.Optimizer) -> Callable[[torch.Tensor], float]:
+def make_step(
+    variant: str, model: torch.nn.Module, lm: torch.nn.Module, opt: torch.optim.Optimizer
+) -> Callable[[torch.Tensor], float]:
     """One training step (forward, loss, backward, AdamW) on ``ids [1, T]``; returns the loss."""
     from moe_experts.losses import chunked_lm_cross_entropy
 
@@ -132,7 +174,8 @@ def make_step(variant: str, model: torch.nn.Module, lm: torch.nn.Module,
             logits = model(input_ids=ids).logits[:, :-1]
             with torch.profiler.record_function("cat::loss"):
                 loss = torch.nn.functional.cross_entropy(
-                    logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1))
+                    logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1)
+                )
         loss.backward()
         with torch.profiler.record_function("cat::optimizer"):
             opt.step()
@@ -145,8 +188,12 @@ def _category(ev: Any) -> str | None:
     name = ev.name
     if name.startswith("cat::"):
         return name[5:]
-    if ("scaled_dot_product" in name or "ScaledDotProduct" in name
-            or name.startswith("kt_kernel::attention") or "NativeCausalAttention" in name):
+    if (
+        "scaled_dot_product" in name
+        or "ScaledDotProduct" in name
+        or name.startswith("kt_kernel::attention")
+        or "NativeCausalAttention" in name
+    ):
         return "attention"
     return None
 
@@ -186,8 +233,13 @@ def profile_step(step: Callable[[torch.Tensor], float], ids: torch.Tensor) -> di
     return {c: totals.get(c, 0.0) for c in CATEGORIES}
 
 
-def run(quick: bool, lengths: list[int], reps: int, do_profile: bool,
-        variants: tuple[str, ...] = VARIANTS) -> dict:
+def run(
+    quick: bool,
+    lengths: list[int],
+    reps: int,
+    do_profile: bool,
+    variants: tuple[str, ...] = VARIANTS,
+) -> dict:
     """Build all variants, time interleaved steps at each length, profile one step each."""
     from moe_experts.testing import tiny_config
 
@@ -224,8 +276,12 @@ def run(quick: bool, lengths: list[int], reps: int, do_profile: bool,
                 cpu[v].append(time.process_time() - c0)
         # CPU time of this process: less exposed than wall time to other jobs taking the
         # shared cores (not to their cache and memory-bandwidth pressure)
-        res: dict[str, Any] = {"first_loss": losses, "step_s": times, "step_cpu_s": cpu,
-                               "loadavg_per_rep": load}
+        res: dict[str, Any] = {
+            "first_loss": losses,
+            "step_s": times,
+            "step_cpu_s": cpu,
+            "loadavg_per_rep": load,
+        }
         _ratios(res, variants, t)
         if do_profile:
             res["profile_s"] = {v: profile_step(steps[v], ids) for v in variants}
@@ -244,38 +300,61 @@ def _ratios(res: dict[str, Any], variants: tuple[str, ...], length: int) -> None
     base_name = "peft" if "peft" in times else "ours" if "ours" in times else variants[0]
     base = times[base_name]
     res[f"speedup_vs_{base_name}"] = {
-        v: statistics.median(p / o for p, o in zip(base, times[v], strict=True))
-        for v in variants}
+        v: statistics.median(p / o for p, o in zip(base, times[v], strict=True)) for v in variants
+    }
     res[f"cpu_speedup_vs_{base_name}"] = {
         v: statistics.median(p / o for p, o in zip(cpu[base_name], cpu[v], strict=True))
-        for v in variants}
+        for v in variants
+    }
     if "ours" in times and "ours+chunked" in times:
         res["chunked_vs_plain_loss"] = statistics.median(
-            a / b for a, b in zip(times["ours"], times["ours+chunked"], strict=True))
+            a / b for a, b in zip(times["ours"], times["ours+chunked"], strict=True)
+        )
         res["chunked_vs_plain_loss_cpu"] = statistics.median(
-            a / b for a, b in zip(cpu["ours"], cpu["ours+chunked"], strict=True))
+            a / b for a, b in zip(cpu["ours"], cpu["ours+chunked"], strict=True)
+        )
 
 
-def run_isolated(quick: bool, lengths: list[int], reps: int,
-                 variants: tuple[str, ...]) -> dict:
+def run_isolated(quick: bool, lengths: list[int], reps: int, variants: tuple[str, ...]) -> dict:
     """Each (repetition, variant) in its own child process, order alternating per repetition."""
     out: dict[str, Any] = {"lengths": {}, "isolated": True}
-    res = {t: {"step_s": {v: [] for v in variants},
-               "step_cpu_s": {v: [] for v in variants}, "loadavg_per_rep": [],
-               "first_loss": {}} for t in lengths}
+    res = {
+        t: {
+            "step_s": {v: [] for v in variants},
+            "step_cpu_s": {v: [] for v in variants},
+            "loadavg_per_rep": [],
+            "first_loss": {},
+        }
+        for t in lengths
+    }
     for rep in range(reps):
         order = variants if rep % 2 == 0 else variants[::-1]
         for v in order:
-            cmd = [sys.executable, __file__, "--out", "-", "--child", v, "--lengths",
-                   ",".join(map(str, lengths)), *(["--quick"] if quick else [])]
+            cmd = [
+                sys.executable,
+                __file__,
+                "--out",
+                "-",
+                "--child",
+                v,
+                "--lengths",
+                ",".join(map(str, lengths)),
+                *(["--quick"] if quick else []),
+            ]
             load = os.getloadavg()[0]
             done = subprocess.run(cmd, capture_output=True, text=True)
             if done.returncode != 0:
-                raise SystemExit(f"the {v} child failed ({done.returncode}):\n{done.stderr[-3000:]}")
+                raise SystemExit(
+                    f"the {v} child failed ({done.returncode}):\n{done.stderr[-3000:]}"
+                )
             child = json.loads(done.stdout.strip().splitlines()[-1])
-            print(f"rep {rep + 1} {v}: " + ", ".join(
-                f"T={t} {child['lengths'][str(t)]['step_s'][v][0]:.2f} s" for t in lengths),
-                file=sys.stderr)
+            print(
+                f"rep {rep + 1} {v}: "
+                + ", ".join(
+                    f"T={t} {child['lengths'][str(t)]['step_s'][v][0]:.2f} s" for t in lengths
+                ),
+                file=sys.stderr,
+            )
             for t in lengths:
                 c = child["lengths"][str(t)]
                 res[t]["step_s"][v] += c["step_s"][v]
@@ -292,15 +371,23 @@ def run_isolated(quick: bool, lengths: list[int], reps: int,
 
 def _markdown(payload: dict) -> str:
     m = payload["model"]
-    lines = [f"# moe-experts training step vs transformers + PEFT ({payload['mode']})", "",
-             f"Qwen3-MoE, {m['num_hidden_layers']} layers, H={m['hidden_size']}, "
-             f"E={m['num_experts']}, k={m['num_experts_per_tok']}, I={m['moe_intermediate_size']}, "
-             f"V={m['vocab_size']}, bf16, LoRA rank {RANK} on q/k/v/o + router + experts; "
-             f"{payload['torch_threads']} threads, load average {payload['loadavg']}"
-             + ("; each variant and repetition in its own process."
-                if payload.get("isolated") else "; all variants in one process."), "",
-             "| T | variant | step (s) | tokens/s | x baseline (peft, else ours, else the first variant) "
-             "| step CPU (s) | x baseline, CPU time |", "|---|---|---|---|---|---|---|"]
+    lines = [
+        f"# moe-experts training step vs transformers + PEFT ({payload['mode']})",
+        "",
+        f"Qwen3-MoE, {m['num_hidden_layers']} layers, H={m['hidden_size']}, "
+        f"E={m['num_experts']}, k={m['num_experts_per_tok']}, I={m['moe_intermediate_size']}, "
+        f"V={m['vocab_size']}, bf16, LoRA rank {RANK} on q/k/v/o + router + experts; "
+        f"{payload['torch_threads']} threads, load average {payload['loadavg']}"
+        + (
+            "; each variant and repetition in its own process."
+            if payload.get("isolated")
+            else "; all variants in one process."
+        ),
+        "",
+        "| T | variant | step (s) | tokens/s | x baseline (peft, else ours, else the first variant) "
+        "| step CPU (s) | x baseline, CPU time |",
+        "|---|---|---|---|---|---|---|",
+    ]
     vs = payload["variants"]
     for t, r in payload["lengths"].items():
         ratio = next(x for k, x in r.items() if k.startswith("speedup_vs_"))
@@ -309,17 +396,26 @@ def _markdown(payload: dict) -> str:
             c_s = r.get("step_cpu_s", {}).get(v)
             c_cell = f"{statistics.median(c_s):.2f}" if c_s else "-"
             c_ratio = f"{cratio[v]:.2f}" if v in cratio else "-"
-            lines.append(f"| {t} | {v} | {r['step_s_median'][v]:.2f} | "
-                         f"{r['tokens_per_s'][v]:.0f} | {ratio[v]:.2f} | {c_cell} | {c_ratio} |")
+            lines.append(
+                f"| {t} | {v} | {r['step_s_median'][v]:.2f} | "
+                f"{r['tokens_per_s'][v]:.0f} | {ratio[v]:.2f} | {c_cell} | {c_ratio} |"
+            )
     for t, r in payload["lengths"].items():
         if "profile_s" not in r:
             continue
-        lines += ["", f"Profile of one step at T={t} (seconds of op self time, share):", "",
-                  "| category | " + " | ".join(vs) + " |", "|---" * (len(vs) + 1) + "|"]
+        lines += [
+            "",
+            f"Profile of one step at T={t} (seconds of op self time, share):",
+            "",
+            "| category | " + " | ".join(vs) + " |",
+            "|---" * (len(vs) + 1) + "|",
+        ]
         tot = {v: sum(r["profile_s"][v].values()) for v in vs}
         for c in CATEGORIES:
-            cells = [f"{r['profile_s'][v][c]:.2f} ({100 * r['profile_s'][v][c] / tot[v]:.0f}%)"
-                     for v in vs]
+            cells = [
+                f"{r['profile_s'][v][c]:.2f} ({100 * r['profile_s'][v][c] / tot[v]:.0f}%)"
+                for v in vs
+            ]
             lines.append(f"| {c} | " + " | ".join(cells) + " |")
         lines.append("| total | " + " | ".join(f"{tot[v]:.2f}" for v in vs) + " |")
     return "\n".join(lines) + "\n"
@@ -332,11 +428,17 @@ def main() -> None:
     parser.add_argument("--quick", action="store_true", help="small model, T=128 (<1 min)")
     parser.add_argument("--lengths", help="comma-separated sequence lengths (default 512,2048)")
     parser.add_argument("--reps", type=int, help="timed steps per variant and length")
-    parser.add_argument("--variants", default=",".join(VARIANTS[:3]),
-                        help="comma-separated subset of " + ",".join(VARIANTS))
+    parser.add_argument(
+        "--variants",
+        default=",".join(VARIANTS[:3]),
+        help="comma-separated subset of " + ",".join(VARIANTS),
+    )
     parser.add_argument("--no-profile", action="store_true", help="skip the profiled steps")
-    parser.add_argument("--isolate", action="store_true",
-                        help="each variant and repetition in its own process (no profile)")
+    parser.add_argument(
+        "--isolate",
+        action="store_true",
+        help="each variant and repetition in its own process (no profile)",
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)  # one variant, one timed step
     args = parser.parse_args()
     lengths = [int(x) for x in (args.lengths or ("128" if args.quick else "512,2048")).split(",")]
@@ -350,10 +452,14 @@ def main() -> None:
         result = run_isolated(args.quick, lengths, reps, variants)
     else:
         result = run(args.quick, lengths, reps, not args.no_profile, variants)
-    payload = {"benchmark": "moe-experts/bench_step", "mode": "quick" if args.quick else "full",
-               "model": {"family": "qwen3_moe", **(QUICK if args.quick else FULL)},
-               "lora_rank": RANK, "loadavg": f"{load0:.1f} -> {os.getloadavg()[0]:.1f}",
-               **result}
+    payload = {
+        "benchmark": "moe-experts/bench_step",
+        "mode": "quick" if args.quick else "full",
+        "model": {"family": "qwen3_moe", **(QUICK if args.quick else FULL)},
+        "lora_rank": RANK,
+        "loadavg": f"{load0:.1f} -> {os.getloadavg()[0]:.1f}",
+        **result,
+    }
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "bench_step.json").write_text(json.dumps(payload, indent=2))
     text = _markdown(payload)

@@ -38,8 +38,9 @@ class _BlockedCausal(torch.autograd.Function):
     """Causal GQA attention by query blocks; saves the log-sum-exp, recomputes P in backward."""
 
     @staticmethod
-    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float,
-                blk: int) -> torch.Tensor:
+    def forward(
+        ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float, blk: int
+    ) -> torch.Tensor:
         b, hq, t, d = q.shape
         hk = k.shape[1]
         g = hq // hk
@@ -54,7 +55,8 @@ class _BlockedCausal(torch.autograd.Function):
             p = torch.exp(s - m[..., None]).to(q.dtype)
             lse[:, :, t0:t1] = m
             out[:, :, t0:t1] = torch.bmm(p.view(b * hk, g * n, t1), vv[:, :t1]).view(
-                b * hk, g, n, d)
+                b * hk, g, n, d
+            )
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.scale, ctx.blk = scale, blk
         return out.view(b, hq, t, d)
@@ -101,8 +103,9 @@ def _timed(fn: Callable[[], None]) -> tuple[float, float]:
     return time.perf_counter() - t0, time.process_time() - c0
 
 
-def run(t: int, heads: int, kv_heads: int, dim: int, hidden: int, vocab: int,
-        reps: int) -> dict[str, Any]:
+def run(
+    t: int, heads: int, kv_heads: int, dim: int, hidden: int, vocab: int, reps: int
+) -> dict[str, Any]:
     """Time every part ``reps`` times, interleaved; return times, ratios and errors."""
     from kt_kernel import causal_attention
     from moe_experts import chunked_lm_cross_entropy
@@ -122,12 +125,14 @@ def run(t: int, heads: int, kv_heads: int, dim: int, hidden: int, vocab: int,
         if kind == "sdpa_gqa":
             return F.scaled_dot_product_attention(q, k, v, is_causal=True, enable_gqa=True)
         if kind == "sdpa_repeat":
-            kr, vr = (x[:, :, None].expand(1, kv_heads, rep, t, dim).reshape(1, heads, t, dim)
-                      for x in (k, v))
+            kr, vr = (
+                x[:, :, None].expand(1, kv_heads, rep, t, dim).reshape(1, heads, t, dim)
+                for x in (k, v)
+            )
             return F.scaled_dot_product_attention(q, kr, vr, is_causal=True)
         if kind == "kernel":
             return causal_attention(q, k, v, backend="native")
-        return _BlockedCausal.apply(q, k, v, dim ** -0.5, 256)
+        return _BlockedCausal.apply(q, k, v, dim**-0.5, 256)
 
     def attn_step(kind: str) -> None:
         q.grad = k.grad = v.grad = None
@@ -161,8 +166,9 @@ def run(t: int, heads: int, kv_heads: int, dim: int, hidden: int, vocab: int,
         parts[kind] = lambda kind=kind: head(kind)
     errors = {}  # relative error of output and gradients against fp64 attention
     ref_in = [x.detach().double().requires_grad_() for x in (q, k, v)]
-    ref = F.scaled_dot_product_attention(ref_in[0], *(x.repeat_interleave(rep, 1)
-                                                      for x in ref_in[1:]), is_causal=True)
+    ref = F.scaled_dot_product_attention(
+        ref_in[0], *(x.repeat_interleave(rep, 1) for x in ref_in[1:]), is_causal=True
+    )
     ref.backward(go.double())
     want = [ref.detach()] + [x.grad for x in ref_in]
     for kind in ("sdpa_gqa", "blocked", "kernel"):
@@ -170,8 +176,9 @@ def run(t: int, heads: int, kv_heads: int, dim: int, hidden: int, vocab: int,
         out = attn(kind)
         out.backward(go)
         got = [out.detach(), q.grad, k.grad, v.grad]
-        errors[kind] = [float((x.double() - r).norm() / r.norm()) for x, r in zip(got, want,
-                                                                               strict=True)]
+        errors[kind] = [
+            float((x.double() - r).norm() / r.norm()) for x, r in zip(got, want, strict=True)
+        ]
     for fn in parts.values():  # warm-up
         fn()
     wall: dict[str, list[float]] = {n: [] for n in parts}
@@ -187,25 +194,40 @@ def run(t: int, heads: int, kv_heads: int, dim: int, hidden: int, vocab: int,
 
     flops_attn = 2 * 2 * t * t * dim * heads / 2 * (1 + 2.5)  # causal fwd + ~2.5x bwd
     return {
-        "wall_s": wall, "cpu_s": cpu,
-        "matmul_gflops": 2 * 2048 ** 3 / statistics.median(wall["matmul"]) / 1e9,
+        "wall_s": wall,
+        "cpu_s": cpu,
+        "matmul_gflops": 2 * 2048**3 / statistics.median(wall["matmul"]) / 1e9,
         "sdpa_gqa_gflops": flops_attn / statistics.median(wall["sdpa_gqa"]) / 1e9,
         "kernel_gflops": flops_attn / statistics.median(wall["kernel"]) / 1e9,
         # CPU-time rates: on a shared machine the work, not the waiting for a core.
-        "gflops_per_cpu_s": {n: f / statistics.median(cpu[n]) / 1e9 for n, f in (
-            ("matmul", 2 * 2048 ** 3), ("sdpa_gqa", flops_attn), ("kernel", flops_attn))},
-        "sdpa_vs_kernel": {"wall": ratio("sdpa_gqa", "kernel", wall),
-                           "cpu": ratio("sdpa_gqa", "kernel", cpu)},
-        "sdpa_vs_kernel_fwd": {"wall": ratio("sdpa_gqa_fwd", "kernel_fwd", wall),
-                               "cpu": ratio("sdpa_gqa_fwd", "kernel_fwd", cpu)},
-        "sdpa_vs_kernel_bwd": {"wall": ratio("sdpa_gqa_bwd", "kernel_bwd", wall),
-                               "cpu": ratio("sdpa_gqa_bwd", "kernel_bwd", cpu)},
-        "repeat_vs_gqa": {"wall": ratio("sdpa_repeat", "sdpa_gqa", wall),
-                          "cpu": ratio("sdpa_repeat", "sdpa_gqa", cpu)},
-        "blocked_vs_gqa": {"wall": ratio("blocked", "sdpa_gqa", wall),
-                           "cpu": ratio("blocked", "sdpa_gqa", cpu)},
-        "full_vs_chunked_head": {"wall": ratio("head_full", "head_chunked", wall),
-                                 "cpu": ratio("head_full", "head_chunked", cpu)},
+        "gflops_per_cpu_s": {
+            n: f / statistics.median(cpu[n]) / 1e9
+            for n, f in (("matmul", 2 * 2048**3), ("sdpa_gqa", flops_attn), ("kernel", flops_attn))
+        },
+        "sdpa_vs_kernel": {
+            "wall": ratio("sdpa_gqa", "kernel", wall),
+            "cpu": ratio("sdpa_gqa", "kernel", cpu),
+        },
+        "sdpa_vs_kernel_fwd": {
+            "wall": ratio("sdpa_gqa_fwd", "kernel_fwd", wall),
+            "cpu": ratio("sdpa_gqa_fwd", "kernel_fwd", cpu),
+        },
+        "sdpa_vs_kernel_bwd": {
+            "wall": ratio("sdpa_gqa_bwd", "kernel_bwd", wall),
+            "cpu": ratio("sdpa_gqa_bwd", "kernel_bwd", cpu),
+        },
+        "repeat_vs_gqa": {
+            "wall": ratio("sdpa_repeat", "sdpa_gqa", wall),
+            "cpu": ratio("sdpa_repeat", "sdpa_gqa", cpu),
+        },
+        "blocked_vs_gqa": {
+            "wall": ratio("blocked", "sdpa_gqa", wall),
+            "cpu": ratio("blocked", "sdpa_gqa", cpu),
+        },
+        "full_vs_chunked_head": {
+            "wall": ratio("head_full", "head_chunked", wall),
+            "cpu": ratio("head_full", "head_chunked", cpu),
+        },
         "attention_rel_error_vs_fp64": errors,
     }
 
@@ -219,33 +241,56 @@ def main() -> None:
     parser.add_argument("--reps", type=int, default=3, help="interleaved repetitions")
     parser.add_argument("--stem", default="bench_step_parts", help="output file name stem")
     args = parser.parse_args()
-    shape = ((256, 8, 2, 64, 256, 4096) if args.quick else (args.length, 32, 4, 128, 2048, 32000))
+    shape = (256, 8, 2, 64, 256, 4096) if args.quick else (args.length, 32, 4, 128, 2048, 32000)
     load0 = os.getloadavg()[0]
     res = run(*shape, reps=args.reps)
-    res.update(benchmark="moe-experts/bench_step_parts", threads=torch.get_num_threads(),
-               shape=dict(zip(("T", "heads", "kv_heads", "head_dim", "hidden", "vocab"), shape,
-                              strict=True)),
-               loadavg=f"{load0:.1f} -> {os.getloadavg()[0]:.1f}")
+    res.update(
+        benchmark="moe-experts/bench_step_parts",
+        threads=torch.get_num_threads(),
+        shape=dict(
+            zip(("T", "heads", "kv_heads", "head_dim", "hidden", "vocab"), shape, strict=True)
+        ),
+        loadavg=f"{load0:.1f} -> {os.getloadavg()[0]:.1f}",
+    )
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / f"{args.stem}.json").write_text(json.dumps(res, indent=2))
-    lines = [f"# Shared step parts, T={shape[0]} ({res['threads']} threads, load "
-             f"{res['loadavg']}, median of {args.reps} interleaved repetitions)", "",
-             "| part | wall (s) | CPU (s) |", "|---|---|---|"]
-    lines += [f"| {n} | {statistics.median(res['wall_s'][n]):.3f} | "
-              f"{statistics.median(res['cpu_s'][n]):.3f} |" for n in res["wall_s"]]
+    lines = [
+        f"# Shared step parts, T={shape[0]} ({res['threads']} threads, load "
+        f"{res['loadavg']}, median of {args.reps} interleaved repetitions)",
+        "",
+        "| part | wall (s) | CPU (s) |",
+        "|---|---|---|",
+    ]
+    lines += [
+        f"| {n} | {statistics.median(res['wall_s'][n]):.3f} | "
+        f"{statistics.median(res['cpu_s'][n]):.3f} |"
+        for n in res["wall_s"]
+    ]
     rate = res["gflops_per_cpu_s"]
-    lines += ["", f"bf16 matmul {res['matmul_gflops']:.0f} GFLOP/s; SDPA (GQA) forward + "
-              f"backward {res['sdpa_gqa_gflops']:.0f} GFLOP/s; kernel "
-              f"{res['kernel_gflops']:.0f} GFLOP/s (wall). Per CPU-second: matmul "
-              f"{rate['matmul']:.0f}, SDPA {rate['sdpa_gqa']:.0f} "
-              f"({rate['sdpa_gqa'] / rate['matmul']:.0%} of matmul), kernel "
-              f"{rate['kernel']:.0f} ({rate['kernel'] / rate['matmul']:.0%}).", ""]
-    for key in ("repeat_vs_gqa", "blocked_vs_gqa", "sdpa_vs_kernel", "sdpa_vs_kernel_fwd",
-                "sdpa_vs_kernel_bwd", "full_vs_chunked_head"):
+    lines += [
+        "",
+        f"bf16 matmul {res['matmul_gflops']:.0f} GFLOP/s; SDPA (GQA) forward + "
+        f"backward {res['sdpa_gqa_gflops']:.0f} GFLOP/s; kernel "
+        f"{res['kernel_gflops']:.0f} GFLOP/s (wall). Per CPU-second: matmul "
+        f"{rate['matmul']:.0f}, SDPA {rate['sdpa_gqa']:.0f} "
+        f"({rate['sdpa_gqa'] / rate['matmul']:.0%} of matmul), kernel "
+        f"{rate['kernel']:.0f} ({rate['kernel'] / rate['matmul']:.0%}).",
+        "",
+    ]
+    for key in (
+        "repeat_vs_gqa",
+        "blocked_vs_gqa",
+        "sdpa_vs_kernel",
+        "sdpa_vs_kernel_fwd",
+        "sdpa_vs_kernel_bwd",
+        "full_vs_chunked_head",
+    ):
         lines.append(f"- {key}: wall {res[key]['wall']:.2f}x, CPU {res[key]['cpu']:.2f}x")
     for kind, errs in res["attention_rel_error_vs_fp64"].items():
-        lines.append(f"- {kind} relative error vs fp64 (out, dq, dk, dv): "
-                     + ", ".join(f"{e:.1e}" for e in errs))
+        lines.append(
+            f"- {kind} relative error vs fp64 (out, dq, dk, dv): "
+            + ", ".join(f"{e:.1e}" for e in errs)
+        )
     text = "\n".join(lines) + "\n"
     (args.out / f"{args.stem}.md").write_text(text)
     print(text)

@@ -27,8 +27,14 @@ STEPS = 5
 # One config for both producers: AdaptationResult.merge refuses two different lora_configs;
 # target_modules/target_parameters select the dense layers and the routers, expert LoRA
 # covers every wrapped experts module.
-CFG = LoraConfig(enable=True, rank=2, alpha=4, init_seed=21, target_modules=["q_proj", "o_proj"],
-                 target_parameters=["mlp.gate.weight"])
+CFG = LoraConfig(
+    enable=True,
+    rank=2,
+    alpha=4,
+    init_seed=21,
+    target_modules=["q_proj", "o_proj"],
+    target_parameters=["mlp.gate.weight"],
+)
 
 
 def batch_for(rank: int) -> torch.Tensor:
@@ -91,22 +97,29 @@ def main() -> None:
         params[n] = (t.full_tensor() if isinstance(t, DTensor) else t).clone()
     torch.save(params, out_dir / f"params_rank{rank}.pt")
     placeholder_names = set(report.placeholders)
-    dtensor_placeholders = [n for n, p in model.named_parameters()
-                            if n in placeholder_names and isinstance(p, DTensor)]
+    dtensor_placeholders = [
+        n for n, p in model.named_parameters() if n in placeholder_names and isinstance(p, DTensor)
+    ]
     sharded = [n for n, p in model.named_parameters() if isinstance(p, DTensor)]
-    (out_dir / f"rank{rank}.json").write_text(json.dumps({
-        "losses": losses,
-        "pre_sync_norms": pre_sync_norms,
-        "placeholders": sorted(placeholder_names),
-        "placeholders_all_placeholders": all(
-            moe_experts.is_placeholder(p) for n, p in model.named_parameters()
-            if n in placeholder_names),
-        "dtensor_placeholders": dtensor_placeholders,
-        "n_dtensor_params": len(sharded),
-        "n_replicated": n_replicated,
-        "names": list(result.parameter_names),
-        "stale_after_replicate": stale,
-    }))
+    (out_dir / f"rank{rank}.json").write_text(
+        json.dumps(
+            {
+                "losses": losses,
+                "pre_sync_norms": pre_sync_norms,
+                "placeholders": sorted(placeholder_names),
+                "placeholders_all_placeholders": all(
+                    moe_experts.is_placeholder(p)
+                    for n, p in model.named_parameters()
+                    if n in placeholder_names
+                ),
+                "dtensor_placeholders": dtensor_placeholders,
+                "n_dtensor_params": len(sharded),
+                "n_replicated": n_replicated,
+                "names": list(result.parameter_names),
+                "stale_after_replicate": stale,
+            }
+        )
+    )
     dist.barrier()
     dist.destroy_process_group()
 

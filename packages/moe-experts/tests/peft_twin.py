@@ -37,7 +37,9 @@ def peft_twin(
     pm = peft.get_peft_model(
         base,
         peft.LoraConfig(
-            r=cfg.rank, lora_alpha=cfg.alpha, target_modules=[],
+            r=cfg.rank,
+            lora_alpha=cfg.alpha,
+            target_modules=[],
             target_parameters=list(result.peft_target_parameters),
         ),
     )

@@ -93,8 +93,13 @@ def shared_mappings() -> list[dict]:
         if m:
             cur = None
             if "/memfd:ktk-" in m.group(3):
-                cur = {"path": m.group(3), "start": int(m.group(1), 16),
-                       "end": int(m.group(2), 16), "pss": 0, "rss": 0}
+                cur = {
+                    "path": m.group(3),
+                    "start": int(m.group(1), 16),
+                    "end": int(m.group(2), 16),
+                    "pss": 0,
+                    "rss": 0,
+                }
                 out.append(cur)
         elif cur is not None and line.startswith(("Pss:", "Rss:")):
             key, value = line.split(":")[0].lower(), int(line.split()[1]) * 1024
@@ -148,10 +153,16 @@ def expect_failure(model_dir: Path, out_dir: Path, mode: str, crash: str) -> Non
     except Exception as exc:  # the test checks its type and message
         error = {"type": type(exc).__name__, "message": str(exc)}
     after = open_fds()
-    (out_dir / f"rank{rank}.json").write_text(json.dumps({
-        "error": error,
-        "leaked": sorted(target for fd, target in after.items() if before.get(fd) != target),
-    }))
+    (out_dir / f"rank{rank}.json").write_text(
+        json.dumps(
+            {
+                "error": error,
+                "leaked": sorted(
+                    target for fd, target in after.items() if before.get(fd) != target
+                ),
+            }
+        )
+    )
     dist.barrier()
     dist.destroy_process_group()
 
@@ -200,16 +211,20 @@ def main() -> None:
         losses.append(total.item() / dist.get_world_size())
         if crash == "train" and local_rank == 1 and step == 0:
             os.kill(os.getpid(), signal.SIGKILL)
-    (out_dir / f"rank{rank}.json").write_text(json.dumps({
-        "digest": digest,
-        "inside_shared": inside,
-        "maps": maps,
-        "kernel_bytes": kernel_bytes,
-        "kernel_threads": kt_kernel.get_num_threads(),
-        "losses": losses,
-        "pid": os.getpid(),
-        "local_rank": local_rank,
-    }))
+    (out_dir / f"rank{rank}.json").write_text(
+        json.dumps(
+            {
+                "digest": digest,
+                "inside_shared": inside,
+                "maps": maps,
+                "kernel_bytes": kernel_bytes,
+                "kernel_threads": kt_kernel.get_num_threads(),
+                "losses": losses,
+                "pid": os.getpid(),
+                "local_rank": local_rank,
+            }
+        )
+    )
     torch.save({n: p.detach().clone() for n, p in named}, out_dir / f"params{rank}.pt")
     dist.barrier()
     dist.destroy_process_group()

@@ -16,8 +16,14 @@ CFG = LoraConfig(enable=True, rank=2, alpha=4, init_seed=11)
 
 def _router_cfg(model) -> LoraConfig:
     # Routers through lora-core (LoRAParameter), experts through adapt: one config for both.
-    return LoraConfig(enable=True, rank=2, alpha=4, init_seed=11, target_modules=[],
-                      target_parameters=list(router_targets(model)))
+    return LoraConfig(
+        enable=True,
+        rank=2,
+        alpha=4,
+        init_seed=11,
+        target_modules=[],
+        target_parameters=list(router_targets(model)),
+    )
 
 
 def _perturb_b(result, scale: float = 0.2) -> None:
@@ -93,9 +99,7 @@ def test_names_ownership_exports_and_init(fresh) -> None:
     result = adapt(model, CFG)
     names = result.parameter_names
     assert len(names) == len(set(names)) == 4 * len(report.wrapped_blocks)
-    assert names[:4] == tuple(
-        f"model.layers.0.mlp.experts.lora.{n}" for n in kt_kernel.FUSED_NAMES
-    )
+    assert names[:4] == tuple(f"model.layers.0.mlp.experts.lora.{n}" for n in kt_kernel.FUSED_NAMES)
     named = dict(model.named_parameters())
     for n, p in result.named_optimizer_parameters:
         assert named[n] is p
@@ -112,8 +116,9 @@ def test_names_ownership_exports_and_init(fresh) -> None:
     assert ex[names[2]].key == f"{prefix}.lora_A.weight"
     assert ex[names[3]].key == f"{prefix}.lora_B.weight"
     a = named["model.layers.0.mlp.experts.lora.gate_up_lora_a"]
-    want = init_lora_tensor("model.layers.0.mlp.experts.gate_up.lora_A", a.shape, a.dtype,
-                            seed=CFG.init_seed)
+    want = init_lora_tensor(
+        "model.layers.0.mlp.experts.gate_up.lora_A", a.shape, a.dtype, seed=CFG.init_seed
+    )
     torch.testing.assert_close(a, want, rtol=0, atol=0)
     assert named["model.layers.0.mlp.experts.lora.gate_up_lora_b"].abs().sum() == 0
 
@@ -146,15 +151,17 @@ def test_split_layout_and_exclude(fresh) -> None:
     )
     # PEFT cannot express split gate/up on a fused parameter: only down is exported.
     assert sorted(result.peft_exports) == [
-        "model.layers.0.mlp.experts.lora.down_lora_a", "model.layers.0.mlp.experts.lora.down_lora_b"
+        "model.layers.0.mlp.experts.lora.down_lora_a",
+        "model.layers.0.mlp.experts.lora.down_lora_b",
     ]
 
 
 @pytest.mark.timeout(60)
 def test_adapt_model_merges_dense_and_experts(fresh) -> None:
     model = fresh("qwen2_moe")
-    dense = LoraConfig(enable=True, rank=2, init_seed=11, target_modules=["q_proj", "v_proj",
-                                                                          "shared_expert_gate"])
+    dense = LoraConfig(
+        enable=True, rank=2, init_seed=11, target_modules=["q_proj", "v_proj", "shared_expert_gate"]
+    )
     result = adapt_model(model, CFG, dense_config=dense, weight_dtype="fp32")
     trainable = [n for n, p in model.named_parameters() if p.requires_grad]
     # The optimizer sees every trainable tensor exactly once, and nothing else.
@@ -195,16 +202,27 @@ def test_adapt_model_takes_a_peft_style_config_with_routers(fresh) -> None:
     model = fresh("deepseek_v3")
     assert router_targets(model) == ("mlp.gate.weight",)
     # What a PEFT user writes: the expert banks and the router in one target_parameters list.
-    cfg = LoraConfig(enable=True, rank=2, init_seed=3, target_modules=["q_a_proj"],
-                     target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj",
-                                        *router_targets(model)])
+    cfg = LoraConfig(
+        enable=True,
+        rank=2,
+        init_seed=3,
+        target_modules=["q_a_proj"],
+        target_parameters=[
+            "mlp.experts.gate_up_proj",
+            "mlp.experts.down_proj",
+            *router_targets(model),
+        ],
+    )
     result = adapt_model(model, cfg, weight_dtype="fp32")
     assert result.lora_config == cfg
     gates = [n for n, m in model.named_modules() if isinstance(m, LoRAParameter)]
     # DeepSeek's first layer is dense: only the MoE layers have a router.
     assert gates == ["model.layers.1.mlp.gate", "model.layers.2.mlp.gate"]
     assert result.peft_target_parameters == (
-        "mlp.gate.weight", "mlp.experts.down_proj", "mlp.experts.gate_up_proj")
+        "mlp.gate.weight",
+        "mlp.experts.down_proj",
+        "mlp.experts.gate_up_proj",
+    )
     trainable = sorted(n for n, p in model.named_parameters() if p.requires_grad)
     assert sorted(result.parameter_names) == trainable
     assert "model.layers.1.mlp.gate.lora_A.weight" in trainable

@@ -21,10 +21,26 @@ from .conftest import FAMILIES
 def test_registry_rows_have_tiny_configs_and_are_frozen() -> None:
     # The list of families users fine-tune; every row has a tiny config, so the
     # parametrised suites (test_wrap, test_adapt) run it.
-    required = {"qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3", "olmoe", "qwen3_5_moe",
-                "qwen3_next", "qwen3_vl_moe", "glm4_moe", "glm4v_moe", "deepseek_v2",
-                "ernie4_5_moe", "minimax", "hunyuan_v1_moe", "dots1", "phimoe", "granitemoe",
-                "gpt_oss"}
+    required = {
+        "qwen3_moe",
+        "qwen2_moe",
+        "mixtral",
+        "deepseek_v3",
+        "olmoe",
+        "qwen3_5_moe",
+        "qwen3_next",
+        "qwen3_vl_moe",
+        "glm4_moe",
+        "glm4v_moe",
+        "deepseek_v2",
+        "ernie4_5_moe",
+        "minimax",
+        "hunyuan_v1_moe",
+        "dots1",
+        "phimoe",
+        "granitemoe",
+        "gpt_oss",
+    }
     assert required <= set(ARCHITECTURES)
     assert set(TINY_CONFIGS) == set(ARCHITECTURES) == set(FAMILIES)
     assert not set(ARCHITECTURES) & set(UNSUPPORTED_FAMILIES)
@@ -64,8 +80,14 @@ def test_blocks_found_with_router_and_shared_experts(fresh, family: str) -> None
 
 
 def test_unsupported_model_lists_families() -> None:
-    cfg = LlamaConfig(vocab_size=32, hidden_size=16, intermediate_size=32, num_hidden_layers=1,
-                      num_attention_heads=2, num_key_value_heads=2)
+    cfg = LlamaConfig(
+        vocab_size=32,
+        hidden_size=16,
+        intermediate_size=32,
+        num_hidden_layers=1,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+    )
     with pytest.raises(UnsupportedModelError) as info:
         find_architecture(LlamaForCausalLM(cfg))
     msg = str(info.value)
@@ -87,8 +109,9 @@ def test_refused_families_say_why(model_type: str) -> None:
 @pytest.mark.parametrize("interleaved", [False, True])
 def test_layout_fields_convert_to_kernel_layout(transposed: bool, interleaved: bool) -> None:
     # kt-kernel's layout: gate_up [E, 2I, H] with gate rows first, down [E, H, I].
-    arch = dataclasses.replace(ARCHITECTURES["mixtral"], transposed=transposed,
-                               interleaved=interleaved)
+    arch = dataclasses.replace(
+        ARCHITECTURES["mixtral"], transposed=transposed, interleaved=interleaved
+    )
     e, i, h = 3, 5, 7
     gate, up = torch.randn(e, i, h), torch.randn(e, i, h)
     down = torch.randn(e, h, i)
@@ -108,5 +131,6 @@ def test_layout_fields_convert_to_kernel_layout(transposed: bool, interleaved: b
     assert torch.equal(view[:, 1], up)
     assert torch.equal(arch.kernel_down(stored_dn), down)
     assert torch.equal(arch.kernel_rows(stored_bias), bias)
-    assert torch.equal(arch.kernel_rows(rows.transpose(0, 1), dim=0),
-                       torch.cat([gate, up], 1).transpose(0, 1))
+    assert torch.equal(
+        arch.kernel_rows(rows.transpose(0, 1), dim=0), torch.cat([gate, up], 1).transpose(0, 1)
+    )

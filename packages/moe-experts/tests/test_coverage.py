@@ -19,9 +19,14 @@ from .conftest import token_batch
 def _adapted(fresh, family: str, exclude: list[str]):
     model = fresh(family)
     dense = ["shared_expert_gate", "gate_proj"] if family == "qwen2_moe" else ["q_proj"]
-    cfg = LoraConfig(enable=True, rank=2, init_seed=3, exclude_modules=exclude,
-                     target_modules=dense,
-                     target_parameters=list(router_targets(model)))
+    cfg = LoraConfig(
+        enable=True,
+        rank=2,
+        init_seed=3,
+        exclude_modules=exclude,
+        target_modules=dense,
+        target_parameters=list(router_targets(model)),
+    )
     return model, adapt_model(model, cfg, weight_dtype="fp32")
 
 

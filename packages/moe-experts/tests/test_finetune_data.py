@@ -40,15 +40,23 @@ RECORDS: dict[str, tuple[dict, Sample]] = {
     "messages": ({"messages": list(CHAT)}, Sample(messages=CHAT)),
     "alpaca": (
         {"instruction": "Add the numbers.", "input": "2 and 2", "output": "4"},
-        Sample(messages=({"role": "user", "content": "Add the numbers.\n\n2 and 2"},
-                         {"role": "assistant", "content": "4"})),
+        Sample(
+            messages=(
+                {"role": "user", "content": "Add the numbers.\n\n2 and 2"},
+                {"role": "assistant", "content": "4"},
+            )
+        ),
     ),
     "sharegpt": (
-        {"conversations": [{"from": "system", "value": "Be brief."},
-                           {"from": "human", "value": "What is 2 plus 2?"},
-                           {"from": "gpt", "value": "4."},
-                           {"from": "human", "value": "And 3 plus 3?"},
-                           {"from": "gpt", "value": "6."}]},
+        {
+            "conversations": [
+                {"from": "system", "value": "Be brief."},
+                {"from": "human", "value": "What is 2 plus 2?"},
+                {"from": "gpt", "value": "4."},
+                {"from": "human", "value": "And 3 plus 3?"},
+                {"from": "gpt", "value": "6."},
+            ]
+        },
         Sample(messages=CHAT),
     ),
 }
@@ -121,8 +129,10 @@ def test_txt_lines_are_text_documents(tmp_path: Path) -> None:
 
 
 def test_forced_format_wins_over_detection(tmp_path: Path) -> None:
-    path = _write(tmp_path / "both.jsonl",
-                  [{"text": "plain", "messages": [{"role": "assistant", "content": "x"}]}])
+    path = _write(
+        tmp_path / "both.jsonl",
+        [{"text": "plain", "messages": [{"role": "assistant", "content": "x"}]}],
+    )
     assert load_samples(path) == [Sample(messages=({"role": "assistant", "content": "x"},))]
     assert load_samples(path, "text") == [Sample(text="plain")]
     with pytest.raises(FinetuneError, match="--data-format 'csv'"):
@@ -155,12 +165,13 @@ def test_each_bad_record_is_one_line_naming_file_line_and_field(tmp_path: Path) 
 
 
 def test_alpaca_and_sharegpt_fields_are_named(tmp_path: Path) -> None:
-    path = _write(tmp_path / "a.jsonl", [{"instruction": "x", "output": ""},
-                                         {"instruction": "x"}])
+    path = _write(tmp_path / "a.jsonl", [{"instruction": "x", "output": ""}, {"instruction": "x"}])
     with pytest.raises(DataError) as info:
         load_samples(path)
     assert [line.split(": ")[1] for line in info.value.lines] == [
-        "alpaca field output", "alpaca field output"]
+        "alpaca field output",
+        "alpaca field output",
+    ]
     path = _write(tmp_path / "s.json", [{"conversations": [{"from": "bot", "value": "x"}]}])
     with pytest.raises(DataError, match=r"s\.json:2: sharegpt field conversations\[0\]\.from"):
         load_samples(path)
@@ -204,8 +215,12 @@ def test_loss_only_on_replies_and_their_end_of_turn(tmp_path: Path, tok, name: s
 def test_thinking_template_gets_no_loss_on_its_empty_think_block(tok) -> None:
     tok = build_byte_tokenizer()
     tok.chat_template = THINKING_TEMPLATE
-    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"},
-                {"role": "user", "content": "2+2?"}, {"role": "assistant", "content": "4"}]
+    messages = [
+        {"role": "user", "content": "hi"},
+        {"role": "assistant", "content": "hello"},
+        {"role": "user", "content": "2+2?"},
+        {"role": "assistant", "content": "4"},
+    ]
     rendered, _ = assistant_spans(tok, messages)
     assert "<think>\n\n</think>\n\n4<|im_end|>" in rendered  # the template did insert it
     ids, train = render_conversation(tok, messages)
@@ -213,22 +228,28 @@ def test_thinking_template_gets_no_loss_on_its_empty_think_block(tok) -> None:
     # Reasoning that the data carries is part of the reply and is trained.
     messages[-1]["content"] = "<think>two and two</think>4"
     ids, train = render_conversation(tok, messages)
-    assert _trained_text(tok, ids, train) == ["hello<|im_end|>",
-                                              "<think>\ntwo and two\n</think>\n\n4<|im_end|>"]
+    assert _trained_text(tok, ids, train) == [
+        "hello<|im_end|>",
+        "<think>\ntwo and two\n</think>\n\n4<|im_end|>",
+    ]
 
 
 def test_template_that_rewrites_a_reply_names_file_line_and_field(tmp_path: Path) -> None:
     tok = build_byte_tokenizer()
-    tok.chat_template = ("{% for m in messages %}{{ m['role'] }}: {{ m['content'] | upper }}\n"
-                         "{% endfor %}")
-    record = json.dumps({"messages": [{"role": "user", "content": "hi"},
-                                      {"role": "assistant", "content": "hello"}]})
+    tok.chat_template = (
+        "{% for m in messages %}{{ m['role'] }}: {{ m['content'] | upper }}\n{% endfor %}"
+    )
+    record = json.dumps(
+        {"messages": [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "hello"}]}
+    )
     path = tmp_path / "c.jsonl"
     path.write_text(f"{record}\n\n{record}\n")
     with pytest.raises(DataError) as info:
         load_examples(path, tok)
     assert [line.split(": ", 2)[:2] for line in info.value.lines] == [
-        [f"{path}:1", "field messages[1].content"], [f"{path}:3", "field messages[1].content"]]
+        [f"{path}:1", "field messages[1].content"],
+        [f"{path}:3", "field messages[1].content"],
+    ]
 
 
 def test_tokenizer_without_chat_template_is_a_clear_error(tmp_path: Path, tok) -> None:
@@ -253,11 +274,12 @@ def test_generate_prompt_is_the_training_prompt_of_the_demo(tok, prompt: str) ->
     from moe_experts.finetune.generate import prompt_ids
 
     ids = prompt_ids(tok, prompt)
-    examples = [ex for ex in load_examples(chat_demo_path(), tok)
-                if list(ex.ids[:len(ids)]) == ids]
+    examples = [
+        ex for ex in load_examples(chat_demo_path(), tok) if list(ex.ids[: len(ids)]) == ids
+    ]
     assert examples, f"the demo prompt {prompt!r} is not a training prompt of the demo data"
     for ex in examples:
-        assert not any(ex.train[:len(ids)])
+        assert not any(ex.train[: len(ids)])
         assert ex.train[len(ids)]
 
 
@@ -273,8 +295,9 @@ def test_a_conversation_that_fits_a_row_is_never_cut(tok) -> None:
     assert len(fitting) >= 30
     for ex in fitting:
         # Each conversation that fits appears whole inside one row.
-        assert any(any(row[i:i + len(ex.ids)] == ex.ids for i in range(len(row)))
-                   for row in rows), tok.decode(list(ex.ids))
+        assert any(
+            any(row[i : i + len(ex.ids)] == ex.ids for i in range(len(row))) for row in rows
+        ), tok.decode(list(ex.ids))
 
 
 def _tiny_model():
@@ -306,13 +329,14 @@ def test_packed_rows_keep_examples_apart_and_masked_tokens_carry_no_gradient() -
         crossing = model(input_ids=batch.input_ids).logits  # one causal sequence: no boundaries
         start = 0
         for n in lengths:
-            alone = model(input_ids=batch.input_ids[:, start:start + n]).logits
+            alone = model(input_ids=batch.input_ids[:, start : start + n]).logits
             width = alone.shape[1]
-            torch.testing.assert_close(logits[:, start:start + width], alone,
-                                       rtol=1e-5, atol=1e-5)
+            torch.testing.assert_close(
+                logits[:, start : start + width], alone, rtol=1e-5, atol=1e-5
+            )
             start += n
     # The check above can fail: without the boundaries the later examples do differ.
-    assert not torch.allclose(crossing[:, lengths[0]:], logits[:, lengths[0]:], atol=1e-3)
+    assert not torch.allclose(crossing[:, lengths[0] :], logits[:, lengths[0] :], atol=1e-3)
 
     # Labels: the next token where it is a target of the same example, -100 elsewhere.
     expected = []
@@ -339,12 +363,18 @@ def test_packed_rows_keep_examples_apart_and_masked_tokens_carry_no_gradient() -
     n_targets = batch.num_targets
     start = 0
     for n in lengths:
-        labels = batch.labels[:, start:start + n]
+        labels = batch.labels[:, start : start + n]
         if (labels != IGNORE_INDEX).any():
-            sub = model(input_ids=batch.input_ids[:, start:start + n]).logits
-            part = torch.nn.functional.cross_entropy(
-                sub.float().reshape(-1, sub.shape[-1]), labels.reshape(-1), reduction="sum",
-                ignore_index=IGNORE_INDEX) / n_targets
+            sub = model(input_ids=batch.input_ids[:, start : start + n]).logits
+            part = (
+                torch.nn.functional.cross_entropy(
+                    sub.float().reshape(-1, sub.shape[-1]),
+                    labels.reshape(-1),
+                    reduction="sum",
+                    ignore_index=IGNORE_INDEX,
+                )
+                / n_targets
+            )
             part.backward()
         start += n
     torch.testing.assert_close(packed_grad, model.lm_head.weight.grad, rtol=1e-4, atol=1e-6)
@@ -377,13 +407,32 @@ def test_all_prompt_data_is_refused() -> None:
 def test_finetune_all_is_curated() -> None:
     import moe_experts.finetune as ft
 
-    assert sorted(ft.__all__) == sorted([
-        "BUILTIN_MODELS", "DATA_FORMATS", "EXPORT_FORMATS", "ByteTokenizer", "DataError",
-        "DataFormat", "Example", "FinetuneArgs", "FinetuneError", "FinetuneSummary",
-        "PackedBatches", "PeerLostError", "Sample", "TrainingDivergedError",
-        "TrainingInterrupted", "export", "generate", "load_examples", "load_model",
-        "load_samples", "load_texts", "run_finetune",
-    ])
+    assert sorted(ft.__all__) == sorted(
+        [
+            "BUILTIN_MODELS",
+            "DATA_FORMATS",
+            "EXPORT_FORMATS",
+            "ByteTokenizer",
+            "DataError",
+            "DataFormat",
+            "Example",
+            "FinetuneArgs",
+            "FinetuneError",
+            "FinetuneSummary",
+            "PackedBatches",
+            "PeerLostError",
+            "Sample",
+            "TrainingDivergedError",
+            "TrainingInterrupted",
+            "export",
+            "generate",
+            "load_examples",
+            "load_model",
+            "load_samples",
+            "load_texts",
+            "run_finetune",
+        ]
+    )
     for name in ft.__all__:
         assert getattr(ft, name) is not None
 
@@ -398,6 +447,6 @@ def test_rank_losses_normalised_globally_average_to_the_global_mean() -> None:
     expected = logits.grad.clone()
     logits.grad = None
     total = int((labels != IGNORE_INDEX).sum())
-    halves = [causal_lm_loss(logits[i:i + 2], labels[i:i + 2], total / 2) for i in (0, 2)]
+    halves = [causal_lm_loss(logits[i : i + 2], labels[i : i + 2], total / 2) for i in (0, 2)]
     (sum(halves) / 2).backward()
     torch.testing.assert_close(logits.grad, expected)

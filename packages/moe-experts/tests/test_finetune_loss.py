@@ -40,8 +40,7 @@ def _close(actual: torch.Tensor, expected: torch.Tensor, name: str) -> None:
     # fp32 sums in another order: off by ~1e-7 of the tensor's largest entry (gated-delta
     # linear attention amplifies that to a few 1e-7), far below any real disagreement.
     scale = float(expected.abs().max())
-    torch.testing.assert_close(actual, expected, rtol=1e-4, atol=2e-6 * max(scale, 1.0),
-                               msg=name)
+    torch.testing.assert_close(actual, expected, rtol=1e-4, atol=2e-6 * max(scale, 1.0), msg=name)
 
 
 def _adapted(family: str) -> tuple[torch.nn.Module, object]:
@@ -54,13 +53,13 @@ def _adapted(family: str) -> tuple[torch.nn.Module, object]:
     # Non-zero B everywhere, so every A gets a gradient too.
     with torch.no_grad():
         for _, p in result.named_optimizer_parameters:
-            p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel()))
-                    * 0.05)
+            p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(p.numel())) * 0.05)
     return model, result
 
 
-def _loss_and_grads(model: torch.nn.Module, result: object, batch: Batch,
-                    mode: str) -> tuple[float, dict[str, torch.Tensor]]:
+def _loss_and_grads(
+    model: torch.nn.Module, result: object, batch: Batch, mode: str
+) -> tuple[float, dict[str, torch.Tensor]]:
     for p in result.parameters():
         p.grad = None
     loss = token_loss_sum(model, batch, mode)
@@ -87,8 +86,7 @@ def test_every_family_chunked_loss_and_gradients_equal_full_logits(family: str) 
         loss = token_loss_sum(model, batch, mode)
         loss.backward()
         losses[mode] = float(loss.detach())
-        grads[mode] = {n: p.grad.clone() for n, p in model.named_parameters()
-                       if p.grad is not None}
+        grads[mode] = {n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None}
     assert losses["chunked"] == pytest.approx(losses["full"], rel=1e-5)
     assert grads["chunked"].keys() == grads["full"].keys()
     assert any("lm_head" in n for n in grads["full"])
@@ -126,8 +124,9 @@ def test_chunked_eval_loss_without_grad_equals_full() -> None:
 def test_head_weight_is_the_adapted_lm_head() -> None:
     model, _ = _adapted("qwen3_moe")
     h = torch.randn(5, model.config.hidden_size)
-    torch.testing.assert_close(h @ head_weight(model.lm_head).t(), model.lm_head(h),
-                               rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(
+        h @ head_weight(model.lm_head).t(), model.lm_head(h), rtol=1e-5, atol=1e-6
+    )
 
 
 def test_logit_transforms_and_odd_heads_fall_back() -> None:

@@ -39,8 +39,9 @@ def _segments(packed: PackedBatches) -> dict[int, tuple[int, int, int]]:
     """First token id of each packed piece -> (row, start, length), from the position ids."""
     assert packed.positions is not None
     found = {}
-    for r, (row, pos) in enumerate(zip(packed.rows.tolist(), packed.positions.tolist(),
-                                       strict=True)):
+    for r, (row, pos) in enumerate(
+        zip(packed.rows.tolist(), packed.positions.tolist(), strict=True)
+    ):
         t = 0
         while t < len(row):
             n = 1
@@ -59,11 +60,14 @@ def test_best_fit_decreasing_places_the_fixed_lengths_optimally() -> None:
         best_fit_decreasing([3, 11], 10)
 
 
-@pytest.mark.parametrize(("lengths", "rows", "padding"), [
-    (LENGTHS, 4, 0.0),  # 40 tokens in 4 rows of 10: no padding (greedy: 5 rows, 20%)
-    ([*LENGTHS, 9], 5, 1 / 50),  # 49 tokens: 5 rows are the minimum, 1 pad token
-    ([6, 6, 6, 4, 4, 4], 3, 0.0),  # greedy in order: [6] [6] [6 4] [4 4], 4 rows
-])
+@pytest.mark.parametrize(
+    ("lengths", "rows", "padding"),
+    [
+        (LENGTHS, 4, 0.0),  # 40 tokens in 4 rows of 10: no padding (greedy: 5 rows, 20%)
+        ([*LENGTHS, 9], 5, 1 / 50),  # 49 tokens: 5 rows are the minimum, 1 pad token
+        ([6, 6, 6, 4, 4, 4], 3, 0.0),  # greedy in order: [6] [6] [6 4] [4 4], 4 rows
+    ],
+)
 def test_packing_rows_and_padding_are_the_optimum(lengths, rows, padding) -> None:
     examples = _conversations(lengths)
     packed = PackedBatches.from_examples(examples, seq_len=9, batch_size=2, seed=0)
@@ -84,17 +88,20 @@ def test_packing_rows_and_padding_are_the_optimum(lengths, rows, padding) -> Non
     for ex in examples:
         r, t, n = segments[ex.ids[0]]
         assert n == len(ex.ids)
-        assert tuple(packed.rows[r, t:t + n].tolist()) == ex.ids
-        assert tuple(packed.targets[r, t:t + n].tolist()) == ex.train
+        assert tuple(packed.rows[r, t : t + n].tolist()) == ex.ids
+        assert tuple(packed.targets[r, t : t + n].tolist()) == ex.train
         # Labels equal the conversation's own: next token where trained, none after its end.
         alone = [ex.ids[i + 1] if ex.train[i + 1] else IGNORE_INDEX for i in range(n - 1)]
-        labels = batch.labels[where[r], t:t + n].tolist()
-        assert labels[:n - 1] == alone
-        assert labels[n - 1:] in ([], [IGNORE_INDEX])
+        labels = batch.labels[where[r], t : t + n].tolist()
+        assert labels[: n - 1] == alone
+        assert labels[n - 1 :] in ([], [IGNORE_INDEX])
     # Padding carries no loss.
-    assert all(lab == IGNORE_INDEX for row, labs in zip(batch.input_ids.tolist(),
-                                                        batch.labels.tolist(), strict=True)
-               for tok, lab in zip(row, labs, strict=True) if tok == 0)
+    assert all(
+        lab == IGNORE_INDEX
+        for row, labs in zip(batch.input_ids.tolist(), batch.labels.tolist(), strict=True)
+        for tok, lab in zip(row, labs, strict=True)
+        if tok == 0
+    )
 
 
 def test_packing_is_deterministic_and_batches_depend_on_the_seed() -> None:
@@ -111,13 +118,17 @@ def _tiny_model() -> torch.nn.Module:
     spec = dict(BUILTIN_MODELS["tiny-qwen3-moe"])
     torch.manual_seed(0)
     return AutoModelForCausalLM.from_config(
-        AutoConfig.for_model(spec.pop("model_type"), **spec)).eval()
+        AutoConfig.for_model(spec.pop("model_type"), **spec)
+    ).eval()
 
 
 def _loss_sum(logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
     return torch.nn.functional.cross_entropy(
-        logits.float().reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="sum",
-        ignore_index=IGNORE_INDEX)
+        logits.float().reshape(-1, logits.shape[-1]),
+        labels.reshape(-1),
+        reduction="sum",
+        ignore_index=IGNORE_INDEX,
+    )
 
 
 def test_loss_of_a_packed_row_is_the_sum_of_its_conversations_alone() -> None:
@@ -142,13 +153,24 @@ def test_loss_of_a_packed_row_is_the_sum_of_its_conversations_alone() -> None:
             alone = torch.zeros((), dtype=torch.float64)
             for ex in members:
                 ids = torch.tensor([ex.ids])
-                labels = torch.tensor([[ex.ids[k + 1] if ex.train[k + 1] else IGNORE_INDEX
-                                        for k in range(len(ex.ids) - 1)]])
+                labels = torch.tensor(
+                    [
+                        [
+                            ex.ids[k + 1] if ex.train[k + 1] else IGNORE_INDEX
+                            for k in range(len(ex.ids) - 1)
+                        ]
+                    ]
+                )
                 alone += _loss_sum(model(input_ids=ids[:, :-1]).logits, labels).double()
-            packed_loss = _loss_sum(packed_logits[i:i + 1], batch.labels[i:i + 1])
+            packed_loss = _loss_sum(packed_logits[i : i + 1], batch.labels[i : i + 1])
             torch.testing.assert_close(packed_loss.double(), alone, rtol=1e-5, atol=1e-5)
-            crossing = max(crossing, abs(float(_loss_sum(plain_logits[i:i + 1],
-                                                         batch.labels[i:i + 1])) - float(alone)))
+            crossing = max(
+                crossing,
+                abs(
+                    float(_loss_sum(plain_logits[i : i + 1], batch.labels[i : i + 1]))
+                    - float(alone)
+                ),
+            )
     # The comparison above can fail: attending across conversations changes the loss.
     assert crossing > 1e-2
 
@@ -164,15 +186,18 @@ def test_split_at_turns_fixed_cases() -> None:
         split_at_turns(5, [], 0)
 
 
-EXCHANGES = [("What is the opposite of hot?", "The opposite of hot is cold."),
-             ("And of big?", "The opposite of big is small."),
-             ("And of fast?", "The opposite of fast is slow.")]
+EXCHANGES = [
+    ("What is the opposite of hot?", "The opposite of hot is cold."),
+    ("And of big?", "The opposite of big is small."),
+    ("And of fast?", "The opposite of fast is slow."),
+]
 
 
 def test_a_long_conversation_is_split_between_exchanges() -> None:
     tok = build_byte_tokenizer()
-    messages = [{"role": r, "content": c} for q, a in EXCHANGES
-                for r, c in (("user", q), ("assistant", a))]
+    messages = [
+        {"role": r, "content": c} for q, a in EXCHANGES for r, c in (("user", q), ("assistant", a))
+    ]
     ids, train, cuts = render_turns(tok, messages)
     assert len(cuts) == 2  # after the first and second reply (the third ends the text)
     for cut, (question, _) in zip(cuts, EXCHANGES[1:], strict=True):
@@ -195,17 +220,20 @@ def test_a_long_conversation_is_split_between_exchanges() -> None:
     narrow = PackedBatches.from_examples([example], seq_len=longest - 1, batch_size=1, seed=0)
     assert narrow.rows.shape[0] == 3
     assert sorted(int(n) for n in (narrow.rows != 0).sum(1)) == sorted(
-        b - a for a, b in zip([0, *cuts], [*cuts, len(ids)], strict=True))
+        b - a for a, b in zip([0, *cuts], [*cuts, len(ids)], strict=True)
+    )
 
 
 def test_a_single_turn_longer_than_a_row_is_still_cut() -> None:
     tok = build_byte_tokenizer()
     reply = "a very long reply " * 12
-    ids, train, cuts = render_turns(tok, [{"role": "user", "content": "Say it."},
-                                          {"role": "assistant", "content": reply}])
+    ids, train, cuts = render_turns(
+        tok, [{"role": "user", "content": "Say it."}, {"role": "assistant", "content": reply}]
+    )
     assert cuts == []
-    packed = PackedBatches.from_examples([Example(tuple(ids), tuple(train), ())],
-                                         seq_len=63, batch_size=1, seed=0)
+    packed = PackedBatches.from_examples(
+        [Example(tuple(ids), tuple(train), ())], seq_len=63, batch_size=1, seed=0
+    )
     n = len(ids)
     assert packed.rows.shape[0] == -(-n // 64)
     assert [t for row in packed.rows.tolist() for t in row][:n] == ids
@@ -235,8 +263,9 @@ class _SlowTokenizer:
 def test_turn_boundaries_agree_without_offsets(train_on_prompt: bool) -> None:
     """The piecewise path (no offset mapping) finds the same tokens, targets and boundaries."""
     tok = build_byte_tokenizer()
-    messages = [{"role": r, "content": c} for q, a in EXCHANGES
-                for r, c in (("user", q), ("assistant", a))]
+    messages = [
+        {"role": r, "content": c} for q, a in EXCHANGES for r, c in (("user", q), ("assistant", a))
+    ]
     fast = render_turns(tok, messages, train_on_prompt=train_on_prompt)
     assert render_turns(_SlowTokenizer(tok), messages, train_on_prompt=train_on_prompt) == fast
     assert len(fast[2]) == 2

@@ -35,8 +35,14 @@ def _kernel_with(experts: torch.nn.Module, activation) -> KernelExperts:
         num_experts=e, hidden_size=h, intermediate_size=two_i // 2, activation=activation
     )
     weights = kt_kernel.ExpertWeights.from_fused(spec, gate_up, down, dtype=torch.float32)
-    return KernelExperts(weights, gate_up_like=gate_up, down_like=down,
-                         gate_up_name="gate_up_proj", down_name="down_proj", label="x")
+    return KernelExperts(
+        weights,
+        gate_up_like=gate_up,
+        down_like=down,
+        gate_up_name="gate_up_proj",
+        down_name="down_proj",
+        label="x",
+    )
 
 
 def test_gemma4_experts_and_router_sit_in_the_decoder_layer(fresh) -> None:
@@ -59,20 +65,29 @@ def test_gemma4_experts_and_router_sit_in_the_decoder_layer(fresh) -> None:
 def test_dense_gemma4_has_no_moe_blocks() -> None:
     model = tiny_model("gemma4", enable_moe_block=False)
     assert list(iter_moe_blocks(model, find_architecture(model))) == []
-    with pytest.raises(WrapError, match=r"no Gemma4TextDecoderLayer blocks with "
-                                        r"enable_moe_block=True"):
+    with pytest.raises(
+        WrapError,
+        match=r"no Gemma4TextDecoderLayer blocks with "
+        r"enable_moe_block=True",
+    ):
         wrap(model)
 
 
 def test_gemma4_multimodal_model_wraps_its_language_model() -> None:
     torch.manual_seed(0)
-    cfg = Gemma4Config(text_config=tiny_config("gemma4").to_dict(), vision_config=None,
-                       audio_config=None, tie_word_embeddings=False)
+    cfg = Gemma4Config(
+        text_config=tiny_config("gemma4").to_dict(),
+        vision_config=None,
+        audio_config=None,
+        tie_word_embeddings=False,
+    )
     model = Gemma4ForConditionalGeneration(cfg).eval()
     ref = copy.deepcopy(model)
     report = wrap(model, weight_dtype="fp32")
-    assert report.wrapped_blocks == ("model.language_model.layers.0.experts",
-                                     "model.language_model.layers.1.experts")
+    assert report.wrapped_blocks == (
+        "model.language_model.layers.0.experts",
+        "model.language_model.layers.1.experts",
+    )
     ids = token_batch()
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, ref(ids).logits, rtol=1e-5, atol=1e-5)
@@ -93,8 +108,11 @@ def test_deepseek_v4_clamp_is_read_and_hash_layers_run(fresh) -> None:
 
 @pytest.mark.parametrize(
     ("family", "wrong"),
-    [("gemma4", kt_kernel.SwiGLU()), ("deepseek_v4", kt_kernel.SwiGLU()),
-     ("deepseek_v4", kt_kernel.SwiGLULimit(limit=4.0))],
+    [
+        ("gemma4", kt_kernel.SwiGLU()),
+        ("deepseek_v4", kt_kernel.SwiGLU()),
+        ("deepseek_v4", kt_kernel.SwiGLULimit(limit=4.0)),
+    ],
     ids=["gemma4_silu", "deepseek_v4_unclamped", "deepseek_v4_other_limit"],
 )
 def test_wrong_activation_is_refused_on_these_families(fresh, family: str, wrong) -> None:

@@ -49,9 +49,14 @@ def _load(cls: type, path: Path):
 
 def _configs(model) -> tuple[LoraConfig, LoraConfig]:
     experts = LoraConfig(enable=True, rank=2, alpha=4, init_seed=3)
-    dense = LoraConfig(enable=True, rank=2, alpha=4, init_seed=3,
-                       target_modules=["q_proj", "o_proj"],
-                       target_parameters=list(router_targets(model)))
+    dense = LoraConfig(
+        enable=True,
+        rank=2,
+        alpha=4,
+        init_seed=3,
+        target_modules=["q_proj", "o_proj"],
+        target_parameters=list(router_targets(model)),
+    )
     return experts, dense
 
 
@@ -79,9 +84,15 @@ def test_peft_export_is_peft_layout_and_loads_with_equal_logits(saved_models, tm
     export(tmp_path / "run", "peft", out)
 
     # The keys and shapes PEFT itself creates for the same targets on the same model.
-    twin = peft.get_peft_model(_load(cls, path), peft.LoraConfig(
-        r=2, lora_alpha=4, target_modules=["q_proj", "o_proj"],
-        target_parameters=[*result.peft_target_parameters]))
+    twin = peft.get_peft_model(
+        _load(cls, path),
+        peft.LoraConfig(
+            r=2,
+            lora_alpha=4,
+            target_modules=["q_proj", "o_proj"],
+            target_parameters=[*result.peft_target_parameters],
+        ),
+    )
     want = {k: tuple(v.shape) for k, v in peft.get_peft_model_state_dict(twin).items()}
     saved = load_file(str(out / "adapter_model.safetensors"))
     assert {k: tuple(v.shape) for k, v in saved.items()} == want
@@ -95,7 +106,10 @@ def test_peft_export_is_peft_layout_and_loads_with_equal_logits(saved_models, tm
         plain = base(ids).logits
     loaded = peft.PeftModel.from_pretrained(base, out).eval()
     assert sorted(loaded.peft_config["default"].target_parameters) == [
-        "mlp.experts.down_proj", "mlp.experts.gate_up_proj", "mlp.router.weight"]
+        "mlp.experts.down_proj",
+        "mlp.experts.gate_up_proj",
+        "mlp.router.weight",
+    ]
     with torch.no_grad():
         theirs = loaded(ids).logits
     assert (plain - ours).abs().max() > 1e-2  # the adapters matter
@@ -125,8 +139,7 @@ def test_coverage_and_gradient_check(fresh) -> None:
 
 
 def _mis_specified(monkeypatch, **fields) -> None:
-    monkeypatch.setitem(ARCHITECTURES, FAMILY, dataclasses.replace(ARCHITECTURES[FAMILY],
-                                                                   **fields))
+    monkeypatch.setitem(ARCHITECTURES, FAMILY, dataclasses.replace(ARCHITECTURES[FAMILY], **fields))
 
 
 def test_spec_disagreeing_with_the_module_flags_is_refused(fresh, monkeypatch) -> None:

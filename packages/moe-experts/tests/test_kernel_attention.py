@@ -15,8 +15,13 @@ import moe_experts
 from lora_core import LoraConfig
 from moe_experts.testing import tiny_model
 
-CFG = LoraConfig(enable=True, rank=4, alpha=8, init_seed=5,
-                 target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+CFG = LoraConfig(
+    enable=True,
+    rank=4,
+    alpha=8,
+    init_seed=5,
+    target_modules=["q_proj", "k_proj", "v_proj", "o_proj"],
+)
 
 
 @pytest.fixture
@@ -35,11 +40,20 @@ def kernel_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
 def _adapted(dtype: torch.dtype, kernel: bool) -> torch.nn.Module:
     torch.manual_seed(0)
-    model = tiny_model("qwen3_moe", num_attention_heads=8, num_key_value_heads=2,
-                       head_dim=16, hidden_size=64).to(torch.bfloat16).to(dtype)
+    model = (
+        tiny_model(
+            "qwen3_moe", num_attention_heads=8, num_key_value_heads=2, head_dim=16, hidden_size=64
+        )
+        .to(torch.bfloat16)
+        .to(dtype)
+    )
     model.config._attn_implementation = "sdpa"
-    moe_experts.adapt_model(model, CFG, weight_dtype="fp32" if dtype == torch.float32
-                            else "bf16", kernel_attention=kernel)
+    moe_experts.adapt_model(
+        model,
+        CFG,
+        weight_dtype="fp32" if dtype == torch.float32 else "bf16",
+        kernel_attention=kernel,
+    )
     g = torch.Generator().manual_seed(3)
     with torch.no_grad():  # non-zero B (bf16 values in both dtypes) so A's gradients are not 0
         for name, p in model.named_parameters():
@@ -73,7 +87,8 @@ def test_loss_and_lora_gradients_match_sdpa(kernel_calls: list[int]) -> None:
         loss, grads = runs[key]
         assert grads.keys() == truth.keys()
         return abs(loss - truth_loss) / abs(truth_loss), {
-            n: float((grads[n] - t).norm() / t.norm()) for n, t in truth.items()}
+            n: float((grads[n] - t).norm() / t.norm()) for n, t in truth.items()
+        }
 
     for name, g in truth.items():
         assert g.norm() > 0, name

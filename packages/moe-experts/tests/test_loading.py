@@ -263,8 +263,10 @@ def test_keys_the_model_ignores_are_skipped(ckpt_copy) -> None:
     # DeepSeek-V4 checkpoints ship multi-token-prediction layers (mtp.*) that the model class
     # declares unexpected-and-ignored; from_pretrained skips them, so must load_pretrained.
     path = ckpt_copy("deepseek_v4", "per_expert")
-    extra = {"mtp.0.ffn.experts.0.w1.weight": torch.ones(16, 32),
-             "mtp.0.norm.weight": torch.ones(32)}
+    extra = {
+        "mtp.0.ffn.experts.0.w1.weight": torch.ones(16, 32),
+        "mtp.0.norm.weight": torch.ones(32),
+    }
     save_file(extra, str(path / "mtp.safetensors"), metadata={"format": "pt"})
     index_file = path / "model.safetensors.index.json"
     index = json.loads(index_file.read_text())

@@ -23,8 +23,11 @@ def _model(fresh, family: str = "qwen3_moe", **kw):
 def test_published_replicated_not_peft_and_deterministic(fresh) -> None:
     model, result = _model(fresh)
     names = [n for n in result.parameter_names if ".lora_experts." in n]
-    assert names == [f"model.layers.{i}.mlp.experts.lora_experts.{t}"
-                     for i in (0, 1) for t in ("le_gate", "le_up", "le_down")]
+    assert names == [
+        f"model.layers.{i}.mlp.experts.lora_experts.{t}"
+        for i in (0, 1)
+        for t in ("le_gate", "le_up", "le_down")
+    ]
     named = dict(model.named_parameters())
     for n in names:
         assert result.ownership[n] is ParameterOwnership.REPLICATED
@@ -32,8 +35,12 @@ def test_published_replicated_not_peft_and_deterministic(fresh) -> None:
         assert named[n] is dict(result.named_optimizer_parameters)[n]
     gate = named[names[0]]
     assert tuple(gate.shape) == (N, J, 32)
-    want = init_lora_tensor("model.layers.0.mlp.experts.lora_experts.le_gate.lora_A",
-                            (N, J, 32), torch.float32, seed=CFG.init_seed)
+    want = init_lora_tensor(
+        "model.layers.0.mlp.experts.lora_experts.le_gate.lora_A",
+        (N, J, 32),
+        torch.float32,
+        seed=CFG.init_seed,
+    )
     torch.testing.assert_close(gate, want, rtol=0, atol=0)
     assert gate.abs().sum() > 0
     assert named[names[2]].abs().sum() == 0  # le_down starts at zero
@@ -70,8 +77,12 @@ def test_output_and_gradients_equal_plain_pytorch(fresh) -> None:
     y = kernel(x, ids, w)
     base = kernel._run(x, ids, w, use_lora=False).detach()
     # The plain formula: mean over n of down_n(silu(gate_n x) * up_n x).
-    terms = [F.linear(F.silu(F.linear(x, ref["le_gate"][n])) * F.linear(x, ref["le_up"][n]),
-                      ref["le_down"][n]) for n in range(N)]
+    terms = [
+        F.linear(
+            F.silu(F.linear(x, ref["le_gate"][n])) * F.linear(x, ref["le_up"][n]), ref["le_down"][n]
+        )
+        for n in range(N)
+    ]
     want = base + torch.stack(terms).mean(0)
     torch.testing.assert_close(y, want, rtol=1e-5, atol=1e-6)
     g = torch.randn(y.shape, generator=gen)
@@ -88,6 +99,7 @@ def test_save_and_restore_round_trip(fresh, tmp_path) -> None:
         for n, p in result.named_optimizer_parameters:
             p.add_(torch.full_like(p, 0.01) * (1 + hash(n) % 5))
     import lora_checkpoint  # the train extra, which the package's test session installs
+
     manifest = lora_checkpoint.save(tmp_path, result, step=1)
     entries = {p.name: p for p in manifest.parameters}
     extra = [n for n in result.parameter_names if ".lora_experts." in n]
@@ -98,8 +110,9 @@ def test_save_and_restore_round_trip(fresh, tmp_path) -> None:
     other, result2 = _model(fresh)
     ckpt = lora_checkpoint.load(tmp_path / manifest.name, verify=True)
     lora_checkpoint.restore(result2, ckpt)
-    for (n, a), (m, b) in zip(result.named_optimizer_parameters,
-                              result2.named_optimizer_parameters, strict=True):
+    for (n, a), (m, b) in zip(
+        result.named_optimizer_parameters, result2.named_optimizer_parameters, strict=True
+    ):
         assert n == m
         torch.testing.assert_close(a, b, rtol=0, atol=0, msg=n)
     ids = token_batch()

@@ -8,11 +8,16 @@ import torch
 from moe_experts import ChunkedLossError, chunked_lm_cross_entropy
 
 
-def _reference(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-               num_targets: float | None = None) -> torch.Tensor:
+def _reference(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    num_targets: float | None = None,
+) -> torch.Tensor:
     logits = (hidden @ weight.t()).float()
     total = torch.nn.functional.cross_entropy(
-        logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="sum")
+        logits.reshape(-1, logits.shape[-1]), labels.reshape(-1), reduction="sum"
+    )
     n = num_targets if num_targets is not None else int((labels != -100).sum())
     return total / max(n, 1)
 
@@ -61,8 +66,9 @@ def test_frozen_weight_and_num_targets_divisor() -> None:
     ours = chunked_lm_cross_entropy(hidden, weight, labels, num_targets=7.5, chunk_size=4)
     ref = _reference(hidden, weight, labels, num_targets=7.5)
     torch.testing.assert_close(ours, ref, rtol=1e-6, atol=1e-6)
-    torch.testing.assert_close(_grads(ours, hidden)[0], _grads(ref, hidden)[0],
-                               rtol=1e-5, atol=1e-7)
+    torch.testing.assert_close(
+        _grads(ours, hidden)[0], _grads(ref, hidden)[0], rtol=1e-5, atol=1e-7
+    )
 
 
 def test_all_ignored_gives_zero_with_graph_and_zero_grad() -> None:
@@ -81,12 +87,15 @@ def test_no_grad_forward_matches() -> None:
     torch.testing.assert_close(ours, _reference(hidden, weight, labels).detach())
 
 
-@pytest.mark.parametrize(("kwargs", "match"), [
-    ({"weight": torch.zeros(24, 70)}, "lm_head weight"),
-    ({"labels": torch.zeros(2, 18, dtype=torch.long)}, "labels"),
-    ({"labels": torch.zeros(2, 19)}, "int64"),
-    ({"chunk_size": 0}, "chunk_size"),
-])
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"weight": torch.zeros(24, 70)}, "lm_head weight"),
+        ({"labels": torch.zeros(2, 18, dtype=torch.long)}, "labels"),
+        ({"labels": torch.zeros(2, 19)}, "int64"),
+        ({"chunk_size": 0}, "chunk_size"),
+    ],
+)
 def test_bad_inputs_name_the_argument(kwargs: dict, match: str) -> None:
     hidden, weight, labels = _inputs(torch.float32)
     args = {"hidden": hidden, "weight": weight, "labels": labels, **kwargs}

@@ -18,8 +18,8 @@ TARGETS = ["mlp.experts.gate_up_proj", "mlp.experts.down_proj"]
 
 def _peft_model(fresh, family: str, targets=TARGETS):
     pm = peft.get_peft_model(
-        fresh(family), peft.LoraConfig(r=2, lora_alpha=4, target_modules=[],
-                                       target_parameters=targets)
+        fresh(family),
+        peft.LoraConfig(r=2, lora_alpha=4, target_modules=[], target_parameters=targets),
     )
     gen = torch.Generator().manual_seed(3)
     with torch.no_grad():
@@ -102,8 +102,13 @@ def test_adoption_refuses_mixed_ranks(fresh) -> None:
 
     pm = peft.get_peft_model(
         fresh("olmoe"),
-        peft.LoraConfig(r=2, lora_alpha=4, target_modules=[], target_parameters=TARGETS,
-                        rank_pattern={"down_proj": 4}),
+        peft.LoraConfig(
+            r=2,
+            lora_alpha=4,
+            target_modules=[],
+            target_parameters=TARGETS,
+            rank_pattern={"down_proj": 4},
+        ),
     )
     ids = token_batch()
     with torch.no_grad():

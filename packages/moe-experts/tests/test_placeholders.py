@@ -20,8 +20,9 @@ def test_placeholder_allocates_nothing() -> None:
     before = _rss()
     # Eight 64 x 4096 x 4096 fp32 tensors would be 32 GiB if they held storage.
     holders = [
-        nn.Parameter(ExpertPlaceholder((64, 4096, 4096), torch.float32, "cpu", f"p{i}"),
-                     requires_grad=False)
+        nn.Parameter(
+            ExpertPlaceholder((64, 4096, 4096), torch.float32, "cpu", f"p{i}"), requires_grad=False
+        )
         for i in range(8)
     ]
     assert _rss() - before < 16 * 2**20

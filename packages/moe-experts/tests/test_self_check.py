@@ -64,7 +64,8 @@ def test_hand_written_swiglu_passes_and_is_reported(fresh) -> None:
 
 
 @pytest.mark.parametrize(
-    "how", [{"up_first": True}, {"compute": lambda g: F.gelu(g, approximate="tanh")}],
+    "how",
+    [{"up_first": True}, {"compute": lambda g: F.gelu(g, approximate="tanh")}],
     ids=["swapped_gate_up", "wrong_activation"],
 )
 @pytest.mark.parametrize("weight_dtype", ["fp32", "bf16", "int8", "fp8", "int4"])
@@ -93,8 +94,12 @@ def test_quantised_base_is_checked_through_a_dense_twin(fresh, weight_dtype: str
     spec = model.model.layers[0].mlp.experts.spec
     wrong = kt_kernel.ExpertWeights.from_fused(spec, gate_up, -down, weight_dtype=weight_dtype)
     kernel = KernelExperts(
-        wrong, gate_up_like=gate_up, down_like=down, gate_up_name="gate_up_proj",
-        down_name="down_proj", label="x",
+        wrong,
+        gate_up_like=gate_up,
+        down_like=down,
+        gate_up_name="gate_up_proj",
+        down_name="down_proj",
+        label="x",
     )
     with pytest.raises(SelfCheckError, match=rf"the {weight_dtype} kernel differs from a dense"):
         self_check("x", experts, kernel, weight_dtype, gate_up=gate_up, down=down)
@@ -127,8 +132,11 @@ def test_activation_is_read_from_the_experts_module(fresh) -> None:
 def test_unknown_activation_is_refused_by_name(fresh) -> None:
     model = fresh("olmoe")
     model.model.layers[0].mlp.experts.act_fn = nn.ReLU()
-    with pytest.raises(WrapError, match=r"model\.layers\.0\.mlp\.experts \(OlmoeExperts\) has "
-                                        r"act_fn=ReLU\(\)"):
+    with pytest.raises(
+        WrapError,
+        match=r"model\.layers\.0\.mlp\.experts \(OlmoeExperts\) has "
+        r"act_fn=ReLU\(\)",
+    ):
         wrap(model)
 
 

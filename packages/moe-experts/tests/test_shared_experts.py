@@ -51,10 +51,20 @@ def model_dir(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A tiny Qwen3-MoE with 6 MiB of fp32 experts (16 x 128 x 128, 2 layers)."""
     from transformers import AutoModelForCausalLM, Qwen3MoeConfig
 
-    cfg = Qwen3MoeConfig(vocab_size=96, hidden_size=128, intermediate_size=128,
-                         moe_intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                         num_key_value_heads=2, head_dim=32, num_experts=16,
-                         num_experts_per_tok=2, norm_topk_prob=True, tie_word_embeddings=False)
+    cfg = Qwen3MoeConfig(
+        vocab_size=96,
+        hidden_size=128,
+        intermediate_size=128,
+        moe_intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        head_dim=32,
+        num_experts=16,
+        num_experts_per_tok=2,
+        norm_topk_prob=True,
+        tie_word_embeddings=False,
+    )
     torch.manual_seed(0)
     path = tmp_path_factory.mktemp("shm-model")
     AutoModelForCausalLM.from_config(cfg).save_pretrained(path)
@@ -73,10 +83,16 @@ def _holders(needle: str = MEMFD) -> dict[int, list[str]]:
         if not proc.name.isdigit():
             continue
         try:
-            held = [line.split(None, 5)[-1] for line in (proc / "maps").read_text().splitlines()
-                    if needle in line]
-            held += [os.readlink(fd) for fd in (proc / "fd").iterdir()
-                     if os.readlink(fd).startswith(needle)]
+            held = [
+                line.split(None, 5)[-1]
+                for line in (proc / "maps").read_text().splitlines()
+                if needle in line
+            ]
+            held += [
+                os.readlink(fd)
+                for fd in (proc / "fd").iterdir()
+                if os.readlink(fd).startswith(needle)
+            ]
         except OSError:  # gone meanwhile, or not ours to read
             continue
         if held:
@@ -84,23 +100,51 @@ def _holders(needle: str = MEMFD) -> dict[int, list[str]]:
     return found
 
 
-def _launch(model_dir: Path, out: Path, mode: str, crash: str = "", *, nnodes: int = 1,
-            env: dict[str, str] | None = None) -> list[subprocess.Popen[str]]:
+def _launch(
+    model_dir: Path,
+    out: Path,
+    mode: str,
+    crash: str = "",
+    *,
+    nnodes: int = 1,
+    env: dict[str, str] | None = None,
+) -> list[subprocess.Popen[str]]:
     port = _free_port()
     env = {**os.environ, "OMP_NUM_THREADS": "1", "PYTHONWARNINGS": "ignore", **(env or {})}
     env.pop("KT_KERNEL_THREADS", None)
     procs = []
     for node in range(nnodes):
-        cmd = [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(nnodes),
-               "--node-rank", str(node), "--nproc-per-node", "2", "--master-addr", "127.0.0.1",
-               "--master-port", str(port), str(WORKER), str(model_dir), str(out), mode, crash]
-        procs.append(subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE,
-                                      stderr=subprocess.STDOUT, text=True))
+        cmd = [
+            sys.executable,
+            "-m",
+            "torch.distributed.run",
+            "--nnodes",
+            str(nnodes),
+            "--node-rank",
+            str(node),
+            "--nproc-per-node",
+            "2",
+            "--master-addr",
+            "127.0.0.1",
+            "--master-port",
+            str(port),
+            str(WORKER),
+            str(model_dir),
+            str(out),
+            mode,
+            crash,
+        ]
+        procs.append(
+            subprocess.Popen(
+                cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            )
+        )
     return procs
 
 
-def _finish(procs: list[subprocess.Popen[str]],
-            timeout: float = 240) -> list[subprocess.CompletedProcess[str]]:
+def _finish(
+    procs: list[subprocess.Popen[str]], timeout: float = 240
+) -> list[subprocess.CompletedProcess[str]]:
     done = []
     try:
         for p in procs:
@@ -113,8 +157,9 @@ def _finish(procs: list[subprocess.Popen[str]],
     return done
 
 
-def _torchrun(model_dir: Path, out: Path, mode: str, crash: str = "", *, nnodes: int = 1,
-              timeout: float = 240) -> list[subprocess.CompletedProcess[str]]:
+def _torchrun(
+    model_dir: Path, out: Path, mode: str, crash: str = "", *, nnodes: int = 1, timeout: float = 240
+) -> list[subprocess.CompletedProcess[str]]:
     return _finish(_launch(model_dir, out, mode, crash, nnodes=nnodes), timeout)
 
 
@@ -220,8 +265,9 @@ def test_local_rank_0_sigkilled_right_after_creating_storage_leaves_nothing(
         holders = _holders(MEMFD)
         block2 = f"/memfd:ktk-{paused['label']}"
         # Local rank 0 holds block 2's storage (rank 1 maps block 1 only) ...
-        assert [p for p, held in holders.items() if any(h.startswith(block2) for h in held)] \
-            == [paused["pid"]]
+        assert [p for p, held in holders.items() if any(h.startswith(block2) for h in held)] == [
+            paused["pid"]
+        ]
         assert len(holders) == 2  # ... both ranks map block 1 ...
         assert _names() <= before  # ... and it has no name anywhere
         os.kill(paused["pid"], signal.SIGKILL)
@@ -243,8 +289,10 @@ def test_no_memory_for_the_copy_is_one_clear_error_on_every_rank(
     runs = _torchrun(model_dir, tmp_path, "load", "nomem")
     out = runs[0].stdout
     assert runs[0].returncode != 0
-    assert "WrapError: model.layers.0.mlp.experts: cannot reserve 3.0 MiB of anonymous shared " \
-        "memory (memfd)" in out, out[-4000:]
+    assert (
+        "WrapError: model.layers.0.mlp.experts: cannot reserve 3.0 MiB of anonymous shared "
+        "memory (memfd)" in out
+    ), out[-4000:]
     assert "--no-share-experts" in out
     assert "local rank 0 failed to build the shared expert storage" in out  # rank 1's error
     assert "SIGBUS" not in out
@@ -277,12 +325,14 @@ def test_a_bad_checkpoint_tensor_is_one_clear_error_on_every_rank_and_leaks_noth
     save_file(tensors, bad / "model.safetensors", metadata={"format": "pt"})
     writer, reader = _failure_run(bad, tmp_path, "load", "fail")
     assert writer["error"]["type"] == "LoadError", writer
-    assert f"{key!r} has shape [64, 128], the model expects [128, 128]" in \
-        writer["error"]["message"]
+    assert (
+        f"{key!r} has shape [64, 128], the model expects [128, 128]" in writer["error"]["message"]
+    )
     assert reader["error"]["type"] == "WrapError", reader
     assert reader["error"]["message"] == (
         "model.layers.1.mlp.experts: local rank 0 failed to build the shared expert storage; "
-        "its own output says why")
+        "its own output says why"
+    )
     # The first block was handed over before the failure: its socket and memfd are closed.
     assert writer["leaked"] == [], writer
     assert reader["leaked"] == [], reader
@@ -290,12 +340,15 @@ def test_a_bad_checkpoint_tensor_is_one_clear_error_on_every_rank_and_leaks_noth
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
-@pytest.mark.parametrize(("mode", "crash", "raised", "label"), [
-    # After its last block, when rank 0 has already left the loop.
-    ("load", "fail-install", "LoadError", ""),
-    # The first block's self-check, when rank 0 goes on to hand over the second.
-    ("wrap", "fail-selfcheck", "SelfCheckError", "model.layers.1.mlp.experts: "),
-])
+@pytest.mark.parametrize(
+    ("mode", "crash", "raised", "label"),
+    [
+        # After its last block, when rank 0 has already left the loop.
+        ("load", "fail-install", "LoadError", ""),
+        # The first block's self-check, when rank 0 goes on to hand over the second.
+        ("wrap", "fail-selfcheck", "SelfCheckError", "model.layers.1.mlp.experts: "),
+    ],
+)
 def test_a_failure_on_one_rank_outside_the_hand_over_stops_every_rank(
     model_dir: Path, tmp_path: Path, mode: str, crash: str, raised: str, label: str
 ) -> None:
@@ -306,7 +359,7 @@ def test_a_failure_on_one_rank_outside_the_hand_over_stops_every_rank(
     assert writer["error"] == {
         "type": "WrapError",
         "message": f"{label}rank 1 failed while wrapping or loading the shared experts; its "
-                   "own output says why",
+        "own output says why",
     }, writer
     assert writer["leaked"] == [], writer
     assert reader["leaked"] == [], reader
@@ -383,12 +436,19 @@ dist.destroy_process_group()
 
 
 def test_without_memfd_sharing_falls_back_to_a_copy_per_rank_or_one_clear_error(
-        tmp_path: Path) -> None:
+    tmp_path: Path,
+) -> None:
     # A one-rank gloo world that reports LOCAL_WORLD_SIZE=2, on a platform without memfd:
     # by default every rank keeps its own copy; share_experts=True is one clear error.
     env = {**os.environ, "LOCAL_WORLD_SIZE": "2", "LOCAL_RANK": "0"}
-    out = subprocess.run([sys.executable, "-c", _NO_MEMFD, f"file://{tmp_path / 'rdzv'}"],
-                         capture_output=True, text=True, timeout=120, check=False, env=env)
+    out = subprocess.run(
+        [sys.executable, "-c", _NO_MEMFD, f"file://{tmp_path / 'rdzv'}"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        env=env,
+    )
     assert out.returncode == 0, out.stderr
     assert "default None" in out.stdout, out.stdout
     assert "forced share_experts=True needs Linux" in out.stdout, out.stdout
@@ -425,12 +485,20 @@ def test_a_nccl_world_gets_one_gloo_group_for_every_call(tmp_path: Path) -> None
     # dist.new_group is a collective of the whole world and torch never frees a group, so
     # detect() must not make one per wrap/load_pretrained call; a new world gets a new one.
     env = {**os.environ, "LOCAL_WORLD_SIZE": "2", "LOCAL_RANK": "0"}
-    out = subprocess.run([sys.executable, "-c", _ONE_GLOO_GROUP, str(tmp_path / "rdzv")],
-                         capture_output=True, text=True, timeout=120, check=False, env=env)
+    out = subprocess.run(
+        [sys.executable, "-c", _ONE_GLOO_GROUP, str(tmp_path / "rdzv")],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+        env=env,
+    )
     assert out.returncode == 0, out.stderr[-4000:]
     lines = [line.split() for line in out.stdout.splitlines()]
-    assert [line[:5] for line in lines] == [["first", "1", "1", "gloo", "True"],
-                                            ["second", "1", "1", "gloo", "True"]], out.stdout
+    assert [line[:5] for line in lines] == [
+        ["first", "1", "1", "gloo", "True"],
+        ["second", "1", "1", "gloo", "True"],
+    ], out.stdout
 
 
 @pytest.mark.timeout(60)  # SOCKET_TIMEOUT is 300 s: a wait not tied to the death would hang
@@ -438,12 +506,18 @@ def test_local_rank_0_stops_waiting_for_a_rank_that_died_before_connecting() -> 
     token = f"dead{os.getpid()}"
     listener, why = _listen(token, 2)
     assert listener is not None, why
-    alive = subprocess.Popen([sys.executable, "-c", f"""
+    alive = subprocess.Popen(
+        [
+            sys.executable,
+            "-c",
+            f"""
 import socket
 s = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
 s.connect({_address(token)!r})
 s.recv(1)
-"""])
+""",
+        ]
+    )
     dead = subprocess.Popen([sys.executable, "-c", "import os; os._exit(3)"])
     dead.wait(timeout=60)
     try:

@@ -73,15 +73,17 @@ def test_wrap_refuses_an_older_transformers(monkeypatch: pytest.MonkeyPatch) -> 
 
 
 @pytest.mark.parametrize("installed", ["5.17.0", "5.17.0.dev0", "5.18.1"])
-def test_the_minimum_release_and_its_builds_pass(monkeypatch: pytest.MonkeyPatch,
-                                                  installed: str) -> None:
+def test_the_minimum_release_and_its_builds_pass(
+    monkeypatch: pytest.MonkeyPatch, installed: str
+) -> None:
     model = tiny_model("granitemoe")
     _pretend(monkeypatch, installed)
     assert find_architecture(model).family == "granitemoe"
 
 
 def test_load_pretrained_refuses_before_transformers_reads_the_config(
-        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     # An old transformers does not know gemma4 at all: the refusal must come before
     # AutoConfig, so config.json alone (no weights) is enough to reach it.
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "gemma4"}))
@@ -92,14 +94,26 @@ def test_load_pretrained_refuses_before_transformers_reads_the_config(
 
 
 @pytest.mark.timeout(120)
-def test_finetune_cli_refuses_with_one_error_line(tmp_path: Path, capsys,
-                                                  monkeypatch: pytest.MonkeyPatch) -> None:
+def test_finetune_cli_refuses_with_one_error_line(
+    tmp_path: Path, capsys, monkeypatch: pytest.MonkeyPatch
+) -> None:
     model_dir = tmp_path / "aria"
     tiny_model("aria", vocab_size=ByteTokenizer.vocab_size).save_pretrained(model_dir)
     save_byte_tokenizer(model_dir)
     _pretend(monkeypatch, "5.17.0")
-    args = ["--model", str(model_dir), "--steps", "1", "--seq-len", "16", "--batch-size", "2",
-            "--output", str(tmp_path / "run"), "--no-progress"]
+    args = [
+        "--model",
+        str(model_dir),
+        "--steps",
+        "1",
+        "--seq-len",
+        "16",
+        "--batch-size",
+        "2",
+        "--output",
+        str(tmp_path / "run"),
+        "--no-progress",
+    ]
     assert finetune_main(args) == 1
     err = capsys.readouterr().err
     lines = [line for line in err.splitlines() if line.startswith("error:")]

@@ -12,9 +12,7 @@ from .conftest import FAMILIES, token_batch
 def test_wrapped_logits_equal_transformers_fp32(fresh, family: str) -> None:
     ref_model = fresh(family)
     model = fresh(family)
-    expert_bytes = {
-        n: p.nbytes for n, p in model.named_parameters() if ".experts." in n
-    }
+    expert_bytes = {n: p.nbytes for n, p in model.named_parameters() if ".experts." in n}
     names_before = [n for n, _ in model.named_parameters()]
     ids = token_batch()
     with torch.no_grad():
@@ -29,8 +27,9 @@ def test_wrapped_logits_equal_transformers_fp32(fresh, family: str) -> None:
     assert report.bytes_moved == sum(expert_bytes.values())
     assert report.kernel_bytes == report.bytes_moved
     assert all(is_placeholder(p) for _, p in named_placeholders(model))
-    assert all(isinstance(m, KernelExperts) for n, m in model.named_modules()
-               if n.endswith(".experts"))
+    assert all(
+        isinstance(m, KernelExperts) for n, m in model.named_modules() if n.endswith(".experts")
+    )
 
 
 @pytest.mark.parametrize("family", ["qwen3_moe", "deepseek_v3"])

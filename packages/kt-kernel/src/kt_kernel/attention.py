@@ -39,20 +39,18 @@ def _validate(q: object, k: object, v: object, scale: object, backend: object) -
         if t.device != q.device:
             raise KernelDTypeError(f"{name} is on {t.device} but q is on {q.device}")
     if k.shape != v.shape:
-        raise KernelInputError(f"k and v must have one shape, got {list(k.shape)} and "
-                               f"{list(v.shape)}")
+        raise KernelInputError(
+            f"k and v must have one shape, got {list(k.shape)} and {list(v.shape)}"
+        )
     if (k.shape[0], k.shape[2], k.shape[3]) != (q.shape[0], q.shape[2], q.shape[3]):
         raise KernelInputError(
             f"k [B, Hkv, T, D] must match q [B, Hq, T, D] in B, T and D, got q "
             f"{list(q.shape)} and k {list(k.shape)}"
         )
     if k.shape[1] < 1 or q.shape[1] % k.shape[1] != 0:
-        raise KernelInputError(
-            f"q's heads ({q.shape[1]}) must be a multiple of k's ({k.shape[1]})"
-        )
+        raise KernelInputError(f"q's heads ({q.shape[1]}) must be a multiple of k's ({k.shape[1]})")
     if scale is not None and (
-        isinstance(scale, bool) or not isinstance(scale, (int, float))
-        or not math.isfinite(scale)
+        isinstance(scale, bool) or not isinstance(scale, (int, float)) or not math.isfinite(scale)
     ):
         raise KernelInputError(f"scale must be a finite float or None, got {scale!r}")
     if backend not in ("auto", "native", "reference"):
@@ -63,8 +61,9 @@ class _NativeCausalAttention(torch.autograd.Function):
     """The native forward (output + log-sum-exp) and the recomputing native backward."""
 
     @staticmethod
-    def forward(ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                scale: float) -> torch.Tensor:
+    def forward(
+        ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
+    ) -> torch.Tensor:
         out, lse = torch.ops.kt_kernel.attention_forward(q, k, v, scale)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.scale = scale
@@ -73,14 +72,13 @@ class _NativeCausalAttention(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         q, k, v, out, lse = ctx.saved_tensors
-        dq, dk, dv = torch.ops.kt_kernel.attention_backward(
-            grad_out, q, k, v, out, lse, ctx.scale
-        )
+        dq, dk, dv = torch.ops.kt_kernel.attention_backward(grad_out, q, k, v, out, lse, ctx.scale)
         return dq, dk, dv, None
 
 
-def causal_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                               scale: float | None = None) -> torch.Tensor:
+def causal_attention_reference(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float | None = None
+) -> torch.Tensor:
     """Causal GQA attention in plain PyTorch (torch's SDPA), differentiable by autograd.
 
     Args:
@@ -95,13 +93,17 @@ def causal_attention_reference(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor
     rep = q.shape[1] // k.shape[1]
     if rep > 1:
         k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-    return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                                            scale=scale)
+    return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale)
 
 
-def causal_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
-                     scale: float | None = None, *,
-                     backend: AttentionBackend = "auto") -> torch.Tensor:
+def causal_attention(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    scale: float | None = None,
+    *,
+    backend: AttentionBackend = "auto",
+) -> torch.Tensor:
     """Causal self-attention with grouped KV heads, forward and backward.
 
     The native op stacks the query heads that share a KV head into one block, runs its GEMMs

@@ -51,10 +51,15 @@ _ALIGN = 4096
 MEMFD_PREFIX = "ktk-"
 # Readers may rely on these: the pages can neither change nor shrink under a mapping.
 # Linux only (memfd seals); elsewhere 0 and write_shared/map_shared refuse with one error.
-_SEALS = (fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SEAL
-          if hasattr(fcntl, "F_ADD_SEALS") and hasattr(os, "memfd_create") else 0)
-_UNSUPPORTED = ("shared expert storage needs Linux (memfd_create and file seals), which this "
-                "platform lacks; keep one copy of the experts per process instead")
+_SEALS = (
+    fcntl.F_SEAL_SHRINK | fcntl.F_SEAL_GROW | fcntl.F_SEAL_WRITE | fcntl.F_SEAL_SEAL
+    if hasattr(fcntl, "F_ADD_SEALS") and hasattr(os, "memfd_create")
+    else 0
+)
+_UNSUPPORTED = (
+    "shared expert storage needs Linux (memfd_create and file seals), which this "
+    "platform lacks; keep one copy of the experts per process instead"
+)
 
 
 class SharedMemoryError(KernelInputError):
@@ -127,25 +132,29 @@ def write_shared(weights: ExpertWeights, *, label: str = "experts") -> SharedExp
     table: list[dict[str, Any]] = []
     offset = 0
     for key, t in entries:
-        table.append({"name": key, "dtype": _dtype_name(t.dtype), "shape": list(t.shape),
-                      "offset": offset})
+        table.append(
+            {"name": key, "dtype": _dtype_name(t.dtype), "shape": list(t.shape), "offset": offset}
+        )
         offset = _round_up(offset + t.nbytes)
     spec = weights.spec
-    header = json.dumps({
-        "format": weights.format.name,
-        "compute_dtype": _dtype_name(weights.dtype),
-        "shape": [spec.num_experts, spec.hidden_size, spec.intermediate_size],
-        "tensors": table,
-        "report": _report_dict(weights),
-    }).encode()
+    header = json.dumps(
+        {
+            "format": weights.format.name,
+            "compute_dtype": _dtype_name(weights.dtype),
+            "shape": [spec.num_experts, spec.hidden_size, spec.intermediate_size],
+            "tensors": table,
+            "report": _report_dict(weights),
+        }
+    ).encode()
     data_start = _round_up(16 + len(header))
     total = data_start + offset
     where = "anonymous shared memory (memfd)"
     try:
         fd = os.memfd_create(MEMFD_PREFIX + label, os.MFD_CLOEXEC | os.MFD_ALLOW_SEALING)
     except OSError as exc:
-        raise SharedMemoryError(f"cannot create {where} for the shared expert storage: {exc}") \
-            from exc
+        raise SharedMemoryError(
+            f"cannot create {where} for the shared expert storage: {exc}"
+        ) from exc
     try:
         try:
             # Reserve every page now: a machine without the memory fails here, not with
@@ -169,8 +178,12 @@ def write_shared(weights: ExpertWeights, *, label: str = "experts") -> SharedExp
                 flat[start : start + t.nbytes].copy_(src)
             del flat, src
         fcntl.fcntl(fd, fcntl.F_ADD_SEALS, _SEALS)
-        shared = _assemble(_read_segment(fd, "the new shared expert storage", total),
-                           weights.spec, weights.format, "the new shared expert storage")
+        shared = _assemble(
+            _read_segment(fd, "the new shared expert storage", total),
+            weights.spec,
+            weights.format,
+            "the new shared expert storage",
+        )
     except BaseException:
         os.close(fd)
         raise
@@ -242,8 +255,9 @@ def _read_segment(fd: int, what: str, size: int | None = None) -> dict[str, Any]
     return header
 
 
-def _tensor_table(m: mmap.mmap, header: dict[str, Any], data_start: int, real: int,
-                  what: str) -> dict[str, torch.Tensor]:
+def _tensor_table(
+    m: mmap.mmap, header: dict[str, Any], data_start: int, real: int, what: str
+) -> dict[str, torch.Tensor]:
     """The header's tensors as read-only views of the mapping, each checked to fit in it."""
     tensors: dict[str, torch.Tensor] = {}
     for row in header["tensors"]:
@@ -256,14 +270,18 @@ def _tensor_table(m: mmap.mmap, header: dict[str, Any], data_start: int, real: i
         start = data_start + int(row["offset"])
         if count < 0 or start < data_start or start + count * dtype.itemsize > real:
             raise SharedMemoryError(f"{what}: tensor {row['name']} runs past the end")
-        flat = torch.frombuffer(m, dtype=torch.uint8, count=count * dtype.itemsize,
-                                offset=start) if count else torch.empty(0, dtype=torch.uint8)
+        flat = (
+            torch.frombuffer(m, dtype=torch.uint8, count=count * dtype.itemsize, offset=start)
+            if count
+            else torch.empty(0, dtype=torch.uint8)
+        )
         tensors[row["name"]] = flat.view(dtype).view(row["shape"])
     return tensors
 
 
-def _assemble(header: dict[str, Any], spec: ExpertSpec, fmt: WeightFormat,
-              what: str) -> ExpertWeights:
+def _assemble(
+    header: dict[str, Any], spec: ExpertSpec, fmt: WeightFormat, what: str
+) -> ExpertWeights:
     e, h, i = spec.num_experts, spec.hidden_size, spec.intermediate_size
     if header["format"] != fmt.name or header["shape"] != [e, h, i]:
         raise SharedMemoryError(
@@ -274,22 +292,30 @@ def _assemble(header: dict[str, Any], spec: ExpertSpec, fmt: WeightFormat,
     t = header["_tensors"]
     n_parts = len(fmt.part_specs(2 * i, h))
     try:
-        gu = check_parts(fmt, tuple(t.get(f"gate_up.{k}") for k in range(n_parts)), (e,),
-                         2 * i, h, "gate_up")
-        dn = check_parts(fmt, tuple(t.get(f"down.{k}") for k in range(n_parts)), (e,), h, i,
-                         "down")
+        gu = check_parts(
+            fmt, tuple(t.get(f"gate_up.{k}") for k in range(n_parts)), (e,), 2 * i, h, "gate_up"
+        )
+        dn = check_parts(fmt, tuple(t.get(f"down.{k}") for k in range(n_parts)), (e,), h, i, "down")
     except KernelInputError as exc:
         raise SharedMemoryError(f"{what} does not hold {fmt!r} experts: {exc}") from exc
     report = None
     if header.get("report"):
         r = header["report"]
         report = QuantizationReport(*(ProjectionQuantError(**r[p]) for p in ("gate", "up", "down")))
-    return ExpertWeights(spec, fmt, gu, dn, gate_up_bias=t.get("gate_up_bias"),
-                         down_bias=t.get("down_bias"), report=report)
+    return ExpertWeights(
+        spec,
+        fmt,
+        gu,
+        dn,
+        gate_up_bias=t.get("gate_up_bias"),
+        down_bias=t.get("down_bias"),
+        report=report,
+    )
 
 
-def map_shared(source: int | str | os.PathLike[str], spec: ExpertSpec,
-               fmt: WeightFormat) -> ExpertWeights:
+def map_shared(
+    source: int | str | os.PathLike[str], spec: ExpertSpec, fmt: WeightFormat
+) -> ExpertWeights:
     """Map storage written by :func:`write_shared` read-only, checked against spec and format.
 
     Args:
@@ -306,8 +332,12 @@ def map_shared(source: int | str | os.PathLike[str], spec: ExpertSpec,
             shapes or another format, or the platform is not Linux.
     """
     if isinstance(source, int):
-        return _assemble(_read_segment(source, f"shared expert storage (fd {source})"), spec,
-                         fmt, f"shared expert storage (fd {source})")
+        return _assemble(
+            _read_segment(source, f"shared expert storage (fd {source})"),
+            spec,
+            fmt,
+            f"shared expert storage (fd {source})",
+        )
     path = Path(source)
     try:
         fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)

@@ -61,8 +61,7 @@ def _check_names(value: Any, field_name: str) -> tuple[str, ...]:
         )
     if not isinstance(value, list | tuple):
         raise ValueError(
-            f"lora.{field_name} must be a list of names, got {type(value).__name__} "
-            f"{value!r}"
+            f"lora.{field_name} must be a list of names, got {type(value).__name__} {value!r}"
         )
     names: list[str] = []
     for item in value:
@@ -170,8 +169,9 @@ class LoraConfig(BaseModel):
                 f"rank={self.rank!r}; set lora.rank (e.g. 8) or set lora.enable: false"
             )
         if not self.enable and self.rank is not None:
-            logger.info("lora.rank=%s is set but lora.enable is false: no LoRA is applied",
-                        self.rank)
+            logger.info(
+                "lora.rank=%s is set but lora.enable is false: no LoRA is applied", self.rank
+            )
         return self
 
     @property
@@ -214,8 +214,7 @@ class LoraConfig(BaseModel):
                 if not prefix and isinstance(path_or_text, str) and "\n" not in path_or_text:
                     hint = " (if this was meant to be a file path, that file does not exist)"
                 raise LoraConfigError(
-                    f"{source}: {where} must be a mapping, got {type(node).__name__} "
-                    f"{node!r}{hint}"
+                    f"{source}: {where} must be a mapping, got {type(node).__name__} {node!r}{hint}"
                 )
             if key not in node:
                 return None
@@ -283,8 +282,10 @@ def _construct_mapping(loader: _StrictLoader, node: yaml.MappingNode) -> dict[An
         key = loader.construct_object(key_node, deep=True)
         if key in out:
             raise yaml.constructor.ConstructorError(
-                "while constructing a mapping", node.start_mark,
-                f"found duplicate key {key!r}", key_node.start_mark,
+                "while constructing a mapping",
+                node.start_mark,
+                f"found duplicate key {key!r}",
+                key_node.start_mark,
             )
         out[key] = loader.construct_object(value_node, deep=True)
     return out

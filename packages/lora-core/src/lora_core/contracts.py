@@ -147,9 +147,7 @@ class AdaptationResult:
     already_adapted_layers: tuple[str, ...] = ()
     placeholders: tuple[str, ...] = ()
     rank_local_names: tuple[str, ...] = ()
-    checkpoint_key_aliases: Mapping[str, str] = field(
-        default_factory=lambda: MappingProxyType({})
-    )
+    checkpoint_key_aliases: Mapping[str, str] = field(default_factory=lambda: MappingProxyType({}))
     components: tuple[ComponentVersion, ...] = ()
     peft_exports: Mapping[str, PeftExport] = field(default_factory=lambda: MappingProxyType({}))
     peft_target_modules: tuple[str, ...] = ()
@@ -314,8 +312,11 @@ class AdaptationResult:
         )
         if alias_clash:
             raise ContractError(f"cannot merge: conflicting checkpoint_key_aliases {alias_clash}")
-        inits = [f for f in (self.missing_parameter_initializer,
-                             other.missing_parameter_initializer) if f is not None]
+        inits = [
+            f
+            for f in (self.missing_parameter_initializer, other.missing_parameter_initializer)
+            if f is not None
+        ]
 
         def _init_both(module: nn.Module) -> int:
             return sum(f(module) for f in inits)
@@ -336,8 +337,9 @@ class AdaptationResult:
             peft_exports={**self.peft_exports, **other.peft_exports},
             peft_target_modules=self.peft_target_modules + other.peft_target_modules,
             peft_target_parameters=self.peft_target_parameters + other.peft_target_parameters,
-            missing_parameter_initializer=(inits[0] if len(inits) == 1 else
-                                           _init_both if inits else None),
+            missing_parameter_initializer=(
+                inits[0] if len(inits) == 1 else _init_both if inits else None
+            ),
         )
 
     def describe(self) -> dict[str, Any]:
@@ -346,9 +348,9 @@ class AdaptationResult:
             "schema_version": self.schema_version,
             "producer": self.producer.to_json(),
             "components": [c.to_json() for c in self.components],
-            "lora_config": None if self.lora_config is None else self.lora_config.model_dump(
-                mode="json"
-            ),
+            "lora_config": None
+            if self.lora_config is None
+            else self.lora_config.model_dump(mode="json"),
             "adapted_layers": list(self.adapted_layers),
             "already_adapted_layers": list(self.already_adapted_layers),
             "parameters": [

@@ -139,17 +139,25 @@ def _mesh_status(mesh: DeviceMesh, placements: tuple[Any, ...]) -> _MeshStatus:
             g = mesh.get_group(dim)
             size = dist.get_world_size(g)
         except Exception as exc:  # a destroyed or foreign group raises several types
-            return _MeshStatus((), layout, (
-                f"lives on a device mesh {tuple(mesh.shape)} whose dim {dim} process group is "
-                f"unusable in this process group of {world} ranks ({exc}); re-run fully_shard "
-                "and replicate_lora_parameters after init_process_group"
-            ))
+            return _MeshStatus(
+                (),
+                layout,
+                (
+                    f"lives on a device mesh {tuple(mesh.shape)} whose dim {dim} process group is "
+                    f"unusable in this process group of {world} ranks ({exc}); re-run fully_shard "
+                    "and replicate_lora_parameters after init_process_group"
+                ),
+            )
         if size != mesh.size(dim):
-            return _MeshStatus((), layout, (
-                f"was prepared for a device mesh {tuple(mesh.shape)} (world size "
-                f"{mesh.size()}) but its dim {dim} group now has {size} ranks (current world "
-                f"size {world}); rebuild the model in this process group"
-            ))
+            return _MeshStatus(
+                (),
+                layout,
+                (
+                    f"was prepared for a device mesh {tuple(mesh.shape)} (world size "
+                    f"{mesh.size()}) but its dim {dim} group now has {size} ranks (current world "
+                    f"size {world}); rebuild the model in this process group"
+                ),
+            )
         groups.append(g)
     if mesh.get_coordinate() is None:
         return _MeshStatus((), layout, "lives on a device mesh that does not include this rank")
@@ -207,10 +215,15 @@ def _collect(
     plain_groups = (group if group is not None else dist.group.WORLD,)
     for name, p in pairs:
         if p.is_meta:
-            errors.append((name, (
-                f"parameter '{name}' is on the meta device; materialise and initialise it "
-                "(result.missing_parameter_initializer) before training"
-            )))
+            errors.append(
+                (
+                    name,
+                    (
+                        f"parameter '{name}' is on the meta device; materialise and initialise it "
+                        "(result.missing_parameter_initializer) before training"
+                    ),
+                )
+            )
             continue
         dtype = str(p.dtype).removeprefix("torch.")
         if isinstance(p, DTensor):
@@ -228,10 +241,15 @@ def _collect(
                 continue
             grad = p.grad
             if isinstance(grad, DTensor) and tuple(grad.placements) != placements:
-                errors.append((name, (
-                    f"parameter '{name}' has a gradient with placements {grad.placements}, "
-                    f"expected {p.placements} like the parameter"
-                )))
+                errors.append(
+                    (
+                        name,
+                        (
+                            f"parameter '{name}' has a gradient with placements {grad.placements}, "
+                            f"expected {p.placements} like the parameter"
+                        ),
+                    )
+                )
                 continue
             groups, layout = status.groups, status.layout
         else:
@@ -245,7 +263,9 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def _reduce_bucket(
-    bucket: list[_Entry], groups: tuple[dist.ProcessGroup, ...], dtype: torch.dtype,
+    bucket: list[_Entry],
+    groups: tuple[dist.ProcessGroup, ...],
+    dtype: torch.dtype,
     stats: SyncStats,
 ) -> None:
     """Average the gradients of ``bucket`` over ``groups`` through one flat buffer."""
@@ -271,7 +291,7 @@ def _reduce_bucket(
     for e in bucket:
         local_param = _local(e.param)
         n = local_param.numel()
-        value = flat[offset:offset + n].view(local_param.shape)
+        value = flat[offset : offset + n].view(local_param.shape)
         offset += n
         grad = e.param.grad
         if grad is not None:
@@ -339,7 +359,10 @@ def sync_replicated_lora_gradients(
     entries, errors, skipped = _collect(pairs, group)
     stats.skipped += skipped
     check_consistent(
-        [e.descriptor for e in entries], errors, group, check_timeout,
+        [e.descriptor for e in entries],
+        errors,
+        group,
+        check_timeout,
         "sync_replicated_lora_gradients",
     )
     stats.collectives += 1

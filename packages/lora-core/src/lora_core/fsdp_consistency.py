@@ -110,11 +110,12 @@ def first_difference(
             else:
                 name = (b or a or "|").split("|", 1)[0]
                 why = (
-                    f"parameter '{name}' differs: rank {ref_rank} has {a!r}, "
-                    f"rank {rank} has {b!r}"
+                    f"parameter '{name}' differs: rank {ref_rank} has {a!r}, rank {rank} has {b!r}"
                 )
-            return rank, name, (
-                f"{why} (rank {ref_rank}: {len(ref)} parameters, rank {rank}: {len(mine)})"
+            return (
+                rank,
+                name,
+                (f"{why} (rank {ref_rank}: {len(ref)} parameters, rank {rank}: {len(mine)})"),
             )
     return 0, None, "fingerprints differ but the gathered descriptors are identical"
 
@@ -143,16 +144,21 @@ def check_consistent(
         LoraStateMismatchError: if the ranks' descriptors disagree, some rank reported a
             local problem, or the fingerprints did not arrive within ``timeout``.
     """
-    fp = torch.tensor([len(descriptors), digest(descriptors), len(local_errors)],
-                      dtype=torch.int64, device=collective_device(group))
+    fp = torch.tensor(
+        [len(descriptors), digest(descriptors), len(local_errors)],
+        dtype=torch.int64,
+        device=collective_device(group),
+    )
     gathered = [torch.empty_like(fp) for _ in range(dist.get_world_size(group))]
     work = dist.all_gather(gathered, fp, group=group, async_op=True)
     try:
         work.wait(timeout=timeout)
     except RuntimeError as exc:
         cause = " ".join(str(exc).split())
-        if any(w in cause.lower() for w in ("connection closed", "connection reset", "by peer",
-                                            "broken pipe")):
+        if any(
+            w in cause.lower()
+            for w in ("connection closed", "connection reset", "by peer", "broken pipe")
+        ):
             # A peer died: say so first, rather than a timeout that did not happen.
             raise LoraStateMismatchError(
                 f"{what}: rank {dist.get_rank(group)} lost its connection to another rank "

@@ -178,7 +178,7 @@ def _broadcast_from_mesh_origin(tensors: list[torch.Tensor], mesh: DeviceMesh) -
             dist.broadcast(flat, group=mesh.get_group(dim), group_src=0)
         offset = 0
         for t in group_tensors:
-            t.copy_(flat[offset:offset + t.numel()].view(t.shape))
+            t.copy_(flat[offset : offset + t.numel()].view(t.shape))
             offset += t.numel()
 
 

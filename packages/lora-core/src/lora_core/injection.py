@@ -60,7 +60,7 @@ def matches_module(name: str, patterns: Iterable[str]) -> bool:
     parts = name.split(".")
     for pattern in patterns:
         want = pattern.split(".")
-        if len(want) <= len(parts) and parts[len(parts) - len(want):] == want:
+        if len(want) <= len(parts) and parts[len(parts) - len(want) :] == want:
             return True
     return False
 
@@ -120,8 +120,7 @@ def _select(
         chosen.append((name, module))
     # Default attention targets may legitimately match nothing when only parameters (routers)
     # are targeted; targets the user wrote must match.
-    if not chosen and ("target_modules" in config.model_fields_set
-                       or not config.target_parameters):
+    if not chosen and ("target_modules" in config.model_fields_set or not config.target_parameters):
         sample = linear_names[:12]
         more = f" (and {len(linear_names) - len(sample)} more)" if len(linear_names) > 12 else ""
         why = (
@@ -308,8 +307,11 @@ def enable_lora_training(
         layers.append((name, wrapped))
     matched_patterns = [t for *_, patterns in chosen_params for t in patterns]
     if repeated:
-        logger.info("%d layer(s) already carry LoRA and were left as they were: %s",
-                    len(repeated), repeated[:8])
+        logger.info(
+            "%d layer(s) already carry LoRA and were left as they were: %s",
+            len(repeated),
+            repeated[:8],
+        )
 
     for p in model.parameters():
         p.requires_grad_(False)
@@ -327,8 +329,13 @@ def enable_lora_training(
         # buffers such as DeepSeek's e_score_correction_bias included).
         for key in layer.base_layer.state_dict(keep_vars=True):
             aliases[f"{name}.{key}"] = f"{name}.base_layer.{key}"
-    logger.info("LoRA r=%s alpha=%s on %d layer(s) (%d new)", config.rank, config.alpha,
-                len(layers), len(adapted))
+    logger.info(
+        "LoRA r=%s alpha=%s on %d layer(s) (%d new)",
+        config.rank,
+        config.alpha,
+        len(layers),
+        len(adapted),
+    )
 
     initializer = None
     if prepare_for_fsdp:

@@ -53,8 +53,10 @@ class _LoRAFactors(nn.Module):
     ) -> None:
         if isinstance(rank, bool) or not isinstance(rank, int) or rank <= 0:
             raise ValueError(f"{type(self).__name__} rank must be a positive int, got {rank!r}")
-        if isinstance(alpha, bool) or not isinstance(alpha, int | float) or not (
-            math.isfinite(alpha) and alpha > 0
+        if (
+            isinstance(alpha, bool)
+            or not isinstance(alpha, int | float)
+            or not (math.isfinite(alpha) and alpha > 0)
         ):
             raise ValueError(
                 f"{type(self).__name__} alpha must be a positive number, got {alpha!r}"
@@ -127,8 +129,7 @@ class _LoRAFactors(nn.Module):
     def extra_repr(self) -> str:
         """Rank, alpha, scaling and merge state for ``repr``."""
         return (
-            f"rank={self.rank}, alpha={self.alpha}, scaling={self.scaling:g}, "
-            f"merged={self.merged}"
+            f"rank={self.rank}, alpha={self.alpha}, scaling={self.scaling:g}, merged={self.merged}"
         )
 
 
@@ -179,8 +180,16 @@ class LoRALinear(_LoRAFactors):
             )
         if not isinstance(dropout, int | float) or not 0.0 <= dropout < 1.0:
             raise ValueError(f"LoRALinear dropout must be in [0, 1), got {dropout!r}")
-        self._init_factors(base_layer, base_layer.weight, rank, alpha, fqn=fqn,
-                           init_seed=init_seed, device=device, dtype=dtype)
+        self._init_factors(
+            base_layer,
+            base_layer.weight,
+            rank,
+            alpha,
+            fqn=fqn,
+            init_seed=init_seed,
+            device=device,
+            dtype=dtype,
+        )
         self.dropout: nn.Module = nn.Dropout(dropout) if dropout > 0 else nn.Identity()
 
     @property
@@ -261,8 +270,16 @@ class LoRAParameter(_LoRAFactors):
                 "from moe_experts.adapt)"
             )
         self.parameter_name = parameter_name
-        self._init_factors(base_layer, weight, rank, alpha, fqn=fqn, init_seed=init_seed,
-                           device=device, dtype=dtype)
+        self._init_factors(
+            base_layer,
+            weight,
+            rank,
+            alpha,
+            fqn=fqn,
+            init_seed=init_seed,
+            device=device,
+            dtype=dtype,
+        )
 
     @property
     def base_weight(self) -> torch.Tensor:

@@ -14,7 +14,10 @@ __all__ = ["lazy_module_attributes"]
 
 
 def lazy_module_attributes(
-    package: str, namespace: dict[str, Any], where: Mapping[str, str], public: list[str],
+    package: str,
+    namespace: dict[str, Any],
+    where: Mapping[str, str],
+    public: list[str],
 ) -> tuple[Callable[[str], Any], Callable[[], list[str]]]:
     """Build a package's module-level ``__getattr__`` and ``__dir__``.
 

@@ -95,7 +95,11 @@ def _own_lora(
         return True, lora
     dtype = getattr(kernel, kernel.gate_up_name).dtype
     lora = kt_kernel.LoraBuffers(
-        kernel.spec, rank, alpha, layout, dtype=dtype,
+        kernel.spec,
+        rank,
+        alpha,
+        layout,
+        dtype=dtype,
         init=_init_fn(site.experts_name, config.init_seed),
     )
     kernel.set_lora(lora)
@@ -120,7 +124,11 @@ def _lora_experts(
         return None
     dtype = getattr(kernel, kernel.gate_up_name).dtype
     kernel.lora_experts = LoraExperts(
-        n, kernel.spec.hidden_size, width, dtype=dtype, seed=config.init_seed,
+        n,
+        kernel.spec.hidden_size,
+        width,
+        dtype=dtype,
+        seed=config.init_seed,
         name=f"{_strip_peft_root(site.experts_name)}.lora_experts",
     )
     return kernel.lora_experts
@@ -181,9 +189,7 @@ def adapt(
         TypeError: ``config`` is not a :class:`lora_core.LoraConfig`.
     """
     if not isinstance(config, LoraConfig):
-        raise TypeError(
-            f"adapt config must be a lora_core.LoraConfig, got {type(config).__name__}"
-        )
+        raise TypeError(f"adapt config must be a lora_core.LoraConfig, got {type(config).__name__}")
     if layout not in ("fused", "split"):
         raise AdaptError(f"layout must be 'fused' or 'split', got {layout!r}")
     _check_lora_expert_args(lora_experts, lora_expert_intermediate)
@@ -196,8 +202,12 @@ def adapt(
     placeholders = [n for n, _ in named_placeholders(model)]
     if not config.enable:
         return AdaptationResult.create(
-            adapted_layers=(), named_optimizer_parameters=(), ownership={},
-            producer=_component(), lora_config=config, placeholders=placeholders,
+            adapted_layers=(),
+            named_optimizer_parameters=(),
+            ownership={},
+            producer=_component(),
+            lora_config=config,
+            placeholders=placeholders,
         )
     fqn_of = {id(p): n for n, p in model.named_parameters(remove_duplicate=False)}
     adapted: list[str] = []
@@ -346,8 +356,13 @@ def adapt_model(
     if dense_cfg.enable:
         dense_cfg = _dense_part(model, dense_cfg)
     dense = enable_lora_training(model, dense_cfg)
-    experts = adapt(model, config, layout=layout, lora_experts=lora_experts,
-                    lora_expert_intermediate=lora_expert_intermediate)
+    experts = adapt(
+        model,
+        config,
+        layout=layout,
+        lora_experts=lora_experts,
+        lora_expert_intermediate=lora_expert_intermediate,
+    )
     if dense.lora_config is not None and dense.lora_config != config:
         # merge() refuses two different configs; the expert config is the one recorded.
         dense = AdaptationResult.create(

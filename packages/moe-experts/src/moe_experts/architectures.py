@@ -220,8 +220,10 @@ def _spec(family: str, block_class: str, *, text: bool = False, **fields: Any) -
 
 
 _SHARED = {"shared_expert_attrs": ("shared_experts",)}
-_QWEN_SHARED = {"shared_expert_attrs": ("shared_expert",),
-                "shared_expert_gate_attr": "shared_expert_gate"}
+_QWEN_SHARED = {
+    "shared_expert_attrs": ("shared_expert",),
+    "shared_expert_gate_attr": "shared_expert_gate",
+}
 _GROUPED = "sigmoid, grouped top-k, bias, scaling"
 # min_transformers: the lowest release each family was verified with (its tiny model wrapped,
 # self-checked and fine-tuned one step through the CLI) among 5.1, 5.17, 5.18 and 5.24. A
@@ -237,23 +239,42 @@ ARCHITECTURES: dict[str, MoEArchitecture] = {
     for spec in (
         _spec("qwen3_moe", "Qwen3MoeSparseMoeBlock", router="softmax top-k (norm_topk_prob)"),
         _spec("qwen2_moe", "Qwen2MoeSparseMoeBlock", **_QWEN_SHARED),
-        _spec("qwen3_5_moe", "Qwen3_5MoeSparseMoeBlock", text=True,
-              router="softmax top-k, renormalised", min_transformers=_V5_17, **_QWEN_SHARED),
-        _spec("qwen3_next", "Qwen3NextSparseMoeBlock", router="softmax top-k (norm_topk_prob)",
-              **_QWEN_SHARED),
-        _spec("qwen3_vl_moe", "Qwen3VLMoeTextSparseMoeBlock", text=True,
-              router="softmax top-k, renormalised"),
+        _spec(
+            "qwen3_5_moe",
+            "Qwen3_5MoeSparseMoeBlock",
+            text=True,
+            router="softmax top-k, renormalised",
+            min_transformers=_V5_17,
+            **_QWEN_SHARED,
+        ),
+        _spec(
+            "qwen3_next",
+            "Qwen3NextSparseMoeBlock",
+            router="softmax top-k (norm_topk_prob)",
+            **_QWEN_SHARED,
+        ),
+        _spec(
+            "qwen3_vl_moe",
+            "Qwen3VLMoeTextSparseMoeBlock",
+            text=True,
+            router="softmax top-k, renormalised",
+        ),
         _spec("mixtral", "MixtralSparseMoeBlock", router="softmax top-k, renormalised"),
         _spec("minimax", "MiniMaxSparseMoeBlock", router="softmax top-k, renormalised"),
         _spec("minimax_m2", "MiniMaxM2SparseMoeBlock", router="sigmoid top-k, bias"),
         _spec("phimoe", "PhimoeSparseMoeBlock", router_attr="router", router="sparsemixer top-2"),
         _spec("olmoe", "OlmoeSparseMoeBlock"),
         _spec("flex_olmo", "FlexOlmoSparseMoeBlock"),
-        _spec("deepseek_v2", "DeepseekV2Moe", router="softmax (group-limited) top-k, scaling",
-              **_SHARED),
+        _spec(
+            "deepseek_v2",
+            "DeepseekV2Moe",
+            router="softmax (group-limited) top-k, scaling",
+            **_SHARED,
+        ),
         _spec("deepseek_v3", "DeepseekV3MoE", router=_GROUPED, **_SHARED),
-        _spec("deepseek_v32", "DeepseekV32MoE", router=_GROUPED, min_transformers=_V5_17,
-              **_SHARED),
+        _spec(
+            "deepseek_v32", "DeepseekV32MoE", router=_GROUPED, min_transformers=_V5_17, **_SHARED
+        ),
         _spec("glm4_moe", "Glm4MoeMoE", router=_GROUPED, **_SHARED),
         _spec("glm4_moe_lite", "Glm4MoeLiteMoE", router=_GROUPED, **_SHARED),
         _spec("glm4v_moe", "Glm4vMoeTextMoE", text=True, router=_GROUPED, **_SHARED),
@@ -261,25 +282,57 @@ ARCHITECTURES: dict[str, MoEArchitecture] = {
         _spec("exaone_moe", "ExaoneMoeSparseMoEBlock", router=_GROUPED, **_SHARED),
         _spec("solar_open", "SolarOpenMoE", router=_GROUPED, **_SHARED),
         _spec("mimo_v2_flash", "MiMoV2FlashMoE", router=_GROUPED, min_transformers=_V5_17),
-        _spec("hy_v3", "HYV3MoE", router="sigmoid top-k, bias", min_transformers=_V5_17,
-              **_SHARED),
-        _spec("laguna", "LagunaSparseMoeBlock", router="sigmoid top-k, bias",
-              min_transformers=_V5_17, **_SHARED),
+        _spec("hy_v3", "HYV3MoE", router="sigmoid top-k, bias", min_transformers=_V5_17, **_SHARED),
+        _spec(
+            "laguna",
+            "LagunaSparseMoeBlock",
+            router="sigmoid top-k, bias",
+            min_transformers=_V5_17,
+            **_SHARED,
+        ),
         # 5.1 has afmoe without an AfmoeSparseMoeBlock.
-        _spec("afmoe", "AfmoeSparseMoeBlock", router_attr="router", router_param="gate.weight",
-              router="sigmoid top-k, bias", min_transformers=_V5_17, **_SHARED),
-        _spec("ernie4_5_moe", "Ernie4_5_MoeSparseMoeBlock", router="softmax top-k, bias",
-              **_SHARED),
-        _spec("hunyuan_v1_moe", "HunYuanMoEV1Moe", router_param="wg.weight",
-              shared_expert_attrs=("shared_mlp",), router="softmax top-k, renormalised"),
+        _spec(
+            "afmoe",
+            "AfmoeSparseMoeBlock",
+            router_attr="router",
+            router_param="gate.weight",
+            router="sigmoid top-k, bias",
+            min_transformers=_V5_17,
+            **_SHARED,
+        ),
+        _spec(
+            "ernie4_5_moe", "Ernie4_5_MoeSparseMoeBlock", router="softmax top-k, bias", **_SHARED
+        ),
+        _spec(
+            "hunyuan_v1_moe",
+            "HunYuanMoEV1Moe",
+            router_param="wg.weight",
+            shared_expert_attrs=("shared_mlp",),
+            router="softmax top-k, renormalised",
+        ),
         # 5.1's GraniteMoe blocks keep their experts as input_linear/output_linear (no
         # ``experts`` attribute).
-        _spec("granitemoe", "GraniteMoeMoE", router_attr="router", router="top-k logits, softmax",
-              min_transformers=_V5_17),
-        _spec("granitemoeshared", "GraniteMoeSharedMoE", router_attr="router",
-              router="top-k logits, softmax", min_transformers=_V5_17),
-        _spec("granitemoe_swa", "GraniteMoeSWAMoE", router_attr="router",
-              router="top-k logits, softmax", min_transformers=_V5_17),
+        _spec(
+            "granitemoe",
+            "GraniteMoeMoE",
+            router_attr="router",
+            router="top-k logits, softmax",
+            min_transformers=_V5_17,
+        ),
+        _spec(
+            "granitemoeshared",
+            "GraniteMoeSharedMoE",
+            router_attr="router",
+            router="top-k logits, softmax",
+            min_transformers=_V5_17,
+        ),
+        _spec(
+            "granitemoe_swa",
+            "GraniteMoeSWAMoE",
+            router_attr="router",
+            router="top-k logits, softmax",
+            min_transformers=_V5_17,
+        ),
         _spec("cohere2_moe", "Cohere2MoeSparseMoeBlock", min_transformers=_V5_17, **_SHARED),
         _spec("mellum", "MellumSparseMoeBlock", min_transformers=_V5_17),
         # Not in 5.18; 5.24 is the oldest release it was verified with.
@@ -287,22 +340,46 @@ ARCHITECTURES: dict[str, MoEArchitecture] = {
         _spec("lfm2_moe", "Lfm2MoeSparseMoeBlock", router="sigmoid top-k, bias"),
         # Experts and router sit in the decoder layer itself, beside a dense mlp whose output
         # is added; gated tanh-GELU experts (kt_kernel.GeluTanhGated).
-        _spec("gemma4", "Gemma4TextDecoderLayer", text=True, router_attr="router",
-              router_param="proj.weight", block_enabled_attr="enable_moe_block",
-              router="RMS-normed softmax top-k, renormalised, per-expert scale",
-              min_transformers=_V5_17),
+        _spec(
+            "gemma4",
+            "Gemma4TextDecoderLayer",
+            text=True,
+            router_attr="router",
+            router_param="proj.weight",
+            block_enabled_attr="enable_moe_block",
+            router="RMS-normed softmax top-k, renormalised, per-expert scale",
+            min_transformers=_V5_17,
+        ),
         # SwiGLU clamped at swiglu_limit (kt_kernel.SwiGLULimit). Hash layers pick experts by
         # a token-id table but call the experts module the same way, so they run as well.
-        _spec("deepseek_v4", "DeepseekV4SparseMoeBlock",
-              router="sqrt-softplus top-k, bias, scaling (hash layers: token-id table)",
-              min_transformers=_V5_17, **_SHARED),
+        _spec(
+            "deepseek_v4",
+            "DeepseekV4SparseMoeBlock",
+            router="sqrt-softplus top-k, bias, scaling (hash layers: token-id table)",
+            min_transformers=_V5_17,
+            **_SHARED,
+        ),
         # Up to 5.17 Aria's experts are per-expert nn.Linear; 5.18 fuses them (transposed).
-        _spec("aria", "AriaTextMoELayer", text=True, router_attr="router",
-              router="top-k logits, softmax", transposed=True, min_transformers="5.18",
-              **_SHARED),
-        _spec("gpt_oss", "GptOssMLP", router_attr="router", router="top-k logits, softmax, bias",
-              transposed=True, interleaved=True, gate_up_bias_param="gate_up_proj_bias",
-              down_bias_param="down_proj_bias"),
+        _spec(
+            "aria",
+            "AriaTextMoELayer",
+            text=True,
+            router_attr="router",
+            router="top-k logits, softmax",
+            transposed=True,
+            min_transformers="5.18",
+            **_SHARED,
+        ),
+        _spec(
+            "gpt_oss",
+            "GptOssMLP",
+            router_attr="router",
+            router="top-k logits, softmax, bias",
+            transposed=True,
+            interleaved=True,
+            gate_up_bias_param="gate_up_proj_bias",
+            down_bias_param="down_proj_bias",
+        ),
     )
 }
 
@@ -386,18 +463,21 @@ def checkpoint_model_type(directory: str | os.PathLike[str]) -> str | None:
     try:
         text = config.read_text(encoding="utf-8")
     except FileNotFoundError as exc:
-        raise LoadError(f"{directory} has no config.json; pass a directory written by "
-                        "save_pretrained (or a downloaded model)") from exc
+        raise LoadError(
+            f"{directory} has no config.json; pass a directory written by "
+            "save_pretrained (or a downloaded model)"
+        ) from exc
     except (OSError, UnicodeDecodeError) as exc:
         raise LoadError(f"cannot read {config}: {exc}") from exc
     try:
         data = json.loads(text)
     except ValueError as exc:
-        raise LoadError(f"{config} is not valid JSON ({exc}); re-save the model's config") \
-            from exc
+        raise LoadError(f"{config} is not valid JSON ({exc}); re-save the model's config") from exc
     if not isinstance(data, dict):
-        raise LoadError(f"{config} holds a JSON {type(data).__name__}, not an object with the "
-                        "model's config; re-save the model's config")
+        raise LoadError(
+            f"{config} holds a JSON {type(data).__name__}, not an object with the "
+            "model's config; re-save the model's config"
+        )
     model_type = data.get("model_type")
     return model_type if isinstance(model_type, str) else None
 

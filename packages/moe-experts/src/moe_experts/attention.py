@@ -13,17 +13,28 @@ from typing import Any
 
 import torch
 
-__all__ = ["KERNEL_ATTENTION", "kernel_attention_forward", "register_kernel_attention",
-           "use_kernel_attention"]
+__all__ = [
+    "KERNEL_ATTENTION",
+    "kernel_attention_forward",
+    "register_kernel_attention",
+    "use_kernel_attention",
+]
 
 KERNEL_ATTENTION = "kt_causal"
 # Keyword arguments whose presence (not None) changes the attention away from plain causal.
 _OFF_PATH_KWARGS = ("softcap", "sliding_window", "s_aux", "sinks", "position_bias")
 
 
-def _plain_causal(module: Any, query: torch.Tensor, key: torch.Tensor, value: torch.Tensor,
-                  attention_mask: torch.Tensor | None, dropout: float, is_causal: bool | None,
-                  kwargs: dict[str, Any]) -> bool:
+def _plain_causal(
+    module: Any,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float,
+    is_causal: bool | None,
+    kwargs: dict[str, Any],
+) -> bool:
     causal = is_causal if is_causal is not None else getattr(module, "is_causal", True)
     return (
         bool(causal)
@@ -41,11 +52,17 @@ def _plain_causal(module: Any, query: torch.Tensor, key: torch.Tensor, value: to
     )
 
 
-def kernel_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: torch.Tensor,
-                             value: torch.Tensor, attention_mask: torch.Tensor | None,
-                             dropout: float = 0.0, scaling: float | None = None,
-                             is_causal: bool | None = None,
-                             **kwargs: Any) -> tuple[torch.Tensor, None]:
+def kernel_attention_forward(
+    module: torch.nn.Module,
+    query: torch.Tensor,
+    key: torch.Tensor,
+    value: torch.Tensor,
+    attention_mask: torch.Tensor | None,
+    dropout: float = 0.0,
+    scaling: float | None = None,
+    is_causal: bool | None = None,
+    **kwargs: Any,
+) -> tuple[torch.Tensor, None]:
     """A transformers attention function: kt-kernel's causal op, else SDPA's implementation.
 
     Args:
@@ -65,8 +82,17 @@ def kernel_attention_forward(module: torch.nn.Module, query: torch.Tensor, key: 
     if not _plain_causal(module, query, key, value, attention_mask, dropout, is_causal, kwargs):
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 
-        return sdpa_attention_forward(module, query, key, value, attention_mask, dropout=dropout,
-                                      scaling=scaling, is_causal=is_causal, **kwargs)
+        return sdpa_attention_forward(
+            module,
+            query,
+            key,
+            value,
+            attention_mask,
+            dropout=dropout,
+            scaling=scaling,
+            is_causal=is_causal,
+            **kwargs,
+        )
     from kt_kernel import causal_attention
 
     out = causal_attention(query, key, value, scaling)

@@ -95,7 +95,7 @@ def _routed(kernel: KernelExperts | None, prefix: str, names: Iterable[str]) -> 
         if "_lora_" in leaf:
             found.add(_BUFFER_PROJECTION.get(leaf.split("_lora_", 1)[0], leaf))
         else:  # a PEFT ParamWrapper that was never wrapped: its parameter name is in the path
-            found.add(n[len(prefix):].split(".", 1)[0])
+            found.add(n[len(prefix) :].split(".", 1)[0])
     return tuple(sorted(found))
 
 
@@ -122,7 +122,7 @@ def coverage_report(model: nn.Module, result: AdaptationResult) -> MoECoverage:
         routed = _routed(kernel, site.experts_name + ".", names)
         shared = sorted(
             {
-                _module_of(n)[len(site.name) + 1:]
+                _module_of(n)[len(site.name) + 1 :]
                 for n in names
                 for attr in arch.shared_expert_attrs
                 if n.startswith(f"{site.name}.{attr}.")
@@ -182,8 +182,15 @@ def coverage_summary(model: nn.Module, result: AdaptationResult, *, max_rows: in
             rows[-1][0].append(b.block)
         else:
             rows.append(([b.block], cells))
-    header = ("blocks", "routed LoRA", "kernel", "shared experts", "router", "shared gate",
-              "LoRA experts")
+    header = (
+        "blocks",
+        "routed LoRA",
+        "kernel",
+        "shared experts",
+        "router",
+        "shared gate",
+        "LoRA experts",
+    )
     table = [header] + [
         ((f"{names[0]} (+{len(names) - 1})" if len(names) > 1 else names[0]), *cells)
         for names, cells in rows[:max_rows]
@@ -195,7 +202,8 @@ def coverage_summary(model: nn.Module, result: AdaptationResult, *, max_rows: in
         lines.append(f"  ... {len(rows) - max_rows} more row groups")
     missing = report.untrained_experts
     lines.append(
-        f"  WARNING routed experts without LoRA: {', '.join(missing)}" if missing
+        f"  WARNING routed experts without LoRA: {', '.join(missing)}"
+        if missing
         else "  every block's routed experts are trained"
     )
     return "\n".join(lines)
@@ -204,8 +212,12 @@ def coverage_summary(model: nn.Module, result: AdaptationResult, *, max_rows: in
 # The two factors of one adapter hang off one owning module: lora-core's ``owner.lora_A.weight``,
 # PEFT's ``owner.lora_A.<adapter>.weight`` and ``owner.lora_embedding_A.<adapter>`` (PEFT starts
 # an embedding's A at zero and its B random, the reverse of a linear layer).
-_FACTOR_PAIRS = {"lora_A": "lora_B", "lora_B": "lora_A",
-                 "lora_embedding_A": "lora_embedding_B", "lora_embedding_B": "lora_embedding_A"}
+_FACTOR_PAIRS = {
+    "lora_A": "lora_B",
+    "lora_B": "lora_A",
+    "lora_embedding_A": "lora_embedding_B",
+    "lora_embedding_B": "lora_embedding_A",
+}
 
 
 def _partner(name: str, values: dict[str, torch.Tensor]) -> str | None:
@@ -219,7 +231,7 @@ def _partner(name: str, values: dict[str, torch.Tensor]) -> str | None:
     parts = name.split(".")
     for depth in (3, 2):
         if len(parts) > depth and parts[-depth] in _FACTOR_PAIRS:
-            other = ".".join([*parts[:-depth], _FACTOR_PAIRS[parts[-depth]], *parts[1 - depth:]])
+            other = ".".join([*parts[:-depth], _FACTOR_PAIRS[parts[-depth]], *parts[1 - depth :]])
             if other in values:
                 return other
     for mine, theirs in (("_lora_a", "_lora_b"), ("_lora_b", "_lora_a")):  # kernel buffers
@@ -274,8 +286,11 @@ def check_gradients(
             other = values.get(partner) if partner is not None else None
             # Structural only while the partner is zero and this factor is not: with both at
             # zero neither can ever move.
-            if (other is None or bool(_local(other).detach().any())
-                    or not bool(_local(p).detach().any())):
+            if (
+                other is None
+                or bool(_local(other).detach().any())
+                or not bool(_local(p).detach().any())
+            ):
                 problems.append(f"{name}: gradient is all zeros")
     if problems:
         shown = "\n  ".join(problems[:50])

@@ -194,9 +194,7 @@ class KernelExperts(nn.Module):
             return t
         return self.arch.kernel_rows(t, dim=1)
 
-    def _kernel_buffers(
-        self, lora: kt_kernel.LoraBuffers | None
-    ) -> kt_kernel.LoraBuffers | None:
+    def _kernel_buffers(self, lora: kt_kernel.LoraBuffers | None) -> kt_kernel.LoraBuffers | None:
         """``lora``, or for an interleaved family the same tensors with B's rows reordered."""
         if lora is None or self.arch is None or not self.arch.interleaved:
             return lora

@@ -86,8 +86,10 @@ def _weight_map(path: Path) -> dict[str, Path]:
                 f"{index} is not a safetensors index (a JSON object with a 'weight_map'): {exc}"
             ) from exc
         if not isinstance(weight_map, dict):
-            raise LoadError(f"{index}: 'weight_map' is a JSON {type(weight_map).__name__}, not an "
-                            "object of checkpoint key -> shard file; re-save the checkpoint")
+            raise LoadError(
+                f"{index}: 'weight_map' is a JSON {type(weight_map).__name__}, not an "
+                "object of checkpoint key -> shard file; re-save the checkpoint"
+            )
         out = {str(k): path / str(v) for k, v in weight_map.items()}
         missing = sorted({str(f) for f in out.values() if not f.is_file()})
         if missing:
@@ -297,8 +299,12 @@ def _adopt_dense(
     from kt_kernel.formats import Dense
 
     return kt_kernel.ExpertWeights.from_parts(
-        spec, Dense(gate_up.dtype), (gate_up,), (down,),
-        gate_up_bias=gate_up_bias, down_bias=down_bias,
+        spec,
+        Dense(gate_up.dtype),
+        (gate_up,),
+        (down,),
+        gate_up_bias=gate_up_bias,
+        down_bias=down_bias,
     )
 
 
@@ -375,9 +381,7 @@ def _fp8_weights(
         )
     e, h, i = spec.num_experts, spec.hidden_size, spec.intermediate_size
     slots = _slots(site, keys, e)
-    gu_parts, dn_parts = read_fp8_bank(
-        reader, slots, ((e, 2 * i, h), (e, h, i)), site.experts_name
-    )
+    gu_parts, dn_parts = read_fp8_bank(reader, slots, ((e, 2 * i, h), (e, h, i)), site.experts_name)
     return kt_kernel.ExpertWeights.from_parts(spec, Fp8Block(_DTYPES["fp8"]), gu_parts, dn_parts)
 
 
@@ -414,15 +418,21 @@ def _load_block(
         down_bias = biases.get(arch.down_bias_param or "")
         if quantised:
             return kt_kernel.ExpertWeights.from_fused(
-                spec, gate_up, down, dtype=_DTYPES[storage_name], weight_dtype=storage_name,
-                gate_up_bias=gate_up_bias, down_bias=down_bias,
+                spec,
+                gate_up,
+                down,
+                dtype=_DTYPES[storage_name],
+                weight_dtype=storage_name,
+                gate_up_bias=gate_up_bias,
+                down_bias=down_bias,
             )
         return _adopt_dense(spec, gate_up, down, gate_up_bias, down_bias)
 
     fmt = _weight_format(storage_name, model_dtype)
     weights = shared_or_local(sharing, build, spec, fmt, site.experts_name)
-    _install(site, experts, weights, meta, policy,
-             sharing.local_ranks if sharing is not None else 1)
+    _install(
+        site, experts, weights, meta, policy, sharing.local_ranks if sharing is not None else 1
+    )
 
 
 def load_pretrained(
@@ -531,8 +541,7 @@ def load_pretrained(
     # Every rank leaves the loop together: an error on one is an error on all, sockets closed.
     with expert_sharing(share_experts) as sharing:  # only its writers read the experts
         for site in sites:
-            _load_block(site, expert_keys[site.experts_name], reader, storage_name, policy,
-                        sharing)
+            _load_block(site, expert_keys[site.experts_name], reader, storage_name, policy, sharing)
 
     state = dict(model.named_parameters(remove_duplicate=False))
     state.update(model.named_buffers(remove_duplicate=False))
@@ -540,7 +549,8 @@ def load_pretrained(
     # ``mtp.*`` layers, DeepSeek-V3's extra layer), skipped as from_pretrained skips them.
     ignored = [re.compile(p) for p in model._keys_to_ignore_on_load_unexpected or ()]
     dense = {
-        n: k for n, k in dense.items()
+        n: k
+        for n, k in dense.items()
         if n in state or not any(r.search(n) or r.search(k) for r in ignored)
     }
     unexpected = sorted(k for k in dense if k not in state)

@@ -56,12 +56,15 @@ class LoraExperts(nn.Module):
         self.hidden_size = hidden_size
         self.intermediate_size = intermediate_size
         n, h, j = num_experts, hidden_size, intermediate_size
-        self.le_gate = nn.Parameter(init_lora_tensor(f"{name}.le_gate.lora_A", (n, j, h), dtype,
-                                                     seed=seed))
-        self.le_up = nn.Parameter(init_lora_tensor(f"{name}.le_up.lora_A", (n, j, h), dtype,
-                                                   seed=seed))
-        self.le_down = nn.Parameter(init_lora_tensor(f"{name}.le_down.lora_B", (n, h, j), dtype,
-                                                     seed=seed))
+        self.le_gate = nn.Parameter(
+            init_lora_tensor(f"{name}.le_gate.lora_A", (n, j, h), dtype, seed=seed)
+        )
+        self.le_up = nn.Parameter(
+            init_lora_tensor(f"{name}.le_up.lora_A", (n, j, h), dtype, seed=seed)
+        )
+        self.le_down = nn.Parameter(
+            init_lora_tensor(f"{name}.le_down.lora_B", (n, h, j), dtype, seed=seed)
+        )
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """``[T, H] -> [T, H]``, the mean of the N experts' outputs, in ``x.dtype``."""

@@ -34,11 +34,13 @@ def _check(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chu
         raise ChunkedLossError(
             f"hidden's last dim {tuple(hidden.shape)} must equal weight's [V, H] "
             f"{tuple(weight.shape)}"
-            "; pass the lm_head weight, not its transpose")
+            "; pass the lm_head weight, not its transpose"
+        )
     if hidden.shape[:-1] != labels.shape:
         raise ChunkedLossError(
             f"labels {tuple(labels.shape)} must match hidden's leading dims "
-            f"{tuple(hidden.shape[:-1])}; shift labels and hidden the same way")
+            f"{tuple(hidden.shape[:-1])}; shift labels and hidden the same way"
+        )
     if labels.dtype not in (torch.int64, torch.int32):
         raise ChunkedLossError(f"labels must be int64 token ids, got {labels.dtype}")
     if chunk < 1:
@@ -49,16 +51,23 @@ class _ChunkedCE(torch.autograd.Function):
     """Summed cross-entropy whose hidden/weight gradients are computed during forward."""
 
     @staticmethod
-    def forward(ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor,
-                chunk: int, ignore_index: int) -> torch.Tensor:
+    def forward(
+        ctx: Any,
+        hidden: torch.Tensor,
+        weight: torch.Tensor,
+        labels: torch.Tensor,
+        chunk: int,
+        ignore_index: int,
+    ) -> torch.Tensor:
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         total = torch.zeros((), dtype=torch.float32, device=hidden.device)
         grad_h = torch.empty_like(hidden) if need_h else None
-        grad_w = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w \
-            else None
+        grad_w = (
+            torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
+        )
         for start in range(0, hidden.shape[0], chunk):
-            h = hidden[start:start + chunk]
-            y = labels[start:start + chunk]
+            h = hidden[start : start + chunk]
+            y = labels[start : start + chunk]
             logits = (h @ weight.t()).float()  # same rounding as lm_head(h).float()
             lse = torch.logsumexp(logits, dim=-1)
             valid = y != ignore_index
@@ -73,7 +82,7 @@ class _ChunkedCE(torch.autograd.Function):
             logits.mul_(valid[:, None])
             g = logits.to(hidden.dtype)
             if grad_h is not None:
-                torch.matmul(g, weight, out=grad_h[start:start + chunk])
+                torch.matmul(g, weight, out=grad_h[start : start + chunk])
             if grad_w is not None:
                 grad_w.addmm_(g.t().float(), h.float())
         ctx.save_for_backward(*(t for t in (grad_h, grad_w) if t is not None))

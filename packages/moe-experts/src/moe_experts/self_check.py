@@ -105,10 +105,14 @@ def _custom_gate(experts: nn.Module) -> bool:
 # Layout flags that transformers' ``use_experts_implementation`` sets on an experts module:
 # what each means, and the value it must have for a family's spec (its layout fields).
 _LAYOUT_FLAGS: dict[str, tuple[str, Callable[[MoEArchitecture | None], bool]]] = {
-    "is_transposed": ("experts stored transposed ([E, H, 2I])",
-                      lambda a: a is not None and a.transposed),
-    "is_concatenated": ("gate and up concatenated, not interleaved",
-                        lambda a: a is None or not a.interleaved),
+    "is_transposed": (
+        "experts stored transposed ([E, H, 2I])",
+        lambda a: a is not None and a.transposed,
+    ),
+    "is_concatenated": (
+        "gate and up concatenated, not interleaved",
+        lambda a: a is None or not a.interleaved,
+    ),
     "has_bias": ("expert biases", lambda a: a is not None and bool(a.bias_params)),
     "has_gate": ("a gate projection (gated experts)", lambda a: True),
     "has_post_expert_norm": ("a norm after each expert", lambda a: False),

@@ -56,8 +56,10 @@ PAUSE_ENV = "MOE_EXPERTS_TEST_PAUSE_AFTER_CREATE"
 # the collectives before each hand-over already wait for local rank 0 to build the block.
 SOCKET_TIMEOUT = 300.0
 _POLL = 0.5  # seconds between local rank 0's checks that the ranks it waits for still run
-_FIX = ("or keep one copy per rank: share_experts=False, MOE_EXPERTS_SHARE_EXPERTS=0, or the "
-        "finetune CLI's --no-share-experts")
+_FIX = (
+    "or keep one copy per rank: share_experts=False, MOE_EXPERTS_SHARE_EXPERTS=0, or the "
+    "finetune CLI's --no-share-experts"
+)
 _PEERCRED = struct.Struct("3i")  # struct ucred: pid, uid, gid
 _BLOCK = struct.Struct("<q")
 
@@ -94,8 +96,12 @@ def default_kernel_threads() -> int | None:
 
 def _supported() -> bool:
     """Whether this platform has what sharing needs (Linux: memfd, abstract sockets, creds)."""
-    return (sys.platform.startswith("linux") and hasattr(os, "memfd_create")
-            and hasattr(socket, "SO_PEERCRED") and hasattr(socket, "send_fds"))
+    return (
+        sys.platform.startswith("linux")
+        and hasattr(os, "memfd_create")
+        and hasattr(socket, "SO_PEERCRED")
+        and hasattr(socket, "send_fds")
+    )
 
 
 def _address(token: str) -> bytes:
@@ -241,8 +247,13 @@ class ExpertSharing:
             writers.append(w)
         rank = dist.get_rank()
         writer_rank = writers[rank]
-        sharing = cls(writer=writer_rank == rank, token=peers[writer_rank][3], group=group,
-                      local_ranks=writers.count(writer_rank), writer_rank=writer_rank)
+        sharing = cls(
+            writer=writer_rank == rank,
+            token=peers[writer_rank][3],
+            group=group,
+            local_ranks=writers.count(writer_rank),
+            writer_rank=writer_rank,
+        )
         error: BaseException | None = None
         try:
             failed = sorted((w, peers[w][5]) for w in set(writers) if peers[w][5])
@@ -310,8 +321,10 @@ class ExpertSharing:
             if exc is None:
                 failed = self._agree(False)
                 if failed is not None:
-                    raise WrapError(f"rank {failed} failed while wrapping or loading the shared "
-                                    "experts; its own output says why")
+                    raise WrapError(
+                        f"rank {failed} failed while wrapping or loading the shared "
+                        "experts; its own output says why"
+                    )
                 return
             # This rank's own error is the one to report, not a broken collective's.
             with suppress(Exception):
@@ -386,8 +399,10 @@ class ExpertSharing:
                         f"{label}: local rank 0 failed to build the shared expert storage; its "
                         "own output says why"
                     )
-                raise WrapError(f"{label}: rank {failed} failed while wrapping or loading the "
-                                "shared experts; its own output says why")
+                raise WrapError(
+                    f"{label}: rank {failed} failed while wrapping or loading the "
+                    "shared experts; its own output says why"
+                )
             try:
                 if made is not None:
                     for conn in self.conns:
@@ -401,8 +416,10 @@ class ExpertSharing:
                 self.close()
                 if error is not None:
                     raise WrapError(f"{label}: {error}") from error
-                raise WrapError(f"{label}: rank {failed} failed to hand over or map the shared "
-                                "experts; its own output says why")
+                raise WrapError(
+                    f"{label}: rank {failed} failed to hand over or map the shared "
+                    "experts; its own output says why"
+                )
         finally:
             if made is not None:
                 os.close(made.fd)  # the readers hold their own descriptors and mappings
@@ -411,16 +428,21 @@ class ExpertSharing:
             raise WrapError(f"{label}: the shared expert storage was not set up")
         return shared
 
-    def _receive(self, block: int, spec: kt_kernel.ExpertSpec,
-                 fmt: kt_kernel.WeightFormat) -> kt_kernel.ExpertWeights:
+    def _receive(
+        self, block: int, spec: kt_kernel.ExpertSpec, fmt: kt_kernel.WeightFormat
+    ) -> kt_kernel.ExpertWeights:
         msg, fds, _, _ = socket.recv_fds(self.conns[0], _BLOCK.size, 1)
         try:
             if not msg:
-                raise WrapError("local rank 0 closed its connection before handing block "
-                                f"{block}'s shared experts over")
+                raise WrapError(
+                    "local rank 0 closed its connection before handing block "
+                    f"{block}'s shared experts over"
+                )
             if len(fds) != 1 or len(msg) != _BLOCK.size or _BLOCK.unpack(msg)[0] != block:
-                raise WrapError(f"local rank 0 sent {msg!r} with {len(fds)} descriptors for "
-                                f"block {block}; every rank must load the same model")
+                raise WrapError(
+                    f"local rank 0 sent {msg!r} with {len(fds)} descriptors for "
+                    f"block {block}; every rank must load the same model"
+                )
             return kt_kernel.map_shared(fds[0], spec, fmt)
         finally:
             for fd in fds:
@@ -444,13 +466,16 @@ def _accept(listener: socket.socket | None, readers: set[int]) -> list[socket.so
                 # deadline (its pid is in this namespace, checked by detect).
                 gone = sorted(pid for pid in waiting if not _alive(pid))
                 if gone:
-                    raise WrapError(f"the local rank(s) with pid {gone} exited before "
-                                    "connecting to local rank 0") from None
+                    raise WrapError(
+                        f"the local rank(s) with pid {gone} exited before "
+                        "connecting to local rank 0"
+                    ) from None
                 if time.monotonic() > deadline:
                     raise
                 continue
             pid, uid, _ = _PEERCRED.unpack(
-                conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+                conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
+            )
             if pid not in waiting or uid != os.getuid():
                 conn.close()  # not one of this machine's ranks: it gets nothing
                 continue
@@ -488,7 +513,8 @@ def _connect(token: str, writer_pid: int) -> socket.socket:
     try:
         conn.connect(_address(token))
         pid, uid, _ = _PEERCRED.unpack(
-            conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size))
+            conn.getsockopt(socket.SOL_SOCKET, socket.SO_PEERCRED, _PEERCRED.size)
+        )
     except OSError:
         conn.close()
         raise

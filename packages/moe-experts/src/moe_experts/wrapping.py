@@ -169,9 +169,7 @@ def _weight_format(weight_dtype: str, source: torch.dtype) -> kt_kernel.WeightFo
     return resolve_format(quantised, _DTYPES[weight_dtype], source)
 
 
-def _adopt(
-    site: MoEBlockSite, wrappers: tuple[nn.Module, ...], kernel: KernelExperts
-) -> None:
+def _adopt(site: MoEBlockSite, wrappers: tuple[nn.Module, ...], kernel: KernelExperts) -> None:
     """Point ``kernel`` at PEFT's LoRA tensors and route PEFT's forward through the kernel."""
     arch = site.arch
     by_param = {w.parameter_name: w for w in wrappers}
@@ -341,7 +339,10 @@ def wrap(
                 twin = weights.is_quantized
                 checks.append(
                     self_check_block(
-                        site.experts_name, base, kernel, weight_dtype,
+                        site.experts_name,
+                        base,
+                        kernel,
+                        weight_dtype,
                         gate_up=arch.kernel_gate_up(gate_up).flatten(1, 2) if twin else None,
                         down=arch.kernel_down(down) if twin else None,
                     )

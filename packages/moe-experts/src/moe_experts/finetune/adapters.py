@@ -25,8 +25,10 @@ def resolve_adapter(ckpt: Path) -> Path:
     except (lora_checkpoint.CheckpointError, OSError) as exc:
         raise FinetuneError(f"{ckpt}: not a checkpoint or checkpoint root ({exc})") from exc
     if not (resolved / lora_checkpoint.ADAPTER_CONFIG).is_file():
-        raise FinetuneError(f"{resolved}: no {lora_checkpoint.ADAPTER_CONFIG}; not a checkpoint "
-                            "written by moe-experts finetune")
+        raise FinetuneError(
+            f"{resolved}: no {lora_checkpoint.ADAPTER_CONFIG}; not a checkpoint "
+            "written by moe-experts finetune"
+        )
     return resolved
 
 
@@ -42,8 +44,10 @@ def _base_source(model: str | None, ckpt: Path) -> Path:
         return builtin_model_dir(model)
     source = Path(model)
     if not (source / "config.json").is_file():
-        raise FinetuneError(f"--model {model}: not a built-in model ({', '.join(BUILTIN_MODELS)}) "
-                            "and not a local Hugging Face model directory (no config.json there)")
+        raise FinetuneError(
+            f"--model {model}: not a built-in model ({', '.join(BUILTIN_MODELS)}) "
+            "and not a local Hugging Face model directory (no config.json there)"
+        )
     return source
 
 
@@ -86,7 +90,8 @@ def load_with_adapter(model: str | None, ckpt: Path) -> LoadedAdapter:
         peft_model = PeftModel.from_pretrained(base, resolved)
     except (OSError, ValueError, KeyError, RuntimeError) as exc:
         raise FinetuneError(
-            f"could not load {base_dir} with the adapter {resolved}: {exc}") from exc
+            f"could not load {base_dir} with the adapter {resolved}: {exc}"
+        ) from exc
     _expose_router_buffers(peft_model)
     return LoadedAdapter(peft_model.eval(), tokenizer, base_dir, resolved)
 

@@ -34,7 +34,7 @@ def _render(tokenizer: Any, messages: Sequence[dict[str, str]]) -> str:
         raise ChatTemplateError(
             f"the tokenizer of the model ({type(tokenizer).__name__}) has no chat template, so "
             "chat, alpaca and sharegpt data cannot be rendered; use a model whose tokenizer has "
-            "one, or convert the data to {\"text\": ...} records"
+            'one, or convert the data to {"text": ...} records'
         )
     try:
         text = tokenizer.apply_chat_template(list(messages), tokenize=False)
@@ -45,9 +45,11 @@ def _render(tokenizer: Any, messages: Sequence[dict[str, str]]) -> str:
 
 def _end_of_turn(tokenizer: Any) -> str:
     """The marker the template writes after an assistant reply (``<|im_end|>``, ``</s>``)."""
-    rendered = _render(tokenizer, [{"role": "user", "content": "ping"},
-                                   {"role": "assistant", "content": _SENTINEL}])
-    return rendered[rendered.rfind(_SENTINEL) + len(_SENTINEL):].strip()
+    rendered = _render(
+        tokenizer,
+        [{"role": "user", "content": "ping"}, {"role": "assistant", "content": _SENTINEL}],
+    )
+    return rendered[rendered.rfind(_SENTINEL) + len(_SENTINEL) :].strip()
 
 
 def assistant_spans(

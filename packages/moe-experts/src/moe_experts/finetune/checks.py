@@ -120,8 +120,7 @@ def existing_checkpoints(output: Path) -> list[str]:
     root = output / "checkpoints"
     if not root.is_dir():
         return []
-    return sorted(p.name for p in root.iterdir()
-                  if p.is_dir() and not p.name.startswith("."))
+    return sorted(p.name for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
 
 
 def check_output_path(output: Path, flag: str) -> None:
@@ -135,7 +134,8 @@ def check_output_path(output: Path, flag: str) -> None:
             if not parent.is_dir():
                 what = "is a file" if parent == output else f"is under the file {parent}"
                 raise FinetuneError(
-                    f"{flag} {output} {what}, not a directory; choose another {flag}")
+                    f"{flag} {output} {what}, not a directory; choose another {flag}"
+                )
             break
 
 
@@ -152,8 +152,9 @@ def _writable_dir(output: Path, flag: str) -> None:
         ) from exc
 
 
-def prepare_output(args: FinetuneArgs, sources: dict[str, str], *, overwrite: bool,
-                   rank: int = 0) -> None:
+def prepare_output(
+    args: FinetuneArgs, sources: dict[str, str], *, overwrite: bool, rank: int = 0
+) -> None:
     """Make sure ``--output`` is a writable directory that this run may write into.
 
     An output that already holds checkpoints is refused unless ``--resume`` (continue) or

@@ -37,22 +37,32 @@ class Command:
 
 # One row per subcommand; the module is imported only when its command runs.
 COMMANDS: dict[str, Command] = {
-    "finetune": Command("moe_experts.finetune.cli", "finetune_main",
-                        "LoRA fine-tune a MoE model (one process, or under torchrun)"),
-    "generate": Command("moe_experts.finetune.generate", "generate_main",
-                        "generate text with the base model and a trained adapter"),
-    "export": Command("moe_experts.finetune.export", "export_main",
-                      "export a checkpoint as a PEFT adapter, vLLM per-expert LoRA or a "
-                      "merged model"),
+    "finetune": Command(
+        "moe_experts.finetune.cli",
+        "finetune_main",
+        "LoRA fine-tune a MoE model (one process, or under torchrun)",
+    ),
+    "generate": Command(
+        "moe_experts.finetune.generate",
+        "generate_main",
+        "generate text with the base model and a trained adapter",
+    ),
+    "export": Command(
+        "moe_experts.finetune.export",
+        "export_main",
+        "export a checkpoint as a PEFT adapter, vLLM per-expert LoRA or a merged model",
+    ),
 }
 
 
 def _usage() -> str:
     width = max(len(n) for n in COMMANDS)
     rows = "\n".join(f"  {n.ljust(width)}  {c.summary}" for n, c in COMMANDS.items())
-    return ("usage: moe-experts COMMAND [--help] [flags]\n\n"
-            f"commands:\n{rows}\n\n"
-            "'moe-experts COMMAND --help' shows a command's flags.")
+    return (
+        "usage: moe-experts COMMAND [--help] [flags]\n\n"
+        f"commands:\n{rows}\n\n"
+        "'moe-experts COMMAND --help' shows a command's flags."
+    )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -66,8 +76,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     if command is None:
         close = difflib.get_close_matches(name, list(COMMANDS), n=1)
         hint = f"; did you mean {close[0]!r}?" if close else ""
-        print(f"error: unknown command {name!r}{hint} (commands: {', '.join(COMMANDS)})",
-              file=sys.stderr)
+        print(
+            f"error: unknown command {name!r}{hint} (commands: {', '.join(COMMANDS)})",
+            file=sys.stderr,
+        )
         return 2
     function = getattr(importlib.import_module(command.module), command.function)
     return int(function(argv[1:]))
@@ -86,44 +98,84 @@ def report_error(exc: FinetuneError, *, debug: bool = False) -> int:
 def build_parser(prog: str = "moe-experts finetune") -> argparse.ArgumentParser:
     """The flags of the fine-tune command, one group per ``--config`` section."""
     p = argparse.ArgumentParser(
-        prog=prog, allow_abbrev=False,
+        prog=prog,
+        allow_abbrev=False,
         description="LoRA fine-tune of a MoE model on CPU. Settings come from the defaults, "
-                    "then --config FILE (YAML, sections: model, data, training, lora, output), "
-                    "then these flags.")
+        "then --config FILE (YAML, sections: model, data, training, lora, output), "
+        "then these flags.",
+    )
     groups = {s: p.add_argument_group(s) for s in SECTIONS}
     for opt in OPTIONS:
         default = default_value(opt)
         shown = "unset" if default is None else default
         if opt.kind is bool and opt.negation:
             both = groups[opt.section].add_mutually_exclusive_group()
-            both.add_argument(opt.flag, *opt.aliases, dest=opt.dest, default=None,
-                              action="store_const", const=True,
-                              help=f"{opt.help} (YAML {opt.section}.{opt.key}: true/false)")
-            both.add_argument(opt.negation, dest=opt.dest, default=None, action="store_const",
-                              const=False, help=f"the opposite of {opt.flag}")
+            both.add_argument(
+                opt.flag,
+                *opt.aliases,
+                dest=opt.dest,
+                default=None,
+                action="store_const",
+                const=True,
+                help=f"{opt.help} (YAML {opt.section}.{opt.key}: true/false)",
+            )
+            both.add_argument(
+                opt.negation,
+                dest=opt.dest,
+                default=None,
+                action="store_const",
+                const=False,
+                help=f"the opposite of {opt.flag}",
+            )
             continue
         if opt.kind is bool:
             groups[opt.section].add_argument(
-                opt.flag, *opt.aliases, dest=opt.dest, default=None, action="store_const",
-                const=True, help=f"{opt.help} (YAML {opt.section}.{opt.key}: true)")
+                opt.flag,
+                *opt.aliases,
+                dest=opt.dest,
+                default=None,
+                action="store_const",
+                const=True,
+                help=f"{opt.help} (YAML {opt.section}.{opt.key}: true)",
+            )
             continue
         groups[opt.section].add_argument(
-            opt.flag, *opt.aliases, dest=opt.dest, default=None,
+            opt.flag,
+            *opt.aliases,
+            dest=opt.dest,
+            default=None,
             metavar="{" + ",".join(opt.choices) + "}" if opt.choices else opt.dest.upper(),
-            help=f"{opt.help} (default: {shown}; YAML {opt.section}.{opt.key})")
+            help=f"{opt.help} (default: {shown}; YAML {opt.section}.{opt.key})",
+        )
     run = p.add_argument_group("run")
-    run.add_argument("--config", type=Path, default=None,
-                     help="YAML file holding any of the settings above; its lora: block "
-                          "takes every field of lora_core.LoraConfig; flags override it")
-    run.add_argument("--role", default="moe",
-                     help="the <role> of an older-style models.<role>.lora block in --config")
-    run.add_argument("--resume", type=Path, default=None,
-                     help="a checkpoint directory, or a checkpoints root (follows its latest)")
-    run.add_argument("--overwrite", action="store_true",
-                     help="--output holds an earlier run: delete its checkpoints and logs and "
-                          "start again")
-    run.add_argument("--print-config", action="store_true",
-                     help="print the resolved settings as --config YAML and exit")
+    run.add_argument(
+        "--config",
+        type=Path,
+        default=None,
+        help="YAML file holding any of the settings above; its lora: block "
+        "takes every field of lora_core.LoraConfig; flags override it",
+    )
+    run.add_argument(
+        "--role",
+        default="moe",
+        help="the <role> of an older-style models.<role>.lora block in --config",
+    )
+    run.add_argument(
+        "--resume",
+        type=Path,
+        default=None,
+        help="a checkpoint directory, or a checkpoints root (follows its latest)",
+    )
+    run.add_argument(
+        "--overwrite",
+        action="store_true",
+        help="--output holds an earlier run: delete its checkpoints and logs and start again",
+    )
+    run.add_argument(
+        "--print-config",
+        action="store_true",
+        help="print the resolved settings as --config YAML and exit",
+    )
     run.add_argument("--no-progress", action="store_true", help="no progress bar")
     run.add_argument("--debug", action="store_true", help="show tracebacks on errors")
     return p
@@ -131,8 +183,13 @@ def build_parser(prog: str = "moe-experts finetune") -> argparse.ArgumentParser:
 
 def _launcher(prog: str) -> list[str]:
     if os.environ.get("TORCHELASTIC_RUN_ID") and int(os.environ.get("WORLD_SIZE", "1")) > 1:
-        return ["torchrun", "--nproc-per-node", os.environ.get("LOCAL_WORLD_SIZE", "1"),
-                "-m", "moe_experts.finetune"]
+        return [
+            "torchrun",
+            "--nproc-per-node",
+            os.environ.get("LOCAL_WORLD_SIZE", "1"),
+            "-m",
+            "moe_experts.finetune",
+        ]
     if prog.startswith("python"):
         return [sys.executable, "-m", "moe_experts.finetune"]
     script = sys.argv[0]
@@ -162,8 +219,9 @@ def _prepare(ns: argparse.Namespace) -> FinetuneArgs:
     from moe_experts.finetune.config import lora_config, render_config, resolve_args
 
     flags = {o.dest: getattr(ns, o.dest) for o in OPTIONS}
-    args, sources = resolve_args(flags, config=ns.config, role=ns.role, resume=ns.resume,
-                                 progress=not ns.no_progress)
+    args, sources = resolve_args(
+        flags, config=ns.config, role=ns.role, resume=ns.resume, progress=not ns.no_progress
+    )
     checks.check_combination(args, sources, overwrite=ns.overwrite)
     checks.check_reporter(args.report_to)
     lora_source = sources.get("lora", "the lora settings")
@@ -182,8 +240,9 @@ def _prepare(ns: argparse.Namespace) -> FinetuneArgs:
     checks.check_output_path(args.output, sources["output"])
     checks.check_sharing(args, sources)
     lora_config(args, lora_source)
-    checks.prepare_output(args, sources, overwrite=ns.overwrite,
-                          rank=int(os.environ.get("RANK", "0")))
+    checks.prepare_output(
+        args, sources, overwrite=ns.overwrite, rank=int(os.environ.get("RANK", "0"))
+    )
     return args
 
 
@@ -192,8 +251,10 @@ def _report(summary: object) -> None:
 
     assert isinstance(summary, FinetuneSummary)
     first, last = summary.losses[0], summary.losses[-1]
-    print(f"loss {first:.4f} -> {last:.4f} over {len(summary.losses)} steps "
-          f"({summary.tokens_per_second:,.0f} tokens/s, {summary.world_size} process(es))")
+    print(
+        f"loss {first:.4f} -> {last:.4f} over {len(summary.losses)} steps "
+        f"({summary.tokens_per_second:,.0f} tokens/s, {summary.world_size} process(es))"
+    )
     if summary.eval_loss is not None:
         print(f"eval loss {summary.eval_loss:.4f}")
     print(f"checkpoint: {summary.checkpoint}")
@@ -202,8 +263,10 @@ def _report(summary: object) -> None:
     auto = pretrained_class(Path(summary.model_source)).__name__
     print("load the adapter with PEFT:")
     print(f"  from transformers import {auto}; from peft import PeftModel")
-    print(f"  model = PeftModel.from_pretrained({auto}.from_pretrained("
-          f"{str(summary.model_source)!r}), {str(summary.checkpoint)!r})")
+    print(
+        f"  model = PeftModel.from_pretrained({auto}.from_pretrained("
+        f"{str(summary.model_source)!r}), {str(summary.checkpoint)!r})"
+    )
 
 
 def finetune_main(argv: Sequence[str] | None = None, prog: str = "moe-experts finetune") -> int:
@@ -227,16 +290,20 @@ def finetune_main(argv: Sequence[str] | None = None, prog: str = "moe-experts fi
     except TrainingInterrupted as exc:
         if lead:
             name = {2: "SIGINT", 15: "SIGTERM"}.get(exc.signum, f"signal {exc.signum}")
-            where = (f"checkpoint {exc.checkpoint}" if exc.checkpoint
-                     else "before the first step; nothing to save")
+            where = (
+                f"checkpoint {exc.checkpoint}"
+                if exc.checkpoint
+                else "before the first step; nothing to save"
+            )
             print(f"stopped by {name} at step {exc.step}; {where}", file=sys.stderr)
             if exc.checkpoint:
-                print(f"resume with:\n  {resume_command(argv, prog, args.output)}",
-                      file=sys.stderr)
+                print(f"resume with:\n  {resume_command(argv, prog, args.output)}", file=sys.stderr)
         return 128 + exc.signum
     except KeyboardInterrupt:
-        print("error: interrupted again; stopped at once (the last saved checkpoint stands)",
-              file=sys.stderr)
+        print(
+            "error: interrupted again; stopped at once (the last saved checkpoint stands)",
+            file=sys.stderr,
+        )
         return 130
     except FinetuneError as exc:
         return report_error(exc, debug=ns.debug)

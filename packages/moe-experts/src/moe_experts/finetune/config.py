@@ -135,82 +135,259 @@ class Option:
 
 
 OPTIONS: tuple[Option, ...] = (
-    Option("model", "--model", "model", "name", str,
-           "'tiny-qwen3-moe' (built in) or a local Hugging Face model directory"),
-    Option("weight_dtype", "--weight-dtype", "model", "weight_dtype", str,
-           "kernel storage of the frozen experts; fp8 keeps a FP8-block checkpoint's shipped "
-           "bytes (and quantises any other)", choices=("fp32", "bf16", "int8", "int4", "fp8")),
-    Option("share_experts", "--share-experts", "model", "share_experts", bool,
-           "under torchrun with several ranks per machine, keep one copy of the frozen experts "
-           "per machine in shared memory (--no-share-experts: one copy per rank; default: "
-           "share unless MOE_EXPERTS_SHARE_EXPERTS=0)", nullable=True,
-           negation="--no-share-experts"),
-    Option("kernel_attention", "--kernel-attention", "model", "kernel_attention", bool,
-           "run plain causal attention of a CPU model on kt-kernel's causal attention op "
-           "instead of transformers' SDPA (other calls still use SDPA; "
-           "--no-kernel-attention: keep SDPA everywhere)", negation="--no-kernel-attention"),
-    Option("data", "--data", "data", "path", Path,
-           "training data file; default: a small corpus shipped with the package",
-           nullable=True),
-    Option("data_format", "--data-format", "data", "format", str,
-           "force the record format instead of detecting it per file",
-           choices=tuple(sorted(DATA_FORMATS)), nullable=True),
-    Option("train_on_prompt", "--train-on-prompt", "data", "train_on_prompt", bool,
-           "chat/instruction data: loss on every token, not only the replies"),
-    Option("eval_data", "--eval-data", "data", "eval_data", Path,
-           "evaluation data file (same formats as --data)", nullable=True),
-    Option("eval_split", "--eval-split", "data", "eval_split", float,
-           "hold out this fraction of --data's documents for evaluation, e.g. 0.05",
-           check=_fraction, nullable=True),
-    Option("seq_len", "--seq-len", "data", "seq_len", int, "tokens per row",
-           check=_at_least(2)),
-    Option("steps", "--steps", "training", "steps", int, "optimizer steps in total",
-           check=_at_least(1), aliases=("--max-steps",)),
-    Option("lr", "--lr", "training", "lr", float, "peak learning rate",
-           check=_positive_finite, aliases=("--learning-rate",)),
-    Option("lr_schedule", "--lr-schedule", "training", "lr_schedule", str,
-           "learning-rate schedule after warm-up", choices=("constant", "linear", "cosine"),
-           aliases=("--lr-scheduler-type",)),
-    Option("warmup_steps", "--warmup-steps", "training", "warmup_steps", int,
-           "linear warm-up from 0 to --lr over this many steps", check=_at_least(0)),
-    Option("batch_size", "--batch-size", "training", "batch_size", int,
-           "global rows per optimizer step (split across torchrun ranks and --grad-accum)",
-           check=_at_least(1)),
-    Option("grad_accum", "--grad-accum", "training", "grad_accum", int,
-           "split each step's batch into N micro-batches (same result, less memory)",
-           check=_at_least(1), aliases=("--gradient-accumulation-steps",)),
-    Option("max_grad_norm", "--max-grad-norm", "training", "max_grad_norm", float,
-           "clip the global gradient norm to this", check=_positive),
-    Option("loss", "--loss", "training", "loss", str,
-           "chunked: cross-entropy over the LM head in chunks, never the full fp32 logits "
-           "(falls back to full where the model transforms its logits); full: from the "
-           "model's logits", choices=("chunked", "full")),
-    Option("warn_missing_gradients", "--warn-missing-gradients", "training",
-           "warn_missing_gradients", bool,
-           "only warn (instead of stopping) when a trainable parameter gets no finite, "
-           "non-zero gradient in the first step"),
+    Option(
+        "model",
+        "--model",
+        "model",
+        "name",
+        str,
+        "'tiny-qwen3-moe' (built in) or a local Hugging Face model directory",
+    ),
+    Option(
+        "weight_dtype",
+        "--weight-dtype",
+        "model",
+        "weight_dtype",
+        str,
+        "kernel storage of the frozen experts; fp8 keeps a FP8-block checkpoint's shipped "
+        "bytes (and quantises any other)",
+        choices=("fp32", "bf16", "int8", "int4", "fp8"),
+    ),
+    Option(
+        "share_experts",
+        "--share-experts",
+        "model",
+        "share_experts",
+        bool,
+        "under torchrun with several ranks per machine, keep one copy of the frozen experts "
+        "per machine in shared memory (--no-share-experts: one copy per rank; default: "
+        "share unless MOE_EXPERTS_SHARE_EXPERTS=0)",
+        nullable=True,
+        negation="--no-share-experts",
+    ),
+    Option(
+        "kernel_attention",
+        "--kernel-attention",
+        "model",
+        "kernel_attention",
+        bool,
+        "run plain causal attention of a CPU model on kt-kernel's causal attention op "
+        "instead of transformers' SDPA (other calls still use SDPA; "
+        "--no-kernel-attention: keep SDPA everywhere)",
+        negation="--no-kernel-attention",
+    ),
+    Option(
+        "data",
+        "--data",
+        "data",
+        "path",
+        Path,
+        "training data file; default: a small corpus shipped with the package",
+        nullable=True,
+    ),
+    Option(
+        "data_format",
+        "--data-format",
+        "data",
+        "format",
+        str,
+        "force the record format instead of detecting it per file",
+        choices=tuple(sorted(DATA_FORMATS)),
+        nullable=True,
+    ),
+    Option(
+        "train_on_prompt",
+        "--train-on-prompt",
+        "data",
+        "train_on_prompt",
+        bool,
+        "chat/instruction data: loss on every token, not only the replies",
+    ),
+    Option(
+        "eval_data",
+        "--eval-data",
+        "data",
+        "eval_data",
+        Path,
+        "evaluation data file (same formats as --data)",
+        nullable=True,
+    ),
+    Option(
+        "eval_split",
+        "--eval-split",
+        "data",
+        "eval_split",
+        float,
+        "hold out this fraction of --data's documents for evaluation, e.g. 0.05",
+        check=_fraction,
+        nullable=True,
+    ),
+    Option("seq_len", "--seq-len", "data", "seq_len", int, "tokens per row", check=_at_least(2)),
+    Option(
+        "steps",
+        "--steps",
+        "training",
+        "steps",
+        int,
+        "optimizer steps in total",
+        check=_at_least(1),
+        aliases=("--max-steps",),
+    ),
+    Option(
+        "lr",
+        "--lr",
+        "training",
+        "lr",
+        float,
+        "peak learning rate",
+        check=_positive_finite,
+        aliases=("--learning-rate",),
+    ),
+    Option(
+        "lr_schedule",
+        "--lr-schedule",
+        "training",
+        "lr_schedule",
+        str,
+        "learning-rate schedule after warm-up",
+        choices=("constant", "linear", "cosine"),
+        aliases=("--lr-scheduler-type",),
+    ),
+    Option(
+        "warmup_steps",
+        "--warmup-steps",
+        "training",
+        "warmup_steps",
+        int,
+        "linear warm-up from 0 to --lr over this many steps",
+        check=_at_least(0),
+    ),
+    Option(
+        "batch_size",
+        "--batch-size",
+        "training",
+        "batch_size",
+        int,
+        "global rows per optimizer step (split across torchrun ranks and --grad-accum)",
+        check=_at_least(1),
+    ),
+    Option(
+        "grad_accum",
+        "--grad-accum",
+        "training",
+        "grad_accum",
+        int,
+        "split each step's batch into N micro-batches (same result, less memory)",
+        check=_at_least(1),
+        aliases=("--gradient-accumulation-steps",),
+    ),
+    Option(
+        "max_grad_norm",
+        "--max-grad-norm",
+        "training",
+        "max_grad_norm",
+        float,
+        "clip the global gradient norm to this",
+        check=_positive,
+    ),
+    Option(
+        "loss",
+        "--loss",
+        "training",
+        "loss",
+        str,
+        "chunked: cross-entropy over the LM head in chunks, never the full fp32 logits "
+        "(falls back to full where the model transforms its logits); full: from the "
+        "model's logits",
+        choices=("chunked", "full"),
+    ),
+    Option(
+        "warn_missing_gradients",
+        "--warn-missing-gradients",
+        "training",
+        "warn_missing_gradients",
+        bool,
+        "only warn (instead of stopping) when a trainable parameter gets no finite, "
+        "non-zero gradient in the first step",
+    ),
     Option("seed", "--seed", "training", "seed", int, "data order and LoRA initialisation"),
-    Option("eval_every", "--eval-every", "training", "eval_every", int,
-           "evaluate every N steps (and at the end)", check=_at_least(1), nullable=True,
-           aliases=("--eval-steps",)),
-    Option("output", "--output", "output", "dir", Path,
-           "run directory: checkpoints/, train_log.jsonl, loss.png"),
-    Option("save_every", "--save-every", "output", "save_every", int,
-           "save a checkpoint every N steps (default: at the end and on interrupt only)",
-           check=_at_least(1), nullable=True, aliases=("--save-steps",)),
-    Option("keep_last", "--keep-last", "output", "keep_last", int,
-           "keep only the newest N checkpoints", check=_at_least(1),
-           aliases=("--save-total-limit",)),
-    Option("report_to", "--report-to", "output", "report_to", str,
-           "also log scalars to TensorBoard (OUTPUT/tensorboard) or Weights & Biases "
-           "(offline)", choices=("none", "tensorboard", "wandb")),
+    Option(
+        "eval_every",
+        "--eval-every",
+        "training",
+        "eval_every",
+        int,
+        "evaluate every N steps (and at the end)",
+        check=_at_least(1),
+        nullable=True,
+        aliases=("--eval-steps",),
+    ),
+    Option(
+        "output",
+        "--output",
+        "output",
+        "dir",
+        Path,
+        "run directory: checkpoints/, train_log.jsonl, loss.png",
+    ),
+    Option(
+        "save_every",
+        "--save-every",
+        "output",
+        "save_every",
+        int,
+        "save a checkpoint every N steps (default: at the end and on interrupt only)",
+        check=_at_least(1),
+        nullable=True,
+        aliases=("--save-steps",),
+    ),
+    Option(
+        "keep_last",
+        "--keep-last",
+        "output",
+        "keep_last",
+        int,
+        "keep only the newest N checkpoints",
+        check=_at_least(1),
+        aliases=("--save-total-limit",),
+    ),
+    Option(
+        "report_to",
+        "--report-to",
+        "output",
+        "report_to",
+        str,
+        "also log scalars to TensorBoard (OUTPUT/tensorboard) or Weights & Biases (offline)",
+        choices=("none", "tensorboard", "wandb"),
+    ),
     # Section lora: each overrides one key of the resolved lora mapping (FinetuneArgs.lora).
-    Option("lora_rank", "--lora-rank", "lora", "rank", int,
-           "LoRA rank r of every adapted module, router and expert", check=_at_least(1)),
-    Option("lora_alpha", "--lora-alpha", "lora", "alpha", float,
-           "LoRA alpha: updates are scaled by alpha / rank", check=_positive_finite),
-    Option("lora_dropout", "--lora-dropout", "lora", "dropout", float,
-           "dropout probability on the LoRA input", check=_probability),
+    Option(
+        "lora_rank",
+        "--lora-rank",
+        "lora",
+        "rank",
+        int,
+        "LoRA rank r of every adapted module, router and expert",
+        check=_at_least(1),
+    ),
+    Option(
+        "lora_alpha",
+        "--lora-alpha",
+        "lora",
+        "alpha",
+        float,
+        "LoRA alpha: updates are scaled by alpha / rank",
+        check=_positive_finite,
+    ),
+    Option(
+        "lora_dropout",
+        "--lora-dropout",
+        "lora",
+        "dropout",
+        float,
+        "dropout probability on the LoRA input",
+        check=_probability,
+    ),
 )
 _BY_DEST = {o.dest: o for o in OPTIONS}
 _BY_PLACE = {(o.section, o.key): o for o in OPTIONS}
@@ -261,8 +438,12 @@ def coerce(opt: Option, value: Any, where: str) -> Any:
                 raise ValueError
             out = value
     except (TypeError, ValueError):
-        expected = {bool: "true or false", int: "an integer", float: "a number",
-                    Path: "a path"}.get(opt.kind, "a string")
+        expected = {
+            bool: "true or false",
+            int: "an integer",
+            float: "a number",
+            Path: "a path",
+        }.get(opt.kind, "a string")
         raise FinetuneError(f"{where} {value!r}: expected {expected}") from None
     if opt.choices and out not in opt.choices:
         close = difflib.get_close_matches(out, opt.choices, n=1, cutoff=0.5)
@@ -327,8 +508,9 @@ def read_config_file(path: Path, role: str) -> tuple[dict[str, Any], dict[str, s
                     if k != "lora":
                         raise _unknown(path, f"models.{r}.", k, ["lora"], [])
                 if r == role and block.get("lora") is not None:
-                    values["lora"] = dict(_mapping(block["lora"],
-                                                   f"--config {path}: models.{r}.lora"))
+                    values["lora"] = dict(
+                        _mapping(block["lora"], f"--config {path}: models.{r}.lora")
+                    )
                     sources["lora"] = f"{path}: models.{r}.lora"
             continue
         if section not in SECTIONS:
@@ -354,7 +536,11 @@ def read_config_file(path: Path, role: str) -> tuple[dict[str, Any], dict[str, s
 
 
 def resolve_args(
-    flags: Mapping[str, Any], *, config: Path | None, role: str, resume: Path | None,
+    flags: Mapping[str, Any],
+    *,
+    config: Path | None,
+    role: str,
+    resume: Path | None,
     progress: bool,
 ) -> tuple[FinetuneArgs, dict[str, str]]:
     """Defaults, then the YAML file, then the flags given (``None`` means not given).
@@ -423,7 +609,7 @@ def render_config(args: FinetuneArgs, lora: Any) -> str:
             continue  # the whole validated LoRA config is written below
         value = getattr(args, opt.dest)
         doc[opt.section][opt.key] = str(value) if isinstance(value, Path) else value
-    doc["lora"] = {k: list(v) if isinstance(v, tuple) else v
-                   for k, v in lora.model_dump(mode="json").items()}
+    doc["lora"] = {
+        k: list(v) if isinstance(v, tuple) else v for k, v in lora.model_dump(mode="json").items()
+    }
     return yaml.safe_dump(doc, sort_keys=False)
-

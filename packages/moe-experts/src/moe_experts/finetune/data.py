@@ -124,8 +124,10 @@ def _records(path: Path) -> Iterator[tuple[int, Any]]:
             try:
                 yield lineno, json.loads(line)
             except json.JSONDecodeError as exc:
-                yield lineno, RecordError("(line)",
-                                          f"not valid JSON ({exc.msg} at column {exc.colno})")
+                yield (
+                    lineno,
+                    RecordError("(line)", f"not valid JSON ({exc.msg} at column {exc.colno})"),
+                )
     elif suffix == ".json":
         yield from _json_array(path, raw)
     else:
@@ -136,9 +138,11 @@ def _json_array(path: Path, raw: str) -> Iterator[tuple[int, Any]]:
     """The elements of a top-level JSON array, each with the line it starts on."""
     decoder = json.JSONDecoder()
     i = len(raw) - len(raw.lstrip())
-    if not raw[i:i + 1] == "[":
-        raise FinetuneError(f"{path}: a .json data file must hold one array of records "
-                            "(use .jsonl for one record per line)")
+    if not raw[i : i + 1] == "[":
+        raise FinetuneError(
+            f"{path}: a .json data file must hold one array of records "
+            "(use .jsonl for one record per line)"
+        )
     i += 1
     while True:
         while i < len(raw) and raw[i] in " \t\r\n,":
@@ -166,8 +170,9 @@ def load_samples(path: Path, data_format: str | None = None) -> list[Sample]:
         FinetuneError: if the file is missing, unreadable, empty, or of an unknown format.
     """
     if data_format is not None and data_format not in DATA_FORMATS:
-        raise FinetuneError(f"--data-format {data_format!r}: expected one of "
-                            f"{', '.join(DATA_FORMATS)}")
+        raise FinetuneError(
+            f"--data-format {data_format!r}: expected one of {', '.join(DATA_FORMATS)}"
+        )
     if not path.is_file():
         raise FinetuneError(f"--data {path}: no such file")
     fmt: DataFormat | None = DATA_FORMATS[data_format] if data_format else None
@@ -179,8 +184,9 @@ def load_samples(path: Path, data_format: str | None = None) -> list[Sample]:
             if isinstance(record, RecordError):
                 raise record
             if not isinstance(record, dict):
-                raise RecordError("(record)",
-                                  f"expected a JSON object, got {type(record).__name__}")
+                raise RecordError(
+                    "(record)", f"expected a JSON object, got {type(record).__name__}"
+                )
             if fmt is None:
                 fmt = detect_format(record)
                 if fmt is None:
@@ -224,8 +230,9 @@ def load_examples(
         DataError: one line per bad record.
         FinetuneError: for a missing or malformed file, or a tokenizer without chat template.
     """
-    return tokenize_samples(path, load_samples(path, data_format), tokenizer,
-                            train_on_prompt=train_on_prompt)
+    return tokenize_samples(
+        path, load_samples(path, data_format), tokenizer, train_on_prompt=train_on_prompt
+    )
 
 
 def tokenize_samples(
@@ -242,8 +249,9 @@ def tokenize_samples(
             examples.append(Example(tuple(ids), (True,) * len(ids)))
             continue
         try:
-            ids, train, cuts = render_turns(tokenizer, sample.messages or (),
-                                            train_on_prompt=train_on_prompt)
+            ids, train, cuts = render_turns(
+                tokenizer, sample.messages or (), train_on_prompt=train_on_prompt
+            )
         except RecordError as exc:
             problems.append(f"{path}:{sample.line}: field {exc.field}: {exc.message}")
             continue
@@ -263,8 +271,9 @@ class Batch:
 
     def select(self, start: int, stop: int) -> Batch:
         """Rows ``start:stop`` (one rank's share of the global batch)."""
-        return Batch(self.input_ids[start:stop], self.labels[start:stop],
-                     self.position_ids[start:stop])
+        return Batch(
+            self.input_ids[start:stop], self.labels[start:stop], self.position_ids[start:stop]
+        )
 
     def model_inputs(self) -> dict[str, Any]:
         """Keyword arguments for a Hugging Face causal LM's forward.
@@ -272,8 +281,7 @@ class Batch:
         ``use_cache=False`` matters: transformers derives the block-diagonal mask from
         restarting ``position_ids`` only when no KV cache is in play.
         """
-        return {"input_ids": self.input_ids, "position_ids": self.position_ids,
-                "use_cache": False}
+        return {"input_ids": self.input_ids, "position_ids": self.position_ids, "use_cache": False}
 
     @property
     def num_targets(self) -> int:
@@ -297,8 +305,9 @@ def causal_lm_loss(
         A scalar; 0 (still with a graph) when there is no target.
     """
     flat = logits.float().reshape(-1, logits.shape[-1])
-    total = torch.nn.functional.cross_entropy(flat, labels.reshape(-1), reduction="sum",
-                                              ignore_index=IGNORE_INDEX)
+    total = torch.nn.functional.cross_entropy(
+        flat, labels.reshape(-1), reduction="sum", ignore_index=IGNORE_INDEX
+    )
     if num_targets is None:
         num_targets = int((labels != IGNORE_INDEX).sum())
     return total / max(num_targets, 1)
@@ -382,8 +391,10 @@ class PackedBatches:
 
         targets, positions = rows(train, torch.bool), rows(pos, torch.long)
         if not (targets[:, 1:] & (positions[:, 1:] != 0)).any():
-            raise FinetuneError("the data has no tokens to train on (every token is prompt); "
-                                "check the data or pass --train-on-prompt")
+            raise FinetuneError(
+                "the data has no tokens to train on (every token is prompt); "
+                "check the data or pass --train-on-prompt"
+            )
         return cls(rows(ids, torch.long), batch_size, seed, targets, positions, pad_tokens)
 
     @classmethod
@@ -410,8 +421,9 @@ class PackedBatches:
         for i in range(step * self.batch_size, (step + 1) * self.batch_size):
             epoch, pos = divmod(i, n)
             if epoch not in perms:
-                perms[epoch] = torch.randperm(n, generator=torch.Generator().manual_seed(
-                    self.seed + epoch))
+                perms[epoch] = torch.randperm(
+                    n, generator=torch.Generator().manual_seed(self.seed + epoch)
+                )
             idx.append(int(perms[epoch][pos]))
         return idx
 

@@ -18,8 +18,15 @@ from moe_experts.finetune.errors import PeerLostError
 __all__ = ["Ranks", "clip_grad_norm", "diagnose_peer_loss", "init_distributed", "shard_dense"]
 
 # Words gloo and c10d use when the other side of a connection went away.
-_CONNECTION_WORDS = ("connection closed", "connection reset", "closed by peer", "broken pipe",
-                     "connection refused", "end of file", "eof")
+_CONNECTION_WORDS = (
+    "connection closed",
+    "connection reset",
+    "closed by peer",
+    "broken pipe",
+    "connection refused",
+    "end of file",
+    "eof",
+)
 
 
 @dataclass(frozen=True)
@@ -118,8 +125,9 @@ def _first_line(exc: BaseException) -> str:
     return " ".join(str(_chain(exc)[-1]).split())[:300]
 
 
-def diagnose_peer_loss(exc: BaseException, ranks: Ranks, step: int,
-                       wait_s: float = 3.0) -> PeerLostError | None:
+def diagnose_peer_loss(
+    exc: BaseException, ranks: Ranks, step: int, wait_s: float = 3.0
+) -> PeerLostError | None:
     """If a peer rank is gone, say which and why, in place of a collective's error.
 
     A local peer's process is looked up by pid (every rank's pid was exchanged at start);
@@ -137,8 +145,11 @@ def diagnose_peer_loss(exc: BaseException, ranks: Ranks, step: int,
     deadline = time.monotonic() + wait_s
     gone: list[int] = []
     while True:
-        gone = [r for r, (h, pid) in enumerate(ranks.peers)
-                if r != ranks.rank and h == host and _pid_gone(pid)]
+        gone = [
+            r
+            for r, (h, pid) in enumerate(ranks.peers)
+            if r != ranks.rank and h == host and _pid_gone(pid)
+        ]
         if gone or time.monotonic() >= deadline:
             break
         time.sleep(0.1)
@@ -157,4 +168,3 @@ def diagnose_peer_loss(exc: BaseException, ranks: Ranks, step: int,
             f"output for why [{cause}]"
         )
     return None
-

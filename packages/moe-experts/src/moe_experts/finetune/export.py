@@ -16,8 +16,15 @@ from typing import Any
 
 from moe_experts.finetune.errors import FinetuneError
 
-__all__ = ["EXPORT_FORMATS", "VLLM_EXTRA_MODULES", "VLLM_MODULES", "build_parser", "export",
-           "export_main", "vllm_tensors"]
+__all__ = [
+    "EXPORT_FORMATS",
+    "VLLM_EXTRA_MODULES",
+    "VLLM_MODULES",
+    "build_parser",
+    "export",
+    "export_main",
+    "vllm_tensors",
+]
 
 EXPORT_FORMATS = ("peft", "vllm", "merged")
 # transformers' fused expert parameters and the per-expert projections vLLM names them by.
@@ -27,8 +34,9 @@ _FUSED = {"gate_up_proj": ("gate_proj", "up_proj"), "down_proj": ("down_proj",)}
 # tests/test_generate_export.py; vLLM itself cannot be installed beside this torch). vLLM 0.34
 # also lists lm_head and the router (mlp.gate) as LoRA modules there; they are left out until
 # an export with them has been loaded by vLLM itself.
-VLLM_MODULES = frozenset({"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj",
-                          "down_proj"})
+VLLM_MODULES = frozenset(
+    {"q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj"}
+)
 # Multi-head latent attention as vLLM's DeepseekV2ForCausalLM (also DeepseekV3ForCausalLM and
 # the V3.2 models) builds it: q_a_proj and kv_a_proj_with_mqa are the parts of its packed
 # fused_qkv_a_proj (packed_modules_mapping), q_b_proj is a column-parallel linear on the
@@ -49,16 +57,29 @@ _NOT_VERIFIED = "vLLM's loader for this model takes no LoRA on them, or it is no
 def build_parser(prog: str = "moe-experts export") -> argparse.ArgumentParser:
     """The flags of the export command."""
     p = argparse.ArgumentParser(prog=prog, description="Export a trained adapter.")
-    p.add_argument("checkpoint", type=Path,
-                   help="a checkpoint root (its latest checkpoint) or one checkpoint directory")
-    p.add_argument("--format", choices=EXPORT_FORMATS, required=True,
-                   help="peft: the PEFT adapter directory; vllm: per-expert 2-D LoRA keys; "
-                        "merged: the base model with every LoRA merged in")
+    p.add_argument(
+        "checkpoint",
+        type=Path,
+        help="a checkpoint root (its latest checkpoint) or one checkpoint directory",
+    )
+    p.add_argument(
+        "--format",
+        choices=EXPORT_FORMATS,
+        required=True,
+        help="peft: the PEFT adapter directory; vllm: per-expert 2-D LoRA keys; "
+        "merged: the base model with every LoRA merged in",
+    )
     p.add_argument("--output", type=Path, required=True, help="directory to create")
-    p.add_argument("--model", default=None,
-                   help="built-in model name or local directory (default: the adapter's base)")
-    p.add_argument("--max-shard-size", default="2GB",
-                   help="merged: the largest safetensors shard (save_pretrained's max_shard_size)")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="built-in model name or local directory (default: the adapter's base)",
+    )
+    p.add_argument(
+        "--max-shard-size",
+        default="2GB",
+        help="merged: the largest safetensors shard (save_pretrained's max_shard_size)",
+    )
     p.add_argument("--debug", action="store_true", help="show tracebacks on errors")
     return p
 
@@ -135,7 +156,7 @@ def vllm_tensors(peft_model: Any) -> tuple[dict[str, Any], list[str], dict[str, 
                 for k, proj in enumerate(projections):
                     key = f"base_model.model.{owner}.{e}.{proj}"
                     out[f"{key}.lora_A.weight"] = a_e[e].contiguous().clone()
-                    out[f"{key}.lora_B.weight"] = b_e[e, k * rows:(k + 1) * rows].contiguous()
+                    out[f"{key}.lora_B.weight"] = b_e[e, k * rows : (k + 1) * rows].contiguous()
                     targets.add(proj)
         else:
             owner = name.removeprefix("base_model.model.")
@@ -150,7 +171,11 @@ def vllm_tensors(peft_model: Any) -> tuple[dict[str, Any], list[str], dict[str, 
 
 
 def export(
-    checkpoint: Path, fmt: str, output: Path, *, model: str | None = None,
+    checkpoint: Path,
+    fmt: str,
+    output: Path,
+    *,
+    model: str | None = None,
     max_shard_size: str = "2GB",
 ) -> list[str]:
     """Write ``checkpoint`` to ``output`` in format ``fmt``; returns warnings for the user.
@@ -182,15 +207,22 @@ def export(
 
     tensors, targets, skipped = vllm_tensors(loaded.model)
     cfg = json.loads((loaded.checkpoint / lora_checkpoint.ADAPTER_CONFIG).read_text())
-    cfg.update({"target_modules": targets, "target_parameters": None,
-                "base_model_name_or_path": str(loaded.base)})
+    cfg.update(
+        {
+            "target_modules": targets,
+            "target_parameters": None,
+            "base_model_name_or_path": str(loaded.base),
+        }
+    )
     output.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(output / "adapter_model.safetensors"), metadata={"format": "pt"})
     (output / "adapter_config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     for reason, modules in skipped.items():
-        notes.append(f"LoRA on {len(modules)} trained module(s) is left out of the vLLM export "
-                     f"({reason}): " + ", ".join(modules) + "; --format merged or --format "
-                     "peft keeps them")
+        notes.append(
+            f"LoRA on {len(modules)} trained module(s) is left out of the vLLM export "
+            f"({reason}): " + ", ".join(modules) + "; --format merged or --format "
+            "peft keeps them"
+        )
     return notes
 
 
@@ -203,8 +235,9 @@ def export_main(argv: Sequence[str] | None = None) -> int:
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
-        notes = export(ns.checkpoint, ns.format, ns.output, model=ns.model,
-                       max_shard_size=ns.max_shard_size)
+        notes = export(
+            ns.checkpoint, ns.format, ns.output, model=ns.model, max_shard_size=ns.max_shard_size
+        )
     except FinetuneError as exc:
         return report_error(exc, debug=ns.debug)
     for note in notes:

@@ -155,9 +155,15 @@ class ShareGPTFormat:
     name: ClassVar[str] = "sharegpt"
     signature: ClassVar[str] = '"conversations" (list of {"from", "value"})'
     ROLE_OF: ClassVar[dict[str, str]] = {
-        "system": "system", "human": "user", "user": "user", "gpt": "assistant",
-        "assistant": "assistant", "model": "assistant", "tool": "tool",
-        "function_call": "assistant", "observation": "tool",
+        "system": "system",
+        "human": "user",
+        "user": "user",
+        "gpt": "assistant",
+        "assistant": "assistant",
+        "model": "assistant",
+        "tool": "tool",
+        "function_call": "assistant",
+        "observation": "tool",
     }
 
     def matches(self, record: Mapping[str, Any]) -> bool:
@@ -176,10 +182,12 @@ class ShareGPTFormat:
                 raise RecordError(where, f"expected an object, got {type(turn).__name__}")
             speaker = _string(turn, "from", f"{where}.from")
             if speaker not in self.ROLE_OF:
-                raise RecordError(f"{where}.from",
-                                  f"{speaker!r} is not one of {', '.join(self.ROLE_OF)}")
-            out.append({"role": self.ROLE_OF[speaker],
-                        "content": _string(turn, "value", f"{where}.value")})
+                raise RecordError(
+                    f"{where}.from", f"{speaker!r} is not one of {', '.join(self.ROLE_OF)}"
+                )
+            out.append(
+                {"role": self.ROLE_OF[speaker], "content": _string(turn, "value", f"{where}.value")}
+            )
         return _conversation(out, "conversations")
 
 

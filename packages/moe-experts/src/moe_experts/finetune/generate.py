@@ -15,17 +15,31 @@ __all__ = ["build_parser", "generate", "generate_main", "prompt_ids"]
 def build_parser(prog: str = "moe-experts generate") -> argparse.ArgumentParser:
     """The flags of the generate command."""
     p = argparse.ArgumentParser(prog=prog, description="Generate text with a trained adapter.")
-    p.add_argument("--model", default=None,
-                   help="built-in model name or local directory (default: the adapter's base)")
-    p.add_argument("--adapter", type=Path, required=True,
-                   help="a checkpoint root (its latest checkpoint) or one checkpoint directory")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="built-in model name or local directory (default: the adapter's base)",
+    )
+    p.add_argument(
+        "--adapter",
+        type=Path,
+        required=True,
+        help="a checkpoint root (its latest checkpoint) or one checkpoint directory",
+    )
     p.add_argument("--prompt", required=True)
     p.add_argument("--max-new-tokens", type=int, default=64)
-    p.add_argument("--temperature", type=float, default=0.0,
-                   help="0 (default): greedy; above 0: sample at this temperature")
+    p.add_argument(
+        "--temperature",
+        type=float,
+        default=0.0,
+        help="0 (default): greedy; above 0: sample at this temperature",
+    )
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
-    p.add_argument("--no-chat-template", action="store_true",
-                   help="feed the prompt as raw text, not as a user turn of the chat template")
+    p.add_argument(
+        "--no-chat-template",
+        action="store_true",
+        help="feed the prompt as raw text, not as a user turn of the chat template",
+    )
     p.add_argument("--debug", action="store_true", help="show tracebacks on errors")
     return p
 
@@ -33,8 +47,9 @@ def build_parser(prog: str = "moe-experts generate") -> argparse.ArgumentParser:
 def prompt_ids(tokenizer: Any, prompt: str, *, chat: bool = True) -> list[int]:
     """Token ids for ``prompt``: a user turn plus the generation header when there is a template."""
     if chat and getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template([{"role": "user", "content": prompt}],
-                                             add_generation_prompt=True, tokenize=False)
+        text = tokenizer.apply_chat_template(
+            [{"role": "user", "content": prompt}], add_generation_prompt=True, tokenize=False
+        )
         return list(tokenizer(text, add_special_tokens=False)["input_ids"])
     return list(tokenizer(prompt)["input_ids"])
 
@@ -70,16 +85,19 @@ def generate(
     torch.manual_seed(seed)
     streamer = TextStreamer(tok, skip_prompt=True, skip_special_tokens=True) if stream else None
     sampling: dict[str, Any] = (
-        {"do_sample": True, "temperature": temperature}
-        if temperature > 0 else {"do_sample": False}
+        {"do_sample": True, "temperature": temperature} if temperature > 0 else {"do_sample": False}
     )
     with torch.no_grad():
         out = loaded.model.generate(
-            input_ids=ids, attention_mask=torch.ones_like(ids), max_new_tokens=max_new_tokens,
-            eos_token_id=tok.eos_token_id, pad_token_id=tok.pad_token_id or tok.eos_token_id,
-            streamer=streamer, **sampling,
+            input_ids=ids,
+            attention_mask=torch.ones_like(ids),
+            max_new_tokens=max_new_tokens,
+            eos_token_id=tok.eos_token_id,
+            pad_token_id=tok.pad_token_id or tok.eos_token_id,
+            streamer=streamer,
+            **sampling,
         )
-    return tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True)
+    return tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
 
 
 def generate_main(argv: Sequence[str] | None = None) -> int:
@@ -91,8 +109,15 @@ def generate_main(argv: Sequence[str] | None = None) -> int:
         from transformers.utils import logging as hf_logging
 
         hf_logging.disable_progress_bar()
-        generate(ns.model, ns.adapter, ns.prompt, max_new_tokens=ns.max_new_tokens,
-                 temperature=ns.temperature, seed=ns.seed, chat=not ns.no_chat_template)
+        generate(
+            ns.model,
+            ns.adapter,
+            ns.prompt,
+            max_new_tokens=ns.max_new_tokens,
+            temperature=ns.temperature,
+            seed=ns.seed,
+            chat=not ns.no_chat_template,
+        )
     except FinetuneError as exc:
         return report_error(exc, debug=ns.debug)
     return 0

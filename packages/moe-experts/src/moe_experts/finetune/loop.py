@@ -78,8 +78,9 @@ class TrainingJob:
     last_checkpoint: Path | None = None
 
 
-def restore_checkpoint(path: Path, result: Any, optimizer: torch.optim.Optimizer,
-                       total_steps: int) -> tuple[int, float | None]:
+def restore_checkpoint(
+    path: Path, result: Any, optimizer: torch.optim.Optimizer, total_steps: int
+) -> tuple[int, float | None]:
     """Load adapters, AdamW state, RNG and position from a checkpoint (or a root's latest).
 
     Returns:
@@ -119,8 +120,14 @@ def _local(t: torch.Tensor) -> torch.Tensor:
 
 
 def _first_nonfinite(result: Any, world: int) -> str | None:
-    bad = next((n for n, p in result.named_optimizer_parameters
-                if not bool(torch.isfinite(_local(p.detach())).all())), None)
+    bad = next(
+        (
+            n
+            for n, p in result.named_optimizer_parameters
+            if not bool(torch.isfinite(_local(p.detach())).all())
+        ),
+        None,
+    )
     if world > 1:
         # Every rank must agree before the collective save (or none of them calls it).
         flag = torch.tensor([0 if bad is None else 1])
@@ -139,16 +146,28 @@ def _save(job: TrainingJob, done: int) -> Path:
             f"training diverged by step {done}: {bad} is not finite, so no checkpoint was "
             f"saved; lower --lr (it is {job.args.lr:g})"
         )
-    last_eval = job.last_eval if job.last_eval is not None and math.isfinite(job.last_eval) \
-        else None
+    last_eval = (
+        job.last_eval if job.last_eval is not None and math.isfinite(job.last_eval) else None
+    )
     state = lora_checkpoint.TrainingState.capture(
-        job.optimizer, job.result, step=done,
-        data_position={"step": done, "seed": job.args.seed, "micro_step": 0,
-                       "eval_loss": last_eval})
+        job.optimizer,
+        job.result,
+        step=done,
+        data_position={
+            "step": done,
+            "seed": job.args.seed,
+            "micro_step": 0,
+            "eval_loss": last_eval,
+        },
+    )
     try:
-        manifest = lora_checkpoint.save(job.args.output / "checkpoints", job.result,
-                                        training_state=state, keep_last=job.args.keep_last,
-                                        base_model_name_or_path=str(job.model_source))
+        manifest = lora_checkpoint.save(
+            job.args.output / "checkpoints",
+            job.result,
+            training_state=state,
+            keep_last=job.args.keep_last,
+            base_model_name_or_path=str(job.model_source),
+        )
     except lora_checkpoint.CheckpointError as exc:
         raise FinetuneError(f"saving the checkpoint of step {done} failed: {exc}") from exc
     job.last_checkpoint = job.args.output / "checkpoints" / manifest.name
@@ -167,8 +186,11 @@ def _agreed_stop(job: TrainingJob) -> int:
 
 def _diverged(job: TrainingJob, step: int, loss: float, norm: float, lr: float) -> str:
     why = " (the gradient vanished: the activations overflowed)" if norm == 0.0 else ""
-    resume = (f"; the last good checkpoint is {job.last_checkpoint}"
-              if job.last_checkpoint is not None else "")
+    resume = (
+        f"; the last good checkpoint is {job.last_checkpoint}"
+        if job.last_checkpoint is not None
+        else ""
+    )
     return (
         f"training diverged at step {step}: loss {loss:.6g}, gradient norm {norm:.6g}{why}. "
         f"Nothing from this step was saved. Lower --lr (it is {job.args.lr:g}; try "
@@ -190,8 +212,13 @@ def _step(job: TrainingJob, step: int, params: list[nn.Parameter]) -> tuple[floa
     from lora_core.fsdp import sync_replicated_lora_gradients
 
     args, ranks = job.args, job.ranks
-    lr = lr_at(step, peak=args.lr, schedule=args.lr_schedule,
-               warmup_steps=args.warmup_steps, total_steps=args.steps)
+    lr = lr_at(
+        step,
+        peak=args.lr,
+        schedule=args.lr_schedule,
+        warmup_steps=args.warmup_steps,
+        total_steps=args.steps,
+    )
     for group in job.optimizer.param_groups:
         group["lr"] = lr
     batch = job.batches.model_batch(step)
@@ -257,17 +284,30 @@ def train(job: TrainingJob) -> FinetuneSummary:
             losses.append(loss)
             tokens += args.batch_size * args.seq_len
             elapsed = time.perf_counter() - start
-            record: dict[str, Any] = {"step": done, "loss": loss, "grad_norm": norm, "lr": lr,
-                                      "tokens_per_s": tokens / max(elapsed, 1e-9),
-                                      "elapsed_s": elapsed}
-            if job.eval_batches and (done == args.steps
-                                     or (args.eval_every and done % args.eval_every == 0)):
+            record: dict[str, Any] = {
+                "step": done,
+                "loss": loss,
+                "grad_norm": norm,
+                "lr": lr,
+                "tokens_per_s": tokens / max(elapsed, 1e-9),
+                "elapsed_s": elapsed,
+            }
+            if job.eval_batches and (
+                done == args.steps or (args.eval_every and done % args.eval_every == 0)
+            ):
                 job.last_eval = evaluate(job.model, job.eval_batches, args.loss)
                 record["eval_loss"] = job.last_eval
             if reporter is not None:
                 log.append(record)
-                reporter.log(done, {"train/loss": loss, "train/grad_norm": norm,
-                                    "train/lr": lr, "eval/loss": record.get("eval_loss")})
+                reporter.log(
+                    done,
+                    {
+                        "train/loss": loss,
+                        "train/grad_norm": norm,
+                        "train/lr": lr,
+                        "eval/loss": record.get("eval_loss"),
+                    },
+                )
                 if bar is not None:
                     post = {"loss": f"{loss:.4f}", "tok_s": f"{record['tokens_per_s']:,.0f}"}
                     if job.last_eval is not None:
@@ -301,7 +341,11 @@ def train(job: TrainingJob) -> FinetuneSummary:
         plot_losses(log, args.output / "loss.png")
     elapsed = time.perf_counter() - start
     return FinetuneSummary(
-        losses=losses, first_step=job.first_step, checkpoint=job.last_checkpoint,
-        tokens_per_second=tokens / max(elapsed, 1e-9), world_size=ranks.world,
-        model_source=job.model_source, eval_loss=job.last_eval,
+        losses=losses,
+        first_step=job.first_step,
+        checkpoint=job.last_checkpoint,
+        tokens_per_second=tokens / max(elapsed, 1e-9),
+        world_size=ranks.world,
+        model_source=job.model_source,
+        eval_loss=job.last_eval,
     )

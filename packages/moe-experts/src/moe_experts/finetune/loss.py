@@ -137,9 +137,13 @@ def token_loss_sum(model: nn.Module, batch: Batch, mode: str = "chunked") -> tor
         with _without_head(model) as head:
             hidden = model(**batch.model_inputs()).logits
         # num_targets=1: the sum, not the mean (the loop divides by the step's count).
-        return chunked_lm_cross_entropy(hidden, head_weight(head), batch.labels,
-                                        num_targets=1, ignore_index=IGNORE_INDEX)
+        return chunked_lm_cross_entropy(
+            hidden, head_weight(head), batch.labels, num_targets=1, ignore_index=IGNORE_INDEX
+        )
     logits = model(**batch.model_inputs()).logits
     return nn.functional.cross_entropy(
-        logits.float().reshape(-1, logits.shape[-1]), batch.labels.reshape(-1),
-        ignore_index=IGNORE_INDEX, reduction="sum")
+        logits.float().reshape(-1, logits.shape[-1]),
+        batch.labels.reshape(-1),
+        ignore_index=IGNORE_INDEX,
+        reduction="sum",
+    )

@@ -16,8 +16,7 @@ from moe_experts.finetune.data import ByteTokenizer, encode_text
 from moe_experts.finetune.errors import FinetuneError
 from moe_experts.finetune.tokenizer import save_byte_tokenizer
 
-__all__ = ["BUILTIN_MODELS", "LoadedModel", "builtin_model_dir", "load_model",
-           "pretrained_class"]
+__all__ = ["BUILTIN_MODELS", "LoadedModel", "builtin_model_dir", "load_model", "pretrained_class"]
 
 # Small enough to train on two CPU cores in well under a minute, large enough to have real
 # routing (8 experts, top-2) and every kind of layer the toolkit adapts.
@@ -125,15 +124,21 @@ def pretrained_class(source: Path) -> Any:
     from moe_experts.architectures import checkpoint_model_type
 
     model_type = checkpoint_model_type(source)
-    if (model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-            and model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES):
+    if (
+        model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+        and model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+    ):
         return AutoModelForImageTextToText
     return AutoModelForCausalLM
 
 
-def load_model(model: str, *, dtype: torch.dtype = torch.float32,
-               weight_dtype: str | None = None,
-               share_experts: bool | None = None) -> LoadedModel:
+def load_model(
+    model: str,
+    *,
+    dtype: torch.dtype = torch.float32,
+    weight_dtype: str | None = None,
+    share_experts: bool | None = None,
+) -> LoadedModel:
     """Load a built-in model name or a local Hugging Face directory, with its tokenizer.
 
     Args:
@@ -174,8 +179,9 @@ def load_model(model: str, *, dtype: torch.dtype = torch.float32,
     shared_by = None
     try:
         if weight_dtype is not None and cls is AutoModelForCausalLM:
-            lm = moe_experts.load_pretrained(source, weight_dtype=weight_dtype, dtype=dtype,
-                                             share_experts=share_experts)
+            lm = moe_experts.load_pretrained(
+                source, weight_dtype=weight_dtype, dtype=dtype, share_experts=share_experts
+            )
         else:
             lm = cls.from_pretrained(source, dtype=dtype)
             find_architecture(lm)
@@ -187,8 +193,10 @@ def load_model(model: str, *, dtype: torch.dtype = torch.float32,
     except (OSError, ValueError, KeyError) as exc:
         raise FinetuneError(f"--model {model}: transformers could not load it: {exc}") from exc
     if weight_dtype is not None:
-        shared_by = max((m.shared_by for m in lm.modules()
-                         if isinstance(m, moe_experts.KernelExperts)), default=1)
+        shared_by = max(
+            (m.shared_by for m in lm.modules() if isinstance(m, moe_experts.KernelExperts)),
+            default=1,
+        )
     try:
         tok = AutoTokenizer.from_pretrained(source)
     except (OSError, ValueError, KeyError) as exc:

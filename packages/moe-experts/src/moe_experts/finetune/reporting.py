@@ -64,15 +64,19 @@ def plot_losses(log: TrainLog, target: Path) -> Path | None:
         matplotlib.use("Agg")
         import matplotlib.pyplot as plt
     except ImportError:
-        print("note: loss.png not drawn: matplotlib is not installed "
-              "(pip install 'moe-experts[train]')", file=sys.stderr)
+        print(
+            "note: loss.png not drawn: matplotlib is not installed "
+            "(pip install 'moe-experts[train]')",
+            file=sys.stderr,
+        )
         return None
     fig, ax = plt.subplots(figsize=(7, 4))
     ax.plot([r["step"] for r in records], [r["loss"] for r in records], label="train loss")
     evals = [r for r in records if isinstance(r.get("eval_loss"), float)]
     if evals:
-        ax.plot([r["step"] for r in evals], [r["eval_loss"] for r in evals], "o-",
-                label="eval loss")
+        ax.plot(
+            [r["step"] for r in evals], [r["eval_loss"] for r in evals], "o-", label="eval loss"
+        )
     ax.set_xlabel("step")
     ax.set_ylabel("loss")
     ax.grid(True, alpha=0.3)
@@ -102,21 +106,26 @@ class Reporter:
                 from torch.utils.tensorboard import SummaryWriter
             except ImportError as exc:
                 raise FinetuneError(
-                    "--report-to tensorboard needs the tensorboard package: pip install "
-                    "tensorboard") from exc
+                    "--report-to tensorboard needs the tensorboard package: pip install tensorboard"
+                ) from exc
             # purge_step: events of steps a resumed run repeats are dropped, not doubled.
-            self._tb = SummaryWriter(str(args.output / "tensorboard"),
-                                     purge_step=first_step + 1 if first_step else None)
+            self._tb = SummaryWriter(
+                str(args.output / "tensorboard"), purge_step=first_step + 1 if first_step else None
+            )
         elif self.kind == "wandb":
             try:
                 import wandb
             except ImportError as exc:
                 raise FinetuneError(
-                    "--report-to wandb needs the wandb package: pip install wandb") from exc
+                    "--report-to wandb needs the wandb package: pip install wandb"
+                ) from exc
             self._wandb = wandb.init(
                 project=os.environ.get("WANDB_PROJECT", "moe-experts"),
-                dir=str(args.output), mode=os.environ.get("WANDB_MODE", "offline"),
-                config={k: str(v) for k, v in asdict(args).items()}, resume="allow")
+                dir=str(args.output),
+                mode=os.environ.get("WANDB_MODE", "offline"),
+                config={k: str(v) for k, v in asdict(args).items()},
+                resume="allow",
+            )
 
     def log(self, step: int, scalars: dict[str, float]) -> None:
         """Record ``scalars`` (e.g. ``train/loss``) at ``step``."""

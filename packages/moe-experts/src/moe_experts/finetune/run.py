@@ -36,8 +36,9 @@ from moe_experts.finetune.targets import resolve_targets
 __all__ = ["run_finetune"]
 
 
-def _hold_out(samples: list[Sample], fraction: float,
-              seed: int) -> tuple[list[Sample], list[Sample]]:
+def _hold_out(
+    samples: list[Sample], fraction: float, seed: int
+) -> tuple[list[Sample], list[Sample]]:
     """Split records into (train, eval), the eval share drawn by ``seed``."""
     n_eval = max(1, round(len(samples) * fraction))
     if n_eval >= len(samples):
@@ -46,8 +47,10 @@ def _hold_out(samples: list[Sample], fraction: float,
             "be left to train on (use --eval-data FILE instead)"
         )
     held = set(random.Random(seed).sample(range(len(samples)), n_eval))
-    return ([s for i, s in enumerate(samples) if i not in held],
-            [s for i, s in enumerate(samples) if i in held])
+    return (
+        [s for i, s in enumerate(samples) if i not in held],
+        [s for i, s in enumerate(samples) if i in held],
+    )
 
 
 def _read_samples(args: FinetuneArgs) -> tuple[list[Sample], list[Sample]]:
@@ -60,22 +63,28 @@ def _read_samples(args: FinetuneArgs) -> tuple[list[Sample], list[Sample]]:
     return samples, []
 
 
-def _datasets(args: FinetuneArgs, tokenizer: Any, samples: list[Sample],
-              eval_samples: list[Sample]) -> tuple[PackedBatches, list[Batch]]:
+def _datasets(
+    args: FinetuneArgs, tokenizer: Any, samples: list[Sample], eval_samples: list[Sample]
+) -> tuple[PackedBatches, list[Batch]]:
     """Training batches by step, and the evaluation set in micro-batch sized chunks."""
     path = args.data or default_corpus_path()
     examples = tokenize_samples(path, samples, tokenizer, train_on_prompt=args.train_on_prompt)
-    train_batches = PackedBatches.from_examples(examples, seq_len=args.seq_len,
-                                                batch_size=args.batch_size, seed=args.seed)
+    train_batches = PackedBatches.from_examples(
+        examples, seq_len=args.seq_len, batch_size=args.batch_size, seed=args.seed
+    )
     if not eval_samples:
         return train_batches, []
     micro = args.batch_size // args.grad_accum
     eval_path = args.eval_data or path
     try:
         packed = PackedBatches.from_examples(
-            tokenize_samples(eval_path, eval_samples, tokenizer,
-                             train_on_prompt=args.train_on_prompt),
-            seq_len=args.seq_len, batch_size=1, seed=args.seed)
+            tokenize_samples(
+                eval_path, eval_samples, tokenizer, train_on_prompt=args.train_on_prompt
+            ),
+            seq_len=args.seq_len,
+            batch_size=1,
+            seed=args.seed,
+        )
     except DataError:
         raise
     except FinetuneError as exc:
@@ -92,8 +101,7 @@ def _load_on_ranks(args: FinetuneArgs, ranks: Ranks) -> LoadedModel:
         builtin_model_dir(args.model)  # rank 0 creates the cache directory the others read
     if ranks.world > 1:
         dist.barrier()
-    return load_model(args.model, weight_dtype=args.weight_dtype,
-                      share_experts=args.share_experts)
+    return load_model(args.model, weight_dtype=args.weight_dtype, share_experts=args.share_experts)
 
 
 def _expert_parameters(model: torch.nn.Module) -> set[torch.nn.Parameter]:
@@ -125,32 +133,52 @@ def run_finetune(args: FinetuneArgs, stop: StopRequest | None = None) -> Finetun
     torch.manual_seed(args.seed)
     if ranks.rank == 0 and ranks.world > 1:
         shared_by = loaded.shared_by or 1
-        copies = (f"one copy per machine, shared by {shared_by} local ranks"
-                  if shared_by > 1 else "one copy per rank")
+        copies = (
+            f"one copy per machine, shared by {shared_by} local ranks"
+            if shared_by > 1
+            else "one copy per rank"
+        )
         print(f"frozen experts: {copies}", file=sys.stderr)
     try:
-        result = moe_experts.adapt_model(loaded.model, lora, weight_dtype=args.weight_dtype,
-                                         kernel_attention=args.kernel_attention)
+        result = moe_experts.adapt_model(
+            loaded.model,
+            lora,
+            weight_dtype=args.weight_dtype,
+            kernel_attention=args.kernel_attention,
+        )
     except LoraTargetError as exc:  # a target the user wrote that this model does not have
         raise FinetuneError(f"--model {args.model}: {exc}") from exc
     if ranks.rank == 0:
         print(moe_experts.coverage_summary(loaded.model, result), file=sys.stderr)
         why = full_logits_reason(loaded.model) if args.loss == "chunked" else None
         if why is not None:
-            print(f"note: --loss chunked uses the full logits for this model: {why}",
-                  file=sys.stderr)
+            print(
+                f"note: --loss chunked uses the full logits for this model: {why}", file=sys.stderr
+            )
     if ranks.world > 1:
         shard_dense(loaded.model, _expert_parameters(loaded.model))
         result = rebind_parameters(result, loaded.model)  # fully_shard made new Parameters
     optimizer = torch.optim.AdamW(result.parameters(), lr=args.lr, weight_decay=0.0)
     batches, eval_batches = _datasets(args, loaded.tokenizer, samples, eval_samples)
     if ranks.rank == 0:
-        print(f"packed {batches.rows.shape[0]} rows of {args.seq_len + 1} tokens "
-              f"({batches.padding_fraction:.1%} padding)", file=sys.stderr)
-    job = TrainingJob(args=args, model=loaded.model, result=result, optimizer=optimizer,
-                      batches=batches, eval_batches=eval_batches, ranks=ranks,
-                      model_source=loaded.source, stop=stop)
+        print(
+            f"packed {batches.rows.shape[0]} rows of {args.seq_len + 1} tokens "
+            f"({batches.padding_fraction:.1%} padding)",
+            file=sys.stderr,
+        )
+    job = TrainingJob(
+        args=args,
+        model=loaded.model,
+        result=result,
+        optimizer=optimizer,
+        batches=batches,
+        eval_batches=eval_batches,
+        ranks=ranks,
+        model_source=loaded.source,
+        stop=stop,
+    )
     if args.resume is not None:
-        job.first_step, job.last_eval = restore_checkpoint(args.resume, result, optimizer,
-                                                           args.steps)
+        job.first_step, job.last_eval = restore_checkpoint(
+            args.resume, result, optimizer, args.steps
+        )
     return train(job)

@@ -34,8 +34,14 @@ from torch import nn
 from moe_experts.finetune.config import FinetuneArgs
 from moe_experts.finetune.errors import FinetuneError
 
-__all__ = ["AUTO", "attention_targets", "check_peft_loadable", "model_skeleton", "needs_model",
-           "resolve_targets"]
+__all__ = [
+    "AUTO",
+    "attention_targets",
+    "check_peft_loadable",
+    "model_skeleton",
+    "needs_model",
+    "resolve_targets",
+]
 
 AUTO = "auto"
 # The projections most LoRA recipes train; kept as the targets wherever an attention module has
@@ -76,8 +82,11 @@ def attention_targets(model: nn.Module) -> tuple[str, ...]:
     Returns:
         Target suffixes in the attention's own order; empty if no layer has ``self_attn``.
     """
-    attentions = [getattr(layer, _ATTENTION_ATTR) for layer in _decoder_layers(model)
-                  if isinstance(getattr(layer, _ATTENTION_ATTR, None), nn.Module)]
+    attentions = [
+        getattr(layer, _ATTENTION_ATTR)
+        for layer in _decoder_layers(model)
+        if isinstance(getattr(layer, _ATTENTION_ATTR, None), nn.Module)
+    ]
     chosen: set[int] = set()
     leaves: dict[str, None] = {}
     has_qkvo = False
@@ -89,8 +98,11 @@ def attention_targets(model: nn.Module) -> tuple[str, ...]:
             leaves[n] = None
     if has_qkvo:
         return _QKVO
-    outside = {name.rpartition(".")[2] for name, m in model.named_modules()
-               if isinstance(m, nn.Linear) and id(m) not in chosen}
+    outside = {
+        name.rpartition(".")[2]
+        for name, m in model.named_modules()
+        if isinstance(m, nn.Linear) and id(m) not in chosen
+    }
     return tuple(f"{_ATTENTION_ATTR}.{n}" if n in outside else n for n in leaves)
 
 
@@ -101,7 +113,7 @@ def _expand(entries: Any, auto: tuple[str, ...]) -> Any:
         return entries
     out: list[Any] = []
     for entry in entries:
-        for item in (auto if entry == AUTO else (entry,)):
+        for item in auto if entry == AUTO else (entry,):
             if item not in out:
                 out.append(item)
     return out
@@ -148,7 +160,8 @@ def check_peft_loadable(lora: dict[str, Any], model: nn.Module) -> None:
                 "PeftModel.from_pretrained, generate and export could not load this adapter; "
                 f"remove {entry!r} (the routed experts get LoRA through target_parameters; "
                 "dense and shared-expert MLP projections cannot be adapted loadably for this "
-                "family)")
+                "family)"
+            )
 
 
 def resolve_targets(args: FinetuneArgs, model: nn.Module) -> FinetuneArgs:
@@ -178,7 +191,8 @@ def resolve_targets(args: FinetuneArgs, model: nn.Module) -> FinetuneArgs:
             raise FinetuneError(
                 f"lora.target_modules 'auto': {type(model).__name__} has no decoder layer with a "
                 "'self_attn' module to take the attention projections from; list the modules "
-                "to adapt in lora.target_modules")
+                "to adapt in lora.target_modules"
+            )
         lora["target_modules"] = _expand(modules, attention)
     return replace(args, lora=lora)
 
@@ -204,7 +218,8 @@ def model_skeleton(name: str) -> nn.Module:
             if not (Path(name) / "config.json").is_file():
                 raise FinetuneError(
                     f"--model {name}: not a built-in model ({', '.join(BUILTIN_MODELS)}) and not "
-                    "a local Hugging Face model directory (no config.json there)")
+                    "a local Hugging Face model directory (no config.json there)"
+                )
             config = AutoConfig.from_pretrained(name)
         with torch.device("meta"):
             return AutoModelForCausalLM.from_config(config)
