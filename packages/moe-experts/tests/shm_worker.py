@@ -123,15 +123,16 @@ def inject_failure(crash: str) -> None:
     if crash == "fail-install":
         import moe_experts.loading as loading
 
-        real_install, calls = loading._install, []
+        real_install, calls = loading.CheckpointSource.install, []
 
-        def install(site, *args, **kwargs):
-            calls.append(site.experts_name)
+        def install(source, kernel):
+            name = source.site.experts_name
+            calls.append(name)
             if len(calls) == 2:  # the last block: the other rank has left its loop by now
-                raise moe_experts.LoadError(f"{site.experts_name}: injected install failure")
-            return real_install(site, *args, **kwargs)
+                raise moe_experts.LoadError(f"{name}: injected install failure")
+            return real_install(source, kernel)
 
-        loading._install = install
+        loading.CheckpointSource.install = install
     elif crash == "fail-selfcheck":
         import moe_experts.wrapping as wrapping
 

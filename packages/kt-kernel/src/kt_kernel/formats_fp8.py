@@ -44,6 +44,9 @@ class Fp8Block(StackedFormat):
     weight_dtype = "fp8"
     # As INT8: a task dequantises its expert's weight tiles once, so tall tasks amortise it.
     tile_rows = 512
+    # Against a dense kernel on the same weights, measured on the 37 tiny families (gaussian
+    # weights): <= 8.2e-2.
+    self_check_tolerance = 0.15
 
     def __init__(self, compute_dtype: torch.dtype = torch.bfloat16) -> None:
         """Compute in ``compute_dtype`` (``torch.bfloat16`` or ``torch.float32``).

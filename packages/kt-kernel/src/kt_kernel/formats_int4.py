@@ -68,6 +68,10 @@ class Int4Grouped(StackedFormat):
     weight_dtype = "int4"
     # As INT8: a task dequantises its expert's weight tiles once, so tall tasks amortise it.
     tile_rows = 512
+    # Against a dense kernel on the same weights, measured on the 37 tiny families (gaussian
+    # weights): <= 0.26. INT4 rounding (~0.2 relative) is why a quantised base is checked
+    # through a dense twin: it would hide a wrong activation.
+    self_check_tolerance = 0.4
 
     def __init__(self, compute_dtype: torch.dtype = torch.bfloat16, group_size: int = 64) -> None:
         """Compute in ``compute_dtype`` (bf16 or fp32); ``group_size`` in 32, 64 or 128.

@@ -18,8 +18,7 @@ from torch import nn
 from lora_core.contracts import AdaptationResult
 from moe_experts.architectures import find_architecture, iter_moe_blocks
 from moe_experts.errors import GradientCheckError
-from moe_experts.kernel_experts import KernelExperts
-from moe_experts.wrapping import _unwrap_peft
+from moe_experts.kernel_experts import KernelExperts, unwrap_peft
 
 __all__ = [
     "BlockCoverage",
@@ -117,7 +116,7 @@ def coverage_report(model: nn.Module, result: AdaptationResult) -> MoECoverage:
     names = set(result.parameter_names)
     blocks = []
     for site in iter_moe_blocks(model, arch):
-        _, base = _unwrap_peft(getattr(site.block, arch.experts_attr))
+        _, base = unwrap_peft(getattr(site.block, arch.experts_attr))
         kernel = base if isinstance(base, KernelExperts) else None
         routed = _routed(kernel, site.experts_name + ".", names)
         shared = sorted(

@@ -19,10 +19,11 @@ from torch import nn
 import kt_kernel
 from moe_experts import peft_mapping
 from moe_experts.architectures import MoEArchitecture
+from moe_experts.errors import WrapError
 from moe_experts.lora_experts import LoraExperts
 from moe_experts.placeholders import make_placeholder
 
-__all__ = ["KernelExperts", "Policy"]
+__all__ = ["KernelExperts", "Policy", "unwrap_peft"]
 
 Policy = Literal["save", "recompute"]
 
@@ -155,9 +156,76 @@ class KernelExperts(nn.Module):
         """Attach LoRA buffers as the child module ``lora`` (names ``<fqn>.lora.<buffer>``)."""
         self.lora = lora
 
-    def adopt_peft(self, adoption: _PeftAdoption) -> None:
-        """Use PEFT's LoRA parameters (through views) instead of own buffers."""
-        self._peft = adoption
+    def adopt_peft(self, wrappers: tuple[nn.Module, ...], label: str) -> None:
+        """Use the LoRA of PEFT's ``ParamWrapper`` chain (through views) instead of own buffers.
+
+        The chain stays in the tree (PEFT keeps saving and loading its keys); only the
+        outermost wrapper's forward changes, because PEFT would parametrize a weight that now
+        lives in the kernel. Everything is validated before anything changes.
+
+        Args:
+            wrappers: the chain around the original experts module, outermost first.
+            label: the experts module's qualified name, for messages.
+
+        Raises:
+            WrapError: targets other than the expert weights, several active adapters, or
+                ranks/scalings that differ between the two projections.
+        """
+        gate_up_param = self.arch.gate_up_param if self.arch is not None else self.gate_up_name
+        down_param = self.arch.down_param if self.arch is not None else self.down_name
+        by_param = {w.parameter_name: w for w in wrappers}
+        unknown = sorted(set(by_param) - {gate_up_param, down_param})
+        if unknown:
+            raise WrapError(
+                f"{label}: PEFT target_parameters {unknown} are not expert weights "
+                f"({gate_up_param}, {down_param}); remove them from target_parameters"
+            )
+        adapters = [a for a in wrappers[0].active_adapters if a in wrappers[0].lora_A]
+        if len(adapters) != 1:
+            raise WrapError(
+                f"{label}: exactly one active PEFT adapter is supported on experts, "
+                f"got {adapters}; call peft_model.set_adapter(name) first"
+            )
+        adapter = adapters[0]
+        ranks = {w.r[adapter] for w in wrappers}
+        scalings = {float(w.scaling[adapter]) for w in wrappers}
+        if len(ranks) != 1 or len(scalings) != 1:
+            raise WrapError(
+                f"{label}: PEFT adapters on {sorted(by_param)} use ranks {sorted(ranks)} "
+                f"and scalings {sorted(scalings)}; kt-kernel needs one rank and alpha per "
+                "experts module (drop rank_pattern/alpha_pattern for experts)"
+            )
+        rank = ranks.pop()
+        alpha = scalings.pop() * rank
+        spec = self.spec
+        sources: dict[str, tuple[nn.Parameter, str]] = {}
+        tensors: dict[str, torch.Tensor] = {}
+        for param_name, ours in ((gate_up_param, "gate_up"), (down_param, "down")):
+            wrapper = by_param.get(param_name)
+            out_dim = 2 * spec.intermediate_size if ours == "gate_up" else spec.hidden_size
+            in_dim = spec.hidden_size if ours == "gate_up" else spec.intermediate_size
+            if wrapper is None:
+                # An untargeted projection contributes exactly zero (A = B = 0, no gradient).
+                tensors[f"{ours}_lora_a"] = torch.zeros(spec.num_experts, rank, in_dim)
+                tensors[f"{ours}_lora_b"] = torch.zeros(spec.num_experts, out_dim, rank)
+                continue
+            a = wrapper.lora_A[adapter].weight
+            b = wrapper.lora_B[adapter].weight
+            sources[f"{ours}_lora_a"] = (a, "a")
+            sources[f"{ours}_lora_b"] = (b, "b")
+            # Views of PEFT's storage: the kernel's buffers *are* PEFT's memory, no copy.
+            tensors[f"{ours}_lora_a"] = peft_mapping.unstack_lora_a(a.detach(), spec.num_experts)
+            tensors[f"{ours}_lora_b"] = peft_mapping.unstack_lora_b(b.detach(), spec.num_experts)
+        buffers = kt_kernel.LoraBuffers.from_tensors(spec, rank, alpha, "fused", tensors)
+        for p in buffers.parameters():
+            p.requires_grad_(False)  # gradients go to PEFT's parameters through the views
+        self._peft = _PeftAdoption(
+            caller=_KernelCall(self.expert_weights, buffers),
+            wrappers=wrappers,
+            adapter=adapter,
+            sources=sources,
+        )
+        wrappers[0].forward = self.peft_forward
 
     def _run(
         self, hidden: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, use_lora: bool
@@ -248,6 +316,24 @@ class KernelExperts(nn.Module):
             f"{self.spec}, weight_dtype={self.expert_weights.weight_dtype}, "
             f"policy={self.policy!r}, peft={self.adopted_peft}"
         )
+
+
+def _peft_param_wrapper_type() -> type[nn.Module] | None:
+    try:
+        from peft.tuners.lora.layer import ParamWrapper
+    except ImportError:  # peft is optional: without it no model can hold ParamWrappers
+        return None
+    return ParamWrapper
+
+
+def unwrap_peft(module: nn.Module) -> tuple[tuple[nn.Module, ...], nn.Module]:
+    """Split a PEFT ``ParamWrapper`` chain into (wrappers outermost first, innermost base)."""
+    wrapper_type = _peft_param_wrapper_type()
+    chain: list[nn.Module] = []
+    while wrapper_type is not None and isinstance(module, wrapper_type):
+        chain.append(module)
+        module = module.base_layer
+    return tuple(chain), module
 
 
 def _on_kernel_device(

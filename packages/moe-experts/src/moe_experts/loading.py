@@ -24,7 +24,6 @@ import torch
 from torch import nn
 
 import kt_kernel
-from kt_kernel.formats_fp8 import Fp8Block
 from moe_experts._safetensors import Shards
 from moe_experts.architectures import (
     MoEBlockSite,
@@ -42,15 +41,11 @@ from moe_experts.fp8_checkpoint import (
 )
 from moe_experts.kernel_experts import KernelExperts, Policy
 from moe_experts.memory import trim_host_heap
-from moe_experts.sharing import (
-    ExpertSharing,
-    default_kernel_threads,
-    expert_sharing,
-    shared_or_local,
-)
-from moe_experts.wrapping import _DTYPES, _QUANTISED, WeightDType, _expert_spec, _weight_format
+from moe_experts.self_check import BlockCheck
+from moe_experts.sharing import default_kernel_threads, expert_sharing
+from moe_experts.storage import StoragePlan, build_block
 
-__all__ = ["load_pretrained"]
+__all__ = ["CheckpointSource", "load_pretrained"]
 
 _INDEX = "model.safetensors.index.json"
 _SINGLE = "model.safetensors"
@@ -288,26 +283,6 @@ def _assemble(
     return gate_up, down, biases
 
 
-def _adopt_dense(
-    spec: kt_kernel.ExpertSpec,
-    gate_up: torch.Tensor,
-    down: torch.Tensor,
-    gate_up_bias: torch.Tensor | None = None,
-    down_bias: torch.Tensor | None = None,
-) -> kt_kernel.ExpertWeights:
-    """Dense :class:`kt_kernel.ExpertWeights` over already-filled storage, without a copy."""
-    from kt_kernel.formats import Dense
-
-    return kt_kernel.ExpertWeights.from_parts(
-        spec,
-        Dense(gate_up.dtype),
-        (gate_up,),
-        (down,),
-        gate_up_bias=gate_up_bias,
-        down_bias=down_bias,
-    )
-
-
 def _like(meta: torch.Tensor) -> torch.Tensor:
     """A CPU tensor description of ``meta`` for the placeholder (no storage is touched)."""
     return torch.empty(1, dtype=meta.dtype).expand(meta.shape)
@@ -337,34 +312,84 @@ def _target_dtype(
     return current
 
 
-def _install(
-    site: MoEBlockSite,
-    experts: nn.Module,
-    weights: kt_kernel.ExpertWeights,
-    meta: dict[str, torch.Tensor],
-    policy: Policy,
-    shared_by: int,
-) -> None:
-    """Replace the block's meta experts module by a :class:`KernelExperts` over ``weights``."""
-    arch = site.arch
-    kernel = KernelExperts(
-        weights,
-        gate_up_like=_like(meta[arch.gate_up_param]),
-        down_like=_like(meta[arch.down_param]),
-        gate_up_name=arch.gate_up_param,
-        down_name=arch.down_param,
-        label=site.experts_name,
-        policy=policy,
-        arch=arch,
-        bias_like={p: _like(meta[p]) for p in arch.bias_params},
-        order=tuple(n for n, _ in experts.named_parameters(recurse=False)),
-        shared_by=shared_by,
-    )
-    setattr(site.block, arch.experts_attr, kernel)
+class CheckpointSource:
+    """The :class:`~moe_experts.storage.ExpertSource` of ``load_pretrained``: a checkpoint.
+
+    The block's experts module was built on the meta device; its tensors are read from the
+    checkpoint straight into kernel storage: dense formats are filled in place (the
+    transient is one expert), quantised ones from one block in the model dtype, and FP8
+    experts of a FP8 checkpoint are adopted as shipped when the plan stores FP8. There is no
+    original module to self-check against; the kernel replaces the meta module.
+    """
+
+    def __init__(self, site: MoEBlockSite, keys: _ExpertKeys, reader: Fp8Reader) -> None:
+        """The block at ``site``, whose checkpoint keys are ``keys``, read through ``reader``."""
+        self.site = site
+        self.keys = keys
+        self.reader = reader
+        arch = site.arch
+        self._module = getattr(site.block, arch.experts_attr)
+        self._meta = {p: getattr(self._module, p) for p in arch.stored_shapes(0, 0, 0)}
+
+    @property
+    def module(self) -> nn.Module:
+        """The experts module on the meta device."""
+        return self._module
+
+    def stored(self) -> dict[str, torch.Tensor]:
+        """CPU descriptions of the meta tensors (shape and dtype; no storage is touched)."""
+        return {p: _like(t) for p, t in self._meta.items()}
+
+    def _ships(self, fmt: kt_kernel.WeightFormat) -> bool:
+        """Whether the checkpoint holds this block's experts in ``fmt`` already."""
+        shipped = [*self.keys.fused.values(), *self.keys.per_expert.values()]
+        return isinstance(fmt, kt_kernel.Fp8Block) and any(self.reader.is_fp8(k) for k in shipped)
+
+    def kernel_weights(
+        self, spec: kt_kernel.ExpertSpec, fmt: kt_kernel.WeightFormat
+    ) -> kt_kernel.ExpertWeights:
+        """The block's experts read from the checkpoint into kernel storage in ``fmt``."""
+        site, arch = self.site, self.site.arch
+        if self._ships(fmt):  # the checkpoint's E4M3 bytes and scales, as shipped
+            return _fp8_weights(site, self.keys, self.reader, spec, fmt)
+        dense = isinstance(fmt, kt_kernel.Dense)
+        model_dtype = self._meta[arch.gate_up_param].dtype
+        storage = fmt.compute_dtype if dense else model_dtype
+        gate_up, down, biases = _assemble(site, self.keys, self.reader, self._meta, storage)
+        gate_up_bias = biases.get(arch.gate_up_bias_param or "")
+        if gate_up_bias is not None:
+            gate_up_bias = arch.kernel_rows(gate_up_bias, dim=1)
+        down_bias = biases.get(arch.down_bias_param or "")
+        if dense:  # already filled in the storage dtype: adopted without a copy
+            return kt_kernel.ExpertWeights.from_parts(
+                spec, fmt, (gate_up,), (down,), gate_up_bias=gate_up_bias, down_bias=down_bias
+            )
+        return kt_kernel.ExpertWeights.from_fused(
+            spec,
+            gate_up,
+            down,
+            dtype=fmt.compute_dtype,
+            weight_dtype=fmt,
+            gate_up_bias=gate_up_bias,
+            down_bias=down_bias,
+        )
+
+    def check(self, kernel: KernelExperts) -> BlockCheck | None:
+        """Nothing to check against: the original module never held weights."""
+        return None
+
+    def install(self, kernel: KernelExperts) -> bool:
+        """Replace the meta experts module by ``kernel``."""
+        setattr(self.site.block, self.site.arch.experts_attr, kernel)
+        return False
 
 
 def _fp8_weights(
-    site: MoEBlockSite, keys: _ExpertKeys, reader: Fp8Reader, spec: kt_kernel.ExpertSpec
+    site: MoEBlockSite,
+    keys: _ExpertKeys,
+    reader: Fp8Reader,
+    spec: kt_kernel.ExpertSpec,
+    fmt: kt_kernel.WeightFormat,
 ) -> kt_kernel.ExpertWeights:
     """A FP8 block's experts as shipped: E4M3 bytes and scales adopted as ``Fp8Block`` parts.
 
@@ -382,63 +407,13 @@ def _fp8_weights(
     e, h, i = spec.num_experts, spec.hidden_size, spec.intermediate_size
     slots = _slots(site, keys, e)
     gu_parts, dn_parts = read_fp8_bank(reader, slots, ((e, 2 * i, h), (e, h, i)), site.experts_name)
-    return kt_kernel.ExpertWeights.from_parts(spec, Fp8Block(_DTYPES["fp8"]), gu_parts, dn_parts)
-
-
-def _load_block(
-    site: MoEBlockSite,
-    keys: _ExpertKeys,
-    reader: Fp8Reader,
-    storage_name: WeightDType,
-    policy: Policy,
-    sharing: ExpertSharing | None,
-) -> None:
-    """Read one block's experts into kernel storage (shared, when sharing) and install them.
-
-    Dense formats are filled in place (the transient is one expert); int8/int4/fp8 quantise
-    the block. With sharing, only the machine's local rank 0 reads the checkpoint.
-    """
-    arch = site.arch
-    experts = getattr(site.block, arch.experts_attr)
-    meta = {p: getattr(experts, p) for p in arch.stored_shapes(0, 0, 0)}
-    model_dtype = meta[arch.gate_up_param].dtype
-    spec = _expert_spec(site, experts, meta[arch.gate_up_param], meta[arch.down_param])
-    shipped = [*keys.fused.values(), *keys.per_expert.values()]
-    fp8_shipped = storage_name == "fp8" and any(reader.is_fp8(k) for k in shipped)
-    quantised = storage_name in _QUANTISED
-    storage = model_dtype if quantised else _DTYPES[storage_name]
-
-    def build() -> kt_kernel.ExpertWeights:
-        if fp8_shipped:  # the checkpoint's E4M3 bytes and scales, as shipped
-            return _fp8_weights(site, keys, reader, spec)
-        gate_up, down, biases = _assemble(site, keys, reader, meta, storage)
-        gate_up_bias = biases.get(arch.gate_up_bias_param or "")
-        if gate_up_bias is not None:
-            gate_up_bias = arch.kernel_rows(gate_up_bias, dim=1)
-        down_bias = biases.get(arch.down_bias_param or "")
-        if quantised:
-            return kt_kernel.ExpertWeights.from_fused(
-                spec,
-                gate_up,
-                down,
-                dtype=_DTYPES[storage_name],
-                weight_dtype=storage_name,
-                gate_up_bias=gate_up_bias,
-                down_bias=down_bias,
-            )
-        return _adopt_dense(spec, gate_up, down, gate_up_bias, down_bias)
-
-    fmt = _weight_format(storage_name, model_dtype)
-    weights = shared_or_local(sharing, build, spec, fmt, site.experts_name)
-    _install(
-        site, experts, weights, meta, policy, sharing.local_ranks if sharing is not None else 1
-    )
+    return kt_kernel.ExpertWeights.from_parts(spec, fmt, gu_parts, dn_parts)
 
 
 def load_pretrained(
     path: str | Path,
     *,
-    weight_dtype: WeightDType | None = None,
+    weight_dtype: str | None = None,
     dtype: torch.dtype = torch.bfloat16,
     dense_device: str | torch.device = "cpu",
     policy: Policy = "save",
@@ -486,12 +461,7 @@ def load_pretrained(
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    from moe_experts.errors import WrapError
-
-    if weight_dtype is not None and weight_dtype not in _DTYPES:
-        raise WrapError(f"weight_dtype must be one of {sorted(_DTYPES)}, got {weight_dtype!r}")
-    if policy not in ("save", "recompute"):
-        raise WrapError(f"policy must be 'save' or 'recompute', got {policy!r}")
+    StoragePlan.resolve(weight_dtype or "bf16", policy=policy)  # fails before any file is read
     try:
         dense_device = torch.device(dense_device)
         torch.empty(0, device=dense_device)
@@ -507,6 +477,7 @@ def load_pretrained(
     quant = getattr(config, "quantization_config", None)
     fp8 = check_quantization_config(path / "config.json", quant)
     storage_name = resolve_weight_dtype(weight_dtype, fp8, path / "config.json")
+    plan = StoragePlan.resolve(storage_name, policy=policy, self_check=False)
     if quant is not None:
         # The dense FP8 weights are dequantised here, so the model is built (and later saved)
         # as a plain one; transformers' FP8 modules would expect the scales as parameters.
@@ -541,7 +512,9 @@ def load_pretrained(
     # Every rank leaves the loop together: an error on one is an error on all, sockets closed.
     with expert_sharing(share_experts) as sharing:  # only its writers read the experts
         for site in sites:
-            _load_block(site, expert_keys[site.experts_name], reader, storage_name, policy, sharing)
+            source = CheckpointSource(site, expert_keys[site.experts_name], reader)
+            build_block(site, source, plan, sharing)
+            del source
 
     state = dict(model.named_parameters(remove_duplicate=False))
     state.update(model.named_buffers(remove_duplicate=False))

@@ -22,29 +22,16 @@ from moe_experts.architectures import MoEArchitecture
 from moe_experts.errors import SelfCheckError, WrapError
 
 __all__ = [
-    "QUANTISED_TOLERANCE",
-    "SELF_CHECK_TOLERANCE",
     "BlockCheck",
     "expert_activation",
     "self_check",
 ]
 
-# Largest accepted max|kernel - original| / max|original| per kernel compute dtype. The
-# original always runs on its own weights; bf16 storage adds rounding of the weights (about
-# 2^-9 relative per weight), while a swapped gate/up, a wrong activation or a missed clamp
-# gives errors of 9e-2 and more.
-SELF_CHECK_TOLERANCE: dict[torch.dtype, float] = {
-    torch.float32: 1e-4,
-    torch.float64: 1e-9,
-    torch.bfloat16: 3e-2,
-}
-# A quantised base is checked in two steps, because its rounding (int4: ~0.2 relative on the
+# The tolerances live on the formats (kt_kernel.WeightFormat.self_check_tolerance). A
+# quantised base is checked in two steps, because its rounding (int4: ~0.2 relative on the
 # check batch) would hide a wrong activation: a dense twin of the batch's experts against the
-# original (the spec, at SELF_CHECK_TOLERANCE), then the quantised kernel against that twin
-# (the format's rounding only; a broken quantisation path errs by order one). Measured on the
-# 37 tiny families (gaussian weights, the worst case for max-scaled formats): int8 <= 2.4e-2,
-# fp8 <= 8.2e-2, int4 <= 0.26.
-QUANTISED_TOLERANCE: dict[str, float] = {"int8": 5e-2, "fp8": 0.15, "int4": 0.4}
+# original (the spec, at the dense compute dtype's tolerance), then the quantised kernel
+# against that twin (the format's rounding only; a broken quantisation path errs by order one).
 _POOL = 4  # experts the check batch routes to (a dense twin of only these is built)
 _CLAMP_ATTRS = ("limit", "swiglu_limit")
 _ALPHA_ATTRS = ("alpha", "swiglu_alpha")
@@ -59,9 +46,10 @@ class BlockCheck:
         experts: fully-qualified experts module name.
         max_abs_error: ``max |kernel - original|`` over the check batch.
         relative_error: ``max_abs_error / max |original|``.
-        tolerance: the accepted ``relative_error`` for this storage dtype.
+        tolerance: the accepted ``relative_error``: the storage format's
+            ``self_check_tolerance`` (the dense compute dtype's for a quantised base).
         quantization_error: for a quantised base, ``max |kernel - dense twin| / max |twin|``
-            (the format's rounding, checked against :data:`QUANTISED_TOLERANCE`); the fields
+            (the format's rounding, checked against its ``self_check_tolerance``); the fields
             above then compare the dense twin with the original. ``None`` for dense storage.
     """
 
@@ -197,7 +185,7 @@ def self_check(
     label: str,
     original: nn.Module,
     kernel: nn.Module,
-    weight_dtype: str,
+    weight_dtype: str | None = None,
     *,
     gate_up: torch.Tensor | None = None,
     down: torch.Tensor | None = None,
@@ -209,11 +197,13 @@ def self_check(
         label: the experts module's qualified name.
         original: the transformers experts module, weights still in place.
         kernel: the :class:`~moe_experts.KernelExperts` built from those weights (no LoRA).
-        weight_dtype: kernel storage name (``"fp32"``, ``"bf16"``, ``"int8"``, ``"int4"``, ...).
+        weight_dtype: the storage's name in messages; default: the kernel format's
+            ``weight_dtype``. The tolerances are the format's ``self_check_tolerance``.
         gate_up: ``[E, 2I, H]`` tensor the kernel was built from, in kt-kernel's layout (gate
             rows first; see :meth:`MoEArchitecture.kernel_gate_up`); with ``down``, a quantised
-            kernel is checked through a dense twin of the batch's experts (see
-            :data:`QUANTISED_TOLERANCE`). Without them, against the original directly.
+            kernel is checked through a dense twin of the batch's experts (the twin against
+            the original at the dense compute dtype's tolerance, the kernel against the twin
+            at the format's). Without them, against the original directly.
         down: ``[E, H, I]`` tensor the kernel was built from (kt-kernel's layout).
         seed: seed of the check batch (8 tokens, top-2 of ``min(E, 4)`` experts).
 
@@ -236,6 +226,9 @@ def self_check(
     x = torch.randn(_TOKENS, h, generator=gen)
     w = torch.softmax(torch.randn(_TOKENS, k, generator=gen), dim=-1)
     compute = weights.dtype
+    fmt = weights.format
+    weight_dtype = weight_dtype or fmt.weight_dtype
+    dense_tol = kt_kernel.Dense(compute).self_check_tolerance
     xd, wd = x.to(ref.dtype), w.to(ref.dtype)
     with torch.no_grad():
         dev = ref.device
@@ -256,15 +249,11 @@ def self_check(
             twin = twin.float()
     if twin is None:
         err, rel = _relative(got, want)
-        tol = (
-            QUANTISED_TOLERANCE.get(weight_dtype, 4e-2)
-            if weights.is_quantized
-            else SELF_CHECK_TOLERANCE.get(compute, 3e-2)
-        )
+        tol = fmt.self_check_tolerance
         quant = None
     else:
         err, rel = _relative(twin, want)
-        tol = SELF_CHECK_TOLERANCE.get(compute, 3e-2)
+        tol = dense_tol
         quant = _relative(got, twin)[1]
     check = BlockCheck(
         experts=label,
@@ -283,7 +272,7 @@ def self_check(
             "MoEArchitecture, or pass self_check=False to wrap only if you have verified the "
             "model another way"
         )
-    qtol = QUANTISED_TOLERANCE.get(weight_dtype, 4e-2)
+    qtol = fmt.self_check_tolerance
     if quant is not None and not quant <= qtol:
         raise SelfCheckError(
             f"wrap self-check failed for {label}: the {weight_dtype} kernel differs from a dense "
