@@ -3,7 +3,7 @@
 A causal-LM checkpoint goes through ``moe_experts.load_pretrained`` (never through
 ``from_pretrained``, which would hold every expert in the model dtype before ``wrap`` copies it),
 bitwise equal to ``from_pretrained`` + ``wrap``; a DeepSeek-V3-style FP8 checkpoint fine-tunes on
-its shipped E4M3 bytes with ``--weight-dtype fp8``.
+its shipped E4M3 bytes with ``--weight-dtype fp8`` and with the default ``auto``.
 """
 
 from __future__ import annotations
@@ -51,7 +51,7 @@ def test_load_model_streams_and_equals_from_pretrained_and_wrap(
     assert loaded.shared_by == 1
     kernels = _kernels(loaded.model)
     assert len(kernels) == len(_kernels(want)) > 0
-    assert all(k.expert_weights.weight_dtype == "bfloat16" for k in kernels)
+    assert all(k.expert_weights.weight_dtype == "bf16" for k in kernels)
     ids = torch.tensor([[256, *b"streamed experts"]])
     with torch.no_grad():
         assert torch.equal(loaded.model(ids).logits, want(ids).logits)
@@ -82,7 +82,9 @@ def test_cli_fine_tunes_without_from_pretrained(
             "--no-progress",
         ]
     )
-    assert rc == 0, capsys.readouterr().err
+    err = capsys.readouterr().err
+    assert rc == 0, err
+    assert "expert storage: bf16\n" in err  # a named format: no resolution to report
     assert (resolve_checkpoint(run / "checkpoints") / "adapter_model.safetensors").is_file()
 
 
@@ -114,8 +116,6 @@ def test_cli_fine_tunes_fp8_checkpoint_on_its_shipped_bytes(tmp_path: Path, caps
             "16",
             "--batch-size",
             "2",
-            "--weight-dtype",
-            "fp8",
             "--output",
             str(run),
             "--no-progress",
@@ -123,6 +123,8 @@ def test_cli_fine_tunes_fp8_checkpoint_on_its_shipped_bytes(tmp_path: Path, caps
     )
     err = capsys.readouterr().err
     assert rc == 0, err
+    # --weight-dtype defaults to auto, which keeps the checkpoint's shipped FP8 bytes.
+    assert "expert storage: fp8 (auto: the checkpoint's quantization_config (fp8))" in err
     ckpt = resolve_checkpoint(run / "checkpoints")
     from safetensors.torch import load_file
 

@@ -1,7 +1,8 @@
 """Every weight format x every activation x {bias, no bias}: native op against the oracle.
 
-The format list is ``dense`` plus every shorthand registered in ``kk.FORMATS``, so a format
-registered by another module joins this suite by being registered. The oracle is the
+The format list is every name registered in ``kk.FORMATS`` (dense fp32 and bf16 included), at
+each compute dtype its factory offers, so a format registered by another module joins this
+suite by being registered. The oracle is the
 reference implementation on the format's dequantised weights: in fp32 within 1e-5
 (max-norm relative); in bf16 against the float64 reference on exactly the bf16 values the
 kernel holds, within the bf16 bound of test_native_vs_reference (3e-2, and at most twice the
@@ -17,7 +18,9 @@ import kt_kernel as kk
 
 FP32_TOL = 1e-5
 BF16_TOL = 3e-2
-FORMATS = ["dense", *sorted(kk.FORMATS)]
+FORMATS = list(kk.FORMATS)
+FP32_FORMATS = [n for n, f in kk.FORMATS.items() if torch.float32 in f.compute_dtypes]
+BF16_FORMATS = [n for n, f in kk.FORMATS.items() if torch.bfloat16 in f.compute_dtypes]
 ACTIVATIONS = ["swiglu", "clamped_swiglu", "swiglu_limit", "gelu_tanh_gated"]
 # H and I are multiples of 128 so block- and group-quantised formats (FP8 128x128 blocks,
 # INT4 groups) tile them exactly.
@@ -78,7 +81,7 @@ def build(kt, fmt: str, act: str, bias: bool, dtype: torch.dtype, seed: int = 0)
         gate_up,
         down,
         dtype=dtype,
-        weight_dtype=None if fmt == "dense" else fmt,
+        weight_dtype=fmt,
         gate_up_bias=gu_b,
         down_bias=dn_b,
     )
@@ -126,7 +129,7 @@ def _oracle64(kt, p):
 
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
 @pytest.mark.parametrize("act", ACTIVATIONS)
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt", FP32_FORMATS)
 def test_fp32_matches_reference_on_dequantized(kt, fmt: str, act: str, bias: bool) -> None:
     p = build(kt, fmt, act, bias, torch.float32)
     oracle = kt.Problem(p.spec, p.weights.dequantized(), p.lora, p.x, p.ids, p.w, p.dy)
@@ -144,7 +147,7 @@ def test_fp32_matches_reference_on_dequantized(kt, fmt: str, act: str, bias: boo
 
 @pytest.mark.parametrize("bias", [False, True], ids=["nobias", "bias"])
 @pytest.mark.parametrize("act", ACTIVATIONS)
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt", BF16_FORMATS)
 def test_bf16_within_bound_of_fp64_oracle(kt, fmt: str, act: str, bias: bool) -> None:
     p = build(kt, fmt, act, bias, torch.bfloat16)
     oracle = kt.run(_oracle64(kt, p), "reference")
@@ -157,7 +160,7 @@ def test_bf16_within_bound_of_fp64_oracle(kt, fmt: str, act: str, bias: bool) ->
     assert nat["y"].dtype == torch.bfloat16
 
 
-@pytest.mark.parametrize("fmt", FORMATS)
+@pytest.mark.parametrize("fmt", BF16_FORMATS)
 def test_bitwise_across_thread_counts(kt, fmt: str) -> None:
     p = build(kt, fmt, "clamped_swiglu", True, torch.bfloat16, seed=3)
     before = torch.get_num_threads()
@@ -189,16 +192,24 @@ def test_biases_are_frozen_copies_and_counted() -> None:
 
 @pytest.mark.parametrize("fmt", FORMATS)
 def test_format_satisfies_the_protocol(fmt: str) -> None:
-    f = kk.Dense(torch.float32) if fmt == "dense" else kk.FORMATS[fmt](torch.float32)
+    factory = kk.FORMATS[fmt]
+    assert isinstance(factory, kk.FormatFactory)
+    for dtype in factory.compute_dtypes:
+        built = factory(dtype)
+        assert built.compute_dtype == dtype
+        assert built.weight_dtype == fmt  # one spelling: the format reports its registry name
+        assert built.lossy == factory.lossy
+        assert built == factory(dtype)
+    f = factory(factory.compute_dtypes[0])  # fp32 where the format computes in it
     assert isinstance(f, kk.WeightFormat)
-    assert fmt == "dense" or kk.FORMATS[fmt](torch.bfloat16).compute_dtype == torch.bfloat16
-    w = torch.randn(3, 256, 128)
+    # Weights as the storage's dtype holds them exactly (dense bf16 is exact on bf16 values).
+    w = torch.randn(3, 256, 128).to(f.compute_dtype).float()
     parts = f.quantize(w)
     specs = f.part_specs(256, 128)
     assert [(tuple(p.shape), p.dtype) for p in parts] == [((3, *s), d) for _, s, d in specs]
-    deq = f.dequantize(parts)
+    deq = f.dequantize(parts, torch.float32)
     assert deq.shape == w.shape
-    assert deq.dtype == torch.float32
+    assert f.dequantize(parts).dtype == f.compute_dtype
     # Per-expert slices dequantise to the bank's rows; nbytes counts every part.
     assert torch.equal(f.dequantize(f.expert(parts, 1)), deq[1])
     assert f.nbytes(parts) == sum(p.nbytes for p in parts)
@@ -224,3 +235,53 @@ def test_registry_rejects_a_second_factory_and_unknown_shorthands() -> None:
     assert w.format == kk.Int8PerChannel(torch.bfloat16)
     assert w.weight_dtype == "int8"
     assert w.dtype == torch.bfloat16
+
+
+def test_auto_resolves_from_the_checkpoint_and_old_spellings_warn() -> None:
+    # Dense storage of the checkpoint's own dtype; bf16 for any other float (fp16: no fp16
+    # kernel); a quantization_config picks the format that ships it.
+    assert kk.auto_format(torch.float32) == "fp32"
+    assert kk.auto_format(torch.bfloat16) == "bf16"
+    assert kk.auto_format(torch.float16) == "bf16"
+    fp8 = {"quant_method": "fp8", "weight_block_size": [128, 128]}
+    assert kk.auto_format(torch.bfloat16, fp8) == "fp8"
+    with pytest.raises(kk.KernelDTypeError, match=r"quant_method='awq'"):
+        kk.auto_format(torch.bfloat16, {"quant_method": "awq"})
+    for old, new in kk.FORMAT_ALIASES.items():
+        with pytest.warns(FutureWarning, match=rf"'{old}' is deprecated; use '{new}'"):
+            assert kk.format_name(old) == new
+    with pytest.warns(FutureWarning):
+        w = kk.ExpertWeights.from_fused(
+            kk.ExpertSpec(2, 4, 3),
+            torch.randn(2, 6, 4),
+            torch.randn(2, 4, 3),
+            weight_dtype="bfloat16",
+        )
+    assert w.weight_dtype == "bf16"
+    assert w.format == kk.Dense(torch.bfloat16)
+    with pytest.raises(kk.KernelInputError, match="reserved"):
+        kk.register_format("auto", kk.Int8PerChannel)
+
+
+def test_a_new_format_needs_only_its_class_and_registration() -> None:
+    # What moe-experts reads of a format is the factory's attributes and the instance's
+    # protocol: a subclass registered under a new name is usable by name at once.
+    class Int8Again(kk.Int8PerChannel):
+        weight_dtype = "int8_again"
+        self_check_tolerance = 6e-2
+
+    kk.register_format("int8_again", Int8Again)
+    try:
+        assert kk.format_name("int8_again") == "int8_again"
+        w = kk.ExpertWeights.from_fused(
+            kk.ExpertSpec(2, 4, 3),
+            torch.randn(2, 6, 4),
+            torch.randn(2, 4, 3),
+            weight_dtype="int8_again",
+        )
+        assert isinstance(w.format, Int8Again)
+        assert w.weight_dtype == "int8_again"
+        assert w.is_quantized
+        assert w.format.self_check_tolerance == 6e-2
+    finally:
+        del kk.FORMATS["int8_again"]

@@ -24,9 +24,8 @@ out = {"isa": kk.backend_info().isa, "int8_isa": kk.int8_isa(), "errors": {}, "t
 acts = {"swiglu": kk.SwiGLU(), "clamped_swiglu": kk.ClampedSwiGLU(1.702, 2.0),
         "swiglu_limit": kk.SwiGLULimit(2.0), "gelu_tanh_gated": kk.GeluTanhGated()}
 E, H, I, T = 5, 128, 128, 30  # multiples of 128: block/group formats tile them exactly
-fmts = ["dense", *sorted(kk.FORMATS)]
-for fmt in fmts:
-    for dtype in (torch.float32, torch.bfloat16):
+for fmt, factory in kk.FORMATS.items():
+    for dtype in factory.compute_dtypes:
         for name, act in acts.items():
             if dtype == torch.bfloat16 and name in ("clamped_swiglu", "swiglu_limit"):
                 # A bf16 pre-activation within one rounding of the clamp edge may fall on
@@ -37,7 +36,7 @@ for fmt in fmts:
             spec = kk.ExpertSpec(E, H, I, activation=act)
             w = kk.ExpertWeights.from_fused(
                 spec, torch.randn(E, 2 * I, H) / H**0.5, torch.randn(E, H, I) / I**0.5,
-                dtype=dtype, weight_dtype=None if fmt == "dense" else fmt,
+                dtype=dtype, weight_dtype=fmt,
                 gate_up_bias=0.3 * torch.randn(E, 2 * I), down_bias=0.1 * torch.randn(E, H))
             lora = kk.LoraBuffers(spec, 4, 8.0, "fused")
             with torch.no_grad():
@@ -58,8 +57,8 @@ for fmt in fmts:
             worst = max(float((a.double() - b.double()).abs().max() / b.double().abs().max())
                         for a, b in zip(*res))
             out["errors"][f"{fmt}/{str(dtype)[6:]}/{name}"] = worst
-    for dtype in (torch.float32, torch.bfloat16):
-        f = kk.FORMATS[fmt](dtype) if fmt != "dense" else kk.Dense(dtype)
+    for dtype in factory.compute_dtypes:
+        f = factory(dtype)
         parts = f.quantize(torch.randn(3, 40, 256))
         ref = f.dequantize(parts)
         args = list(f.native_args(parts))

@@ -13,6 +13,11 @@ import kt_kernel as kk
 
 EXPECTED_ALL = {
     "FORMATS",
+    "FORMAT_ALIASES",
+    "DenseStorage",
+    "FormatFactory",
+    "auto_format",
+    "format_name",
     "Activation",
     "BackendInfo",
     "ClampedSwiGLU",

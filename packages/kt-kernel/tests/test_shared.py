@@ -20,7 +20,7 @@ import torch
 
 import kt_kernel as kk
 
-FORMATS = ["float32", "bfloat16", *sorted(kk.FORMATS)]
+FORMATS = list(kk.FORMATS)
 E, H, I = 4, 128, 128  # noqa: E741 (I: the intermediate size); multiples of 128 for FP8 blocks
 
 
@@ -29,13 +29,12 @@ def _weights(fmt: str, bias: bool, seed: int = 0) -> kk.ExpertWeights:
     spec = kk.ExpertSpec(E, H, I, activation=kk.ClampedSwiGLU(alpha=1.702, limit=7.0))
     gate_up = torch.randn(E, 2 * I, H, generator=gen) / H**0.5
     down = torch.randn(E, H, I, generator=gen) / I**0.5
-    dense = fmt in ("float32", "bfloat16")
     return kk.ExpertWeights.from_fused(
         spec,
         gate_up,
         down,
-        dtype=getattr(torch, fmt) if dense else torch.bfloat16,
-        weight_dtype=None if dense else fmt,
+        dtype=kk.FORMATS[fmt].compute_dtypes[-1],  # bf16 where the format has it
+        weight_dtype=fmt,
         gate_up_bias=torch.randn(E, 2 * I, generator=gen) if bias else None,
         down_bias=torch.randn(E, H, generator=gen) if bias else None,
     )

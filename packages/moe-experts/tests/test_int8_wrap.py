@@ -113,6 +113,6 @@ def test_int8_finetune_reaches_bf16_loss(fresh) -> None:
 
 
 def test_bad_weight_dtype_names_the_choices(fresh) -> None:
-    choices = r"\['bf16', 'fp32', 'fp8', 'int4', 'int8'\]"
-    with pytest.raises(WrapError, match=rf"weight_dtype must be one of {choices}, got 'int2'"):
+    choices = r"'auto' or one of \['fp32', 'bf16', 'int8', 'fp8', 'int4'\]"
+    with pytest.raises(WrapError, match=rf"weight_dtype must be {choices} .*, got 'int2'"):
         wrap(fresh("qwen3_moe"), weight_dtype="int2")  # type: ignore[arg-type]

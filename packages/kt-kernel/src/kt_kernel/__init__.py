@@ -18,10 +18,15 @@ from kt_kernel.activations import (
 from kt_kernel.attention import causal_attention, causal_attention_reference
 from kt_kernel.errors import KernelDTypeError, KernelInputError, NativeBackendError
 from kt_kernel.formats import (
+    FORMAT_ALIASES,
     FORMATS,
     Dense,
+    DenseStorage,
+    FormatFactory,
     Int8PerChannel,
     WeightFormat,
+    auto_format,
+    format_name,
     register_format,
 )
 from kt_kernel.formats_fp8 import Fp8Block
@@ -47,14 +52,17 @@ from kt_kernel.weights import ExpertWeights
 
 __all__ = [
     "FORMATS",
+    "FORMAT_ALIASES",
     "FUSED_NAMES",
     "SPLIT_NAMES",
     "Activation",
     "BackendInfo",
     "ClampedSwiGLU",
     "Dense",
+    "DenseStorage",
     "ExpertSpec",
     "ExpertWeights",
+    "FormatFactory",
     "Fp8Block",
     "GeluTanhGated",
     "Int4Grouped",
@@ -73,10 +81,12 @@ __all__ = [
     "WeightFormat",
     "__version__",
     "activation_memory_bytes",
+    "auto_format",
     "backend_info",
     "causal_attention",
     "causal_attention_reference",
     "dequantize_per_channel",
+    "format_name",
     "get_num_threads",
     "int8_isa",
     "lora_shapes",

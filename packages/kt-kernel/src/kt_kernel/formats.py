@@ -6,7 +6,10 @@ it as a tuple of tensors, its *parts*, each with the same leading dims as ``W`` 
 expert none, for a bank ``E``): :class:`Dense` keeps ``(W,)``, :class:`Int8PerChannel`
 ``(q int8 [..., N, K], scale fp32 [..., N])``.
 
-A new format is one class here (or in its own module) registered with
+:data:`FORMATS` is the one table of weight format names in the project (``fp32``, ``bf16``,
+``int8``, ``int4``, ``fp8``, ...): the names users type (``--weight-dtype``,
+``wrap(weight_dtype=...)``) map to a :class:`FormatFactory` there, and every layer above reads
+it. A new format is one class here (or in its own module) registered with
 :func:`register_format`, plus one native tile loader registered in C++ under the same
 :attr:`WeightFormat.name` (see ``csrc/formats.h``). The op, its autograd Function and
 :class:`~kt_kernel.ExpertWeights` are format-agnostic.
@@ -14,8 +17,9 @@ A new format is one class here (or in its own module) registered with
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from typing import Protocol, runtime_checkable
+import warnings
+from collections.abc import Mapping
+from typing import Any, ClassVar, Protocol, runtime_checkable
 
 import torch
 
@@ -23,13 +27,18 @@ from kt_kernel.errors import KernelDTypeError, KernelInputError
 
 __all__ = [
     "FORMATS",
+    "FORMAT_ALIASES",
     "Dense",
+    "DenseStorage",
+    "FormatFactory",
     "Int8PerChannel",
     "Parts",
     "StackedFormat",
     "WeightFormat",
+    "auto_format",
     "check_parts",
     "dequantize_per_channel",
+    "format_name",
     "quantize_per_channel",
     "register_format",
     "resolve_format",
@@ -47,9 +56,11 @@ class WeightFormat(Protocol):
 
     Attributes:
         name: key of the native tile loader registered in C++ (``csrc/formats.h``).
-        weight_dtype: short storage name reported to users (``"bfloat16"``, ``"int8"``, ...).
+        weight_dtype: the format's name in :data:`FORMATS` (``"bf16"``, ``"int8"``, ...;
+            ``"fp64"`` for the kernel-only float64 storage).
         compute_dtype: dtype of ``x``, the activations, the LoRA compute and the tiles.
         tile_rows: rows per (expert, row tile) task of the native op.
+        lossy: whether storing rounds the weights (``False`` only for dense storage).
         self_check_tolerance: the largest ``max|kernel - reference| / max|reference|`` a
             wrap-time self-check accepts for weights in this format: the rounding of the
             storage, far below the order-one error of a wrong layout or activation.
@@ -59,6 +70,7 @@ class WeightFormat(Protocol):
     weight_dtype: str
     compute_dtype: torch.dtype
     tile_rows: int
+    lossy: bool
     self_check_tolerance: float
 
     def quantize(self, w: torch.Tensor) -> Parts:
@@ -129,13 +141,29 @@ def check_parts(
 
 
 class StackedFormat:
-    """Shared plumbing for formats whose parts all carry the expert dim first."""
+    """Shared plumbing for formats whose parts all carry the expert dim first.
+
+    A quantised subclass is its own :class:`FormatFactory`: the class attributes below and
+    the constructor ``cls(compute_dtype=None)`` (``None``: bf16) are what :data:`FORMATS`
+    needs of it.
+    """
 
     name: str
     weight_dtype: str
     compute_dtype: torch.dtype
     tile_rows: int
     self_check_tolerance: float
+    lossy: ClassVar[bool] = True
+    compute_dtypes: ClassVar[tuple[torch.dtype, ...]] = TILED_COMPUTE_DTYPES
+
+    @classmethod
+    def matches_checkpoint(cls, quantization_config: Mapping[str, Any]) -> bool:
+        """Whether a checkpoint with this ``quantization_config`` ships weights in this format.
+
+        ``weight_dtype="auto"`` keeps such a checkpoint's experts in this format
+        (:func:`auto_format`). Formats a checkpoint can ship override it (FP8 blocks).
+        """
+        return False
 
     def expert(self, parts: Parts, e: int) -> Parts:
         """Expert ``e``'s slice of every part."""
@@ -172,15 +200,16 @@ class Dense(StackedFormat):
     # Rows per task: small enough to spread a hot expert over threads, large enough that each
     # single-threaded GEMM stays near peak.
     tile_rows = 256
+    lossy = False
 
     def __init__(self, dtype: torch.dtype = torch.float32) -> None:
         """Store in ``dtype`` (``torch.float32``, ``torch.bfloat16`` or ``torch.float64``)."""
-        if dtype not in (torch.float32, torch.bfloat16, torch.float64):
+        if dtype not in _DENSE_NAMES:
             raise KernelDTypeError(
                 f"Dense dtype must be torch.float32, torch.bfloat16 or torch.float64, got {dtype}"
             )
         self.compute_dtype = dtype
-        self.weight_dtype = str(dtype).removeprefix("torch.")
+        self.weight_dtype = _DENSE_NAMES[dtype]
 
     @property
     def self_check_tolerance(self) -> float:  # type: ignore[override]
@@ -204,6 +233,13 @@ class Dense(StackedFormat):
         return torch.zeros(parts[0].shape[:-1], dtype=torch.float32)
 
 
+# The names of dense storage. "fp64" is kernel-only (gradcheck runs through it; nobody stores
+# a model in it), so it is not in FORMATS.
+_DENSE_NAMES: dict[torch.dtype, str] = {
+    torch.float32: "fp32",
+    torch.bfloat16: "bf16",
+    torch.float64: "fp64",
+}
 # Self-check tolerance per dense dtype. The reference runs on the original weights; bf16
 # storage adds rounding of the weights (about 2^-9 relative per weight), while a swapped
 # gate/up, a wrong activation or a missed clamp gives errors of 9e-2 and more.
@@ -288,9 +324,9 @@ class Int8PerChannel(StackedFormat):
     # weights, the worst case for max-scaled formats): <= 2.4e-2.
     self_check_tolerance = 5e-2
 
-    def __init__(self, compute_dtype: torch.dtype = torch.bfloat16) -> None:
-        """Compute in ``compute_dtype`` (``torch.bfloat16`` or ``torch.float32``)."""
-        self.compute_dtype = _check_tiled_compute("int8", compute_dtype)
+    def __init__(self, compute_dtype: torch.dtype | None = None) -> None:
+        """Compute in ``compute_dtype`` (``torch.bfloat16``, the default, or ``torch.float32``)."""
+        self.compute_dtype = _check_tiled_compute("int8", compute_dtype or torch.bfloat16)
 
     def quantize(self, w: torch.Tensor) -> Parts:
         """``(q int8 [..., N, K], scale fp32 [..., N])`` by :func:`quantize_per_channel`."""
@@ -309,21 +345,150 @@ class Int8PerChannel(StackedFormat):
         return parts[1].to(torch.float32)
 
 
-# shorthand -> factory(compute dtype). The factory raises KernelDTypeError for a compute
-# dtype the format cannot use.
-FORMATS: dict[str, Callable[[torch.dtype], WeightFormat]] = {"int8": Int8PerChannel}
+@runtime_checkable
+class FormatFactory(Protocol):
+    """A row of :data:`FORMATS`: builds the format and tells :func:`auto_format` about it.
+
+    A quantised format class is its own factory (see :class:`StackedFormat`); dense storage
+    in one dtype is a :class:`DenseStorage`.
+
+    Attributes:
+        lossy: whether storing rounds the weights (a quantised format).
+        compute_dtypes: the compute dtypes the format can be built for.
+    """
+
+    lossy: bool
+    compute_dtypes: tuple[torch.dtype, ...]
+
+    def __call__(self, compute_dtype: torch.dtype | None = None) -> WeightFormat:
+        """The format computing in ``compute_dtype`` (``None``: its default).
+
+        Raises:
+            KernelDTypeError: a compute dtype the format cannot use.
+        """
+        ...
+
+    def matches_checkpoint(self, quantization_config: Mapping[str, Any]) -> bool:
+        """Whether a checkpoint with this ``quantization_config`` ships this format."""
+        ...
 
 
-def register_format(shorthand: str, factory: Callable[[torch.dtype], WeightFormat]) -> None:
-    """Make ``weight_dtype=shorthand`` build ``factory(compute_dtype)``.
+class DenseStorage:
+    """The :class:`FormatFactory` of unquantised storage in one dtype (``fp32``, ``bf16``).
+
+    Attributes:
+        dtype: the storage dtype, which is also the compute dtype.
+    """
+
+    lossy = False
+
+    def __init__(self, dtype: torch.dtype) -> None:
+        """Dense storage in ``dtype`` (a dtype :class:`Dense` accepts)."""
+        Dense(dtype)  # validates
+        self.dtype = dtype
+        self.compute_dtypes: tuple[torch.dtype, ...] = (dtype,)
+
+    def __call__(self, compute_dtype: torch.dtype | None = None) -> Dense:
+        """:class:`Dense` in :attr:`dtype`.
+
+        Raises:
+            KernelDTypeError: ``compute_dtype`` is given and is not :attr:`dtype`.
+        """
+        if compute_dtype is not None and compute_dtype != self.dtype:
+            raise KernelDTypeError(
+                f"weight_dtype={_DENSE_NAMES[self.dtype]!r} stores and computes in "
+                f"{self.dtype}, got dtype {compute_dtype}; pass one of them"
+            )
+        return Dense(self.dtype)
+
+    def matches_checkpoint(self, quantization_config: Mapping[str, Any]) -> bool:
+        """Never: a quantised checkpoint is not dense."""
+        return False
+
+    def __repr__(self) -> str:
+        """Class name and dtype."""
+        return f"DenseStorage({self.dtype})"
+
+
+# name -> factory: the names users type, in the order choices are listed (registration order).
+FORMATS: dict[str, FormatFactory] = {}
+# Old spellings still accepted, with a FutureWarning: old name -> its name in FORMATS.
+FORMAT_ALIASES: dict[str, str] = {"float32": "fp32", "bfloat16": "bf16"}
+
+
+def register_format(name: str, factory: FormatFactory) -> None:
+    """Make ``weight_dtype=name`` build ``factory(compute_dtype)``.
+
+    Args:
+        name: the name users type (``--weight-dtype``, ``weight_dtype=``).
+        factory: a quantised format class (a :class:`StackedFormat` subclass) or another
+            :class:`FormatFactory`.
 
     Raises:
-        KernelInputError: ``shorthand`` is already registered to another factory.
+        KernelInputError: ``name`` is reserved or already registered to another factory.
     """
-    known = FORMATS.get(shorthand)
+    if name == "auto" or name in FORMAT_ALIASES:
+        raise KernelInputError(f"weight format name {name!r} is reserved")
+    known = FORMATS.get(name)
     if known is not None and known is not factory:
-        raise KernelInputError(f"weight format {shorthand!r} is already registered ({known})")
-    FORMATS[shorthand] = factory
+        raise KernelInputError(f"weight format {name!r} is already registered ({known})")
+    FORMATS[name] = factory
+
+
+register_format("fp32", DenseStorage(torch.float32))
+register_format("bf16", DenseStorage(torch.bfloat16))
+register_format("int8", Int8PerChannel)
+
+
+def format_name(name: str) -> str:
+    """``name`` as :data:`FORMATS` spells it; an old spelling gives a ``FutureWarning``.
+
+    Raises:
+        KernelDTypeError: ``name`` is no registered format (the message lists them).
+    """
+    if not isinstance(name, str):
+        raise KernelDTypeError(f"weight_dtype must be one of {list(FORMATS)}, got {name!r}")
+    if name in FORMAT_ALIASES:
+        new = FORMAT_ALIASES[name]
+        warnings.warn(
+            f"weight format {name!r} is deprecated; use {new!r}", FutureWarning, stacklevel=3
+        )
+        return new
+    if name not in FORMATS:
+        raise KernelDTypeError(f"weight_dtype must be one of {list(FORMATS)}, got {name!r}")
+    return name
+
+
+def auto_format(
+    source_dtype: torch.dtype, quantization_config: Mapping[str, Any] | None = None
+) -> str:
+    """The format ``weight_dtype="auto"`` stands for, given how the weights are stored.
+
+    A ``quantization_config`` selects the registered format whose factory
+    ``matches_checkpoint`` it (``{"quant_method": "fp8", ...}``: ``"fp8"``), so the shipped
+    bytes are kept. Otherwise the dense format of ``source_dtype``: ``"fp32"`` for float32
+    weights, ``"bf16"`` for any other floating dtype (bf16, fp16, ...).
+
+    Args:
+        source_dtype: the dtype the weights are stored in (a checkpoint's, a module's).
+        quantization_config: a checkpoint's ``quantization_config`` (``config.json``), if any.
+
+    Raises:
+        KernelDTypeError: a ``quantization_config`` that no registered format ships.
+    """
+    if quantization_config:
+        for name, factory in FORMATS.items():
+            if factory.matches_checkpoint(quantization_config):
+                return name
+        method = quantization_config.get("quant_method")
+        raise KernelDTypeError(
+            f"no weight format of kt_kernel.FORMATS reads checkpoints quantised with "
+            f"quant_method={method!r}; dequantise the checkpoint, or pass a weight_dtype"
+        )
+    for name, factory in FORMATS.items():
+        if not factory.lossy and factory.compute_dtypes == (source_dtype,):
+            return name
+    return _DENSE_NAMES[torch.bfloat16]
 
 
 def resolve_format(
@@ -334,13 +499,13 @@ def resolve_format(
     """The format for ``from_fused``'s ``weight_dtype`` and ``dtype`` arguments.
 
     Args:
-        weight_dtype: a shorthand from :data:`FORMATS`, a :class:`WeightFormat`, or ``None``
-            for dense storage in ``compute_dtype``.
+        weight_dtype: a name from :data:`FORMATS` (or an old spelling of one), a
+            :class:`WeightFormat`, or ``None`` for dense storage in ``compute_dtype``.
         compute_dtype: the resolved ``dtype`` argument, ``None`` when not given.
         source_dtype: the dtype of the weights being stored (the default's basis).
 
     Raises:
-        KernelDTypeError: an unknown shorthand or an unusable compute dtype.
+        KernelDTypeError: an unknown name or an unusable compute dtype.
     """
     if weight_dtype is None:
         return Dense(compute_dtype or source_dtype)
@@ -351,11 +516,12 @@ def resolve_format(
                 f"{weight_dtype.compute_dtype}; pass one of them"
             )
         return weight_dtype
-    factory = FORMATS.get(weight_dtype) if isinstance(weight_dtype, str) else None
-    if factory is None:
+    if not isinstance(weight_dtype, str):
         raise KernelDTypeError(
-            f"weight_dtype must be one of {sorted(FORMATS)}, a WeightFormat or None, got "
-            f"{weight_dtype!r}; pass a float storage format through dtype instead"
+            f"weight_dtype must be one of {list(FORMATS)}, a WeightFormat or None, got "
+            f"{weight_dtype!r}"
         )
-    default = torch.float32 if source_dtype == torch.float32 else torch.bfloat16
-    return factory(compute_dtype or default)
+    factory = FORMATS[format_name(weight_dtype)]
+    if compute_dtype is None and factory.lossy:
+        compute_dtype = torch.float32 if source_dtype == torch.float32 else torch.bfloat16
+    return factory(compute_dtype)

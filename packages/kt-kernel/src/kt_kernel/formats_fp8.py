@@ -16,6 +16,9 @@ dense weights can also be quantised (``scale_inv = max|block| / 448``).
 
 from __future__ import annotations
 
+from collections.abc import Mapping
+from typing import Any
+
 import torch
 
 from kt_kernel.errors import KernelDTypeError, KernelInputError
@@ -48,12 +51,13 @@ class Fp8Block(StackedFormat):
     # weights): <= 8.2e-2.
     self_check_tolerance = 0.15
 
-    def __init__(self, compute_dtype: torch.dtype = torch.bfloat16) -> None:
-        """Compute in ``compute_dtype`` (``torch.bfloat16`` or ``torch.float32``).
+    def __init__(self, compute_dtype: torch.dtype | None = None) -> None:
+        """Compute in ``compute_dtype`` (``torch.bfloat16``, the default, or ``torch.float32``).
 
         Raises:
             KernelDTypeError: an unusable compute dtype.
         """
+        compute_dtype = compute_dtype or torch.bfloat16
         if compute_dtype not in TILED_COMPUTE_DTYPES:
             raise KernelDTypeError(
                 "with weight_dtype='fp8', dtype (the compute dtype) must be torch.float32 or "
@@ -85,6 +89,11 @@ class Fp8Block(StackedFormat):
         q = (blocks / safe[..., :, None, :, None]).clamp_(-_FP8_MAX, _FP8_MAX)
         q = q.reshape(*lead, nb * FP8_BLOCK, kb * FP8_BLOCK)[..., :n, :k]
         return q.to(torch.float8_e4m3fn).contiguous(), scale_inv.contiguous()
+
+    @classmethod
+    def matches_checkpoint(cls, quantization_config: Mapping[str, Any]) -> bool:
+        """A FP8-block checkpoint: ``quant_method`` ``"fp8"`` (DeepSeek-V3, Kimi-K2)."""
+        return quantization_config.get("quant_method") == "fp8"
 
     @staticmethod
     def from_checkpoint(weight: torch.Tensor, weight_scale_inv: torch.Tensor) -> Parts:

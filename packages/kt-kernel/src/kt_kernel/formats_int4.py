@@ -73,13 +73,14 @@ class Int4Grouped(StackedFormat):
     # through a dense twin: it would hide a wrong activation.
     self_check_tolerance = 0.4
 
-    def __init__(self, compute_dtype: torch.dtype = torch.bfloat16, group_size: int = 64) -> None:
-        """Compute in ``compute_dtype`` (bf16 or fp32); ``group_size`` in 32, 64 or 128.
+    def __init__(self, compute_dtype: torch.dtype | None = None, group_size: int = 64) -> None:
+        """Compute in ``compute_dtype`` (bf16, the default, or fp32); ``group_size`` 32, 64, 128.
 
         Raises:
             KernelDTypeError: an unusable compute dtype.
             KernelInputError: an unsupported group size.
         """
+        compute_dtype = compute_dtype or torch.bfloat16
         if compute_dtype not in TILED_COMPUTE_DTYPES:
             raise KernelDTypeError(
                 "with weight_dtype='int4', dtype (the compute dtype) must be torch.float32 or "

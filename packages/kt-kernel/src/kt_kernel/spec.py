@@ -3,29 +3,22 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Literal
 
 import torch
 
 from kt_kernel.activations import ACTIVATION_TYPES, Activation, SwiGLU
 from kt_kernel.errors import KernelDTypeError, KernelInputError
 
-__all__ = [
-    "SUPPORTED_WEIGHT_DTYPES",
-    "ExpertSpec",
-    "QuantizedWeightDType",
-    "WeightDType",
-]
+__all__ = ["SUPPORTED_WEIGHT_DTYPES", "ExpertSpec"]
 
-WeightDType = Literal["float32", "bfloat16", "float64"]
+# torch's names of the dtypes the ``dtype`` argument takes (a torch dtype, not a weight format:
+# the format names are kt_kernel.FORMATS, whose dense "fp32"/"bf16" are accepted as well).
 # float64 exists so torch.autograd.gradcheck can run through both implementations.
 SUPPORTED_WEIGHT_DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
     "float64": torch.float64,
 }
-# Shorthands of registered quantised formats (kt_kernel.formats.FORMATS), e.g. "int8".
-QuantizedWeightDType = str
 
 
 @dataclass(frozen=True)
@@ -63,10 +56,16 @@ def _resolve_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
     if dtype is None:
         return None
     if isinstance(dtype, str):
+        from kt_kernel.formats import FORMATS, DenseStorage
+
+        dense = {n: f.dtype for n, f in FORMATS.items() if isinstance(f, DenseStorage)}
+        if dtype in dense:
+            return dense[dtype]
         if dtype not in SUPPORTED_WEIGHT_DTYPES:
             raise KernelDTypeError(
-                f"dtype must be one of {sorted(SUPPORTED_WEIGHT_DTYPES)}, got {dtype!r} "
-                "(for int8 storage pass weight_dtype='int8' and a float32/bfloat16 dtype)"
+                f"dtype must be one of {sorted(SUPPORTED_WEIGHT_DTYPES)} or {sorted(dense)}, "
+                f"got {dtype!r} (for int8 storage pass weight_dtype='int8', or another "
+                "quantised format of kt_kernel.FORMATS, and a float32/bfloat16 dtype)"
             )
         return SUPPORTED_WEIGHT_DTYPES[dtype]
     if dtype not in SUPPORTED_WEIGHT_DTYPES.values():

@@ -41,8 +41,8 @@ class ExpertWeights:
         spec: the :class:`ExpertSpec` the tensors match (shapes and activation).
         format: the :class:`WeightFormat`.
         dtype: compute dtype (``format.compute_dtype``; the storage dtype too for dense).
-        weight_dtype: the storage format's short name: ``"float32"``, ``"bfloat16"``,
-            ``"float64"``, ``"int8"``, ...
+        weight_dtype: the storage format's name in :data:`kt_kernel.FORMATS`: ``"fp32"``,
+            ``"bf16"``, ``"int8"``, ... (``"fp64"`` for the kernel-only float64 storage).
     """
 
     def __init__(
@@ -88,8 +88,8 @@ class ExpertWeights:
                 ``torch.float64`` or the names), default ``gate_up.dtype``; for a quantised
                 format the compute dtype (float32 or bfloat16; default bfloat16 unless the
                 input is fp32).
-            weight_dtype: ``None`` (dense), a shorthand registered in
-                :data:`kt_kernel.formats.FORMATS` (``"int8"``, ...) or a
+            weight_dtype: ``None`` (dense, in ``dtype``), a name registered in
+                :data:`kt_kernel.FORMATS` (``"bf16"``, ``"int8"``, ...) or a
                 :class:`WeightFormat` object.
             gate_up_bias: optional frozen ``[E, 2I]`` bias of gate_up.
             down_bias: optional frozen ``[E, H]`` bias of down.
@@ -178,7 +178,7 @@ class ExpertWeights:
         # Expert by expert, so the only full-precision temporaries are one expert's (a
         # whole-model fp32 copy of a large model would not fit beside it).
         e_count, inter = spec.num_experts, spec.intermediate_size
-        quantised = not isinstance(fmt, Dense)
+        quantised = fmt.lossy
         errs = {"gate": ErrorSum(), "up": ErrorSum(), "down": ErrorSum()}
         banks: list[list[torch.Tensor]] = [[], []]
         with torch.no_grad():
@@ -232,7 +232,7 @@ class ExpertWeights:
     @property
     def is_quantized(self) -> bool:
         """Whether the base is stored in a quantised (non-dense) format."""
-        return not isinstance(self.format, Dense)
+        return self.format.lossy
 
     @property
     def device(self) -> torch.device:

@@ -10,7 +10,10 @@ import torch
 
 from moe_experts.errors import LoadError
 
-__all__ = ["ST_DTYPES", "Shards", "expect_shape"]
+__all__ = ["ST_DTYPES", "Shards", "expect_shape", "weight_map"]
+
+_INDEX = "model.safetensors.index.json"
+_SINGLE = "model.safetensors"
 
 # safetensors dtype names -> torch dtypes (the ones a checkpoint of these families uses).
 ST_DTYPES: dict[str, torch.dtype] = {
@@ -107,3 +110,38 @@ class Shards:
         if dtype != dst.dtype:
             raise LoadError(f"{file.name}: tensor {key!r} is {dtype}, expected {dst.dtype}")
         self._fill(file, key, dst, start, end)
+
+
+def weight_map(path: Path) -> dict[str, Path]:
+    """``{checkpoint key: shard file}`` from the index, or from the single-file checkpoint."""
+    index = path / _INDEX
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (OSError, ValueError, KeyError, TypeError) as exc:
+            raise LoadError(
+                f"{index} is not a safetensors index (a JSON object with a 'weight_map'): {exc}"
+            ) from exc
+        if not isinstance(weight_map, dict):
+            raise LoadError(
+                f"{index}: 'weight_map' is a JSON {type(weight_map).__name__}, not an "
+                "object of checkpoint key -> shard file; re-save the checkpoint"
+            )
+        out = {str(k): path / str(v) for k, v in weight_map.items()}
+        missing = sorted({str(f) for f in out.values() if not f.is_file()})
+        if missing:
+            raise LoadError(f"{index} names shard files that do not exist: {missing}")
+        return out
+    single = path / _SINGLE
+    if single.is_file():
+        from safetensors import safe_open
+
+        try:
+            with safe_open(str(single), framework="pt") as f:
+                return dict.fromkeys(f.keys(), single)
+        except Exception as exc:  # safetensors' SafetensorError derives from Exception only
+            raise LoadError(f"cannot read {single} as safetensors: {exc}") from exc
+    raise LoadError(
+        f"{path} holds neither {_INDEX} nor {_SINGLE}; load_pretrained reads local safetensors "
+        "checkpoints (save them with save_pretrained or download them first)"
+    )

@@ -31,12 +31,9 @@ __all__ = [
     "Fp8Reader",
     "check_quantization_config",
     "read_fp8_bank",
-    "resolve_weight_dtype",
 ]
 
 SCALE_SUFFIX = "_scale_inv"
-# Storages a FP8 checkpoint's experts may load into: kept as shipped, or dequantised.
-_FP8_STORAGES = ("fp8", "bf16", "fp32")
 
 
 def check_quantization_config(config_file: Path, raw: object) -> bool:
@@ -83,27 +80,6 @@ def check_quantization_config(config_file: Path, raw: object) -> bool:
                 "(float32 or bfloat16 scales over E4M3 weights) is supported"
             )
     return True
-
-
-def resolve_weight_dtype(weight_dtype: str | None, fp8: bool, config_file: Path) -> str:
-    """The kernel storage for ``load_pretrained``'s ``weight_dtype`` on this checkpoint.
-
-    ``None`` keeps a FP8 checkpoint's experts in FP8 and stores others in bf16. A FP8
-    checkpoint may also be dequantised (``"bf16"``/``"fp32"``), never re-quantised to another
-    lossy format.
-
-    Raises:
-        LoadError: ``"int8"``/``"int4"`` for a FP8 checkpoint.
-    """
-    if weight_dtype is None:
-        return "fp8" if fp8 else "bf16"
-    if fp8 and weight_dtype not in _FP8_STORAGES:
-        raise LoadError(
-            f"{config_file}: the checkpoint's experts are FP8 blocks (quantization_config); "
-            f"weight_dtype={weight_dtype!r} would quantise them a second time; pass 'fp8' "
-            "(the default: the shipped bytes) or 'bf16'/'fp32' (dequantised while streaming)"
-        )
-    return weight_dtype
 
 
 class Fp8Reader:

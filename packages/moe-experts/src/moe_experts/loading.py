@@ -13,7 +13,6 @@ bitwise the same as ``from_pretrained(path, dtype=dtype)`` + ``wrap(model, weigh
 
 from __future__ import annotations
 
-import json
 import re
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -24,7 +23,7 @@ import torch
 from torch import nn
 
 import kt_kernel
-from moe_experts._safetensors import Shards
+from moe_experts._safetensors import Shards, weight_map
 from moe_experts.architectures import (
     MoEBlockSite,
     checkpoint_model_type,
@@ -33,22 +32,15 @@ from moe_experts.architectures import (
     require_transformers,
 )
 from moe_experts.errors import LoadError
-from moe_experts.fp8_checkpoint import (
-    Fp8Reader,
-    check_quantization_config,
-    read_fp8_bank,
-    resolve_weight_dtype,
-)
+from moe_experts.fp8_checkpoint import Fp8Reader, check_quantization_config, read_fp8_bank
 from moe_experts.kernel_experts import KernelExperts, Policy
 from moe_experts.memory import trim_host_heap
 from moe_experts.self_check import BlockCheck
 from moe_experts.sharing import default_kernel_threads, expert_sharing
-from moe_experts.storage import StoragePlan, build_block
+from moe_experts.storage import StoragePlan, build_block, check_policy, storage_name
 
 __all__ = ["CheckpointSource", "load_pretrained"]
 
-_INDEX = "model.safetensors.index.json"
-_SINGLE = "model.safetensors"
 _PER_EXPERT = re.compile(r"^(\d+)\.(.+)$")
 
 
@@ -68,41 +60,6 @@ def _parameters_on_meta() -> Iterator[None]:
         yield
     finally:
         nn.Module.register_parameter = original  # type: ignore[method-assign]
-
-
-def _weight_map(path: Path) -> dict[str, Path]:
-    """``{checkpoint key: shard file}`` from the index, or from the single-file checkpoint."""
-    index = path / _INDEX
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (OSError, ValueError, KeyError, TypeError) as exc:
-            raise LoadError(
-                f"{index} is not a safetensors index (a JSON object with a 'weight_map'): {exc}"
-            ) from exc
-        if not isinstance(weight_map, dict):
-            raise LoadError(
-                f"{index}: 'weight_map' is a JSON {type(weight_map).__name__}, not an "
-                "object of checkpoint key -> shard file; re-save the checkpoint"
-            )
-        out = {str(k): path / str(v) for k, v in weight_map.items()}
-        missing = sorted({str(f) for f in out.values() if not f.is_file()})
-        if missing:
-            raise LoadError(f"{index} names shard files that do not exist: {missing}")
-        return out
-    single = path / _SINGLE
-    if single.is_file():
-        from safetensors import safe_open
-
-        try:
-            with safe_open(str(single), framework="pt") as f:
-                return dict.fromkeys(f.keys(), single)
-        except Exception as exc:  # safetensors' SafetensorError derives from Exception only
-            raise LoadError(f"cannot read {single} as safetensors: {exc}") from exc
-    raise LoadError(
-        f"{path} holds neither {_INDEX} nor {_SINGLE}; load_pretrained reads local safetensors "
-        "checkpoints (save them with save_pretrained or download them first)"
-    )
 
 
 @dataclass
@@ -436,11 +393,13 @@ def load_pretrained(
     Args:
         path: a local directory with ``config.json`` and ``model.safetensors`` or a sharded
             ``model.safetensors.index.json``.
-        weight_dtype: kernel storage. ``None`` (default): ``"fp8"`` for a FP8 checkpoint (the
-            shipped bytes), else ``"bf16"``. ``"bf16"``/``"fp32"``: dense storage (a FP8
-            checkpoint is dequantised expert by expert while streaming). ``"int8"``/``"int4"``
-            /``"fp8"`` quantise an unquantised checkpoint as ``wrap`` does; a FP8 checkpoint
-            is never quantised a second time.
+        weight_dtype: kernel storage, a name in :data:`kt_kernel.FORMATS` or ``"auto"``.
+            ``"auto"``: the checkpoint's own format (``"fp8"`` for a FP8 checkpoint, the
+            shipped bytes; else dense in its dtype: ``"fp32"`` for float32, otherwise
+            ``"bf16"``). ``None`` (default): ``"fp8"`` for a FP8 checkpoint, else ``"bf16"``.
+            ``"bf16"``/``"fp32"``: dense storage (a FP8 checkpoint is dequantised expert by
+            expert while streaming). ``"int8"``/``"int4"``/``"fp8"`` quantise an unquantised
+            checkpoint as ``wrap`` does; a FP8 checkpoint is never quantised a second time.
         dtype: the model dtype (dense weights, and what ``from_pretrained`` would give experts).
         dense_device: device of the dense (non-expert) weights, e.g. ``"cuda:0"``; the experts
             stay on the CPU kernel and hidden states cross over and back (autograd too).
@@ -461,7 +420,9 @@ def load_pretrained(
     """
     from transformers import AutoConfig, AutoModelForCausalLM
 
-    StoragePlan.resolve(weight_dtype or "bf16", policy=policy)  # fails before any file is read
+    # Bad arguments fail before any file is read.
+    weight_dtype = storage_name(weight_dtype) if weight_dtype is not None else None
+    check_policy(policy)
     try:
         dense_device = torch.device(dense_device)
         torch.empty(0, device=dense_device)
@@ -472,12 +433,11 @@ def load_pretrained(
         ) from exc
     path = Path(path)
     require_transformers(checkpoint_model_type(path))  # LoadError: no readable config.json
-    where = _weight_map(path)
+    where = weight_map(path)
     config = AutoConfig.from_pretrained(path)
     quant = getattr(config, "quantization_config", None)
     fp8 = check_quantization_config(path / "config.json", quant)
-    storage_name = resolve_weight_dtype(weight_dtype, fp8, path / "config.json")
-    plan = StoragePlan.resolve(storage_name, policy=policy, self_check=False)
+    plan = StoragePlan.for_checkpoint(path, weight_dtype, policy=policy)
     if quant is not None:
         # The dense FP8 weights are dequantised here, so the model is built (and later saved)
         # as a plain one; transformers' FP8 modules would expect the scales as parameters.

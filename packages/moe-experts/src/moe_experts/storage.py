@@ -8,45 +8,76 @@ in the run's format (built once per machine when local ranks share it), the
 names, the optional self-check, and its installation in the block. What differs is behind the
 small :class:`ExpertSource` protocol: where the tensors come from, whether the original can be
 checked against, and how the kernel is installed (in place of the module, or under PEFT's
-wrappers). The storage format is resolved once per run into a :class:`StoragePlan`.
+wrappers). The storage format is resolved once per run into a :class:`StoragePlan`, from a name
+in :data:`kt_kernel.FORMATS` or ``"auto"`` (the source's own format).
 """
 
 from __future__ import annotations
 
+import json
+from collections import Counter
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Protocol, runtime_checkable
+from pathlib import Path
+from typing import Any, Protocol, runtime_checkable
 
 import torch
 from torch import nn
 
 import kt_kernel
+from moe_experts._safetensors import Shards, weight_map
 from moe_experts.architectures import MoEBlockSite
-from moe_experts.errors import WrapError
+from moe_experts.errors import LoadError, WrapError
 from moe_experts.kernel_experts import KernelExperts, Policy
 from moe_experts.self_check import BlockCheck, expert_activation
 from moe_experts.sharing import ExpertSharing, shared_or_local
 
 __all__ = [
+    "AUTO",
     "POLICIES",
     "BuiltBlock",
     "ExpertSource",
     "StoragePlan",
     "build_block",
+    "check_policy",
+    "checkpoint_dtype",
     "expert_spec",
+    "storage_name",
 ]
 
 POLICIES: tuple[Policy, ...] = ("save", "recompute")
-# Compute dtype per storage name; "int8", "int4" and "fp8" are kt-kernel's quantised bases
-# (the kt_kernel.FORMATS shorthands, quantised once here) computing, with their LoRA, in bf16.
-_DTYPES: dict[str, torch.dtype] = {
-    "bf16": torch.bfloat16,
-    "fp32": torch.float32,
-    "int8": torch.bfloat16,
-    "int4": torch.bfloat16,
-    "fp8": torch.bfloat16,
-}
-_QUANTISED = frozenset({"int8", "int4", "fp8"})
+# The storage name that stands for the source's own format (resolved by kt_kernel.auto_format).
+AUTO = "auto"
+
+
+def storage_name(weight_dtype: str) -> str:
+    """``weight_dtype`` as :data:`kt_kernel.FORMATS` spells it, or :data:`AUTO`.
+
+    An old spelling (``"bfloat16"``, ``"float32"``) gives a ``FutureWarning`` naming the new one.
+
+    Raises:
+        WrapError: not ``"auto"`` nor a registered weight format (the message lists them).
+    """
+    if weight_dtype == AUTO:
+        return AUTO
+    try:
+        return kt_kernel.format_name(weight_dtype)
+    except kt_kernel.KernelDTypeError:
+        raise WrapError(
+            f"weight_dtype must be {AUTO!r} or one of {list(kt_kernel.FORMATS)} (the weight "
+            f"formats of kt_kernel.FORMATS), got {weight_dtype!r}"
+        ) from None
+
+
+def check_policy(policy: object) -> Policy:
+    """``policy`` itself if it is one of :data:`POLICIES`.
+
+    Raises:
+        WrapError: any other value.
+    """
+    if policy not in POLICIES:
+        raise WrapError(f"policy must be 'save' or 'recompute', got {policy!r}")
+    return policy  # type: ignore[return-value]
 
 
 @dataclass(frozen=True)
@@ -54,41 +85,128 @@ class StoragePlan:
     """How every MoE block of one ``wrap``/``load_pretrained`` call is stored.
 
     Attributes:
-        weight_dtype: the storage's name (``"bf16"``, ``"fp32"``, ``"int8"``, ...).
-        format: the :class:`kt_kernel.WeightFormat` every block is stored in.
+        weight_dtype: the format's name in :data:`kt_kernel.FORMATS` (``"auto"`` resolved).
+        format: the :class:`kt_kernel.WeightFormat` every block is stored in (a quantised one
+            computes in bf16).
         policy: kt-kernel activation policy of the :class:`KernelExperts`.
         self_check: whether a source that still has the original module checks the kernel
             against it before the module is replaced.
+        reason: how ``"auto"`` was resolved (for start-up summaries); empty when the format
+            was named.
     """
 
     weight_dtype: str
     format: kt_kernel.WeightFormat
     policy: Policy = "save"
     self_check: bool = True
+    reason: str = ""
 
     @classmethod
     def resolve(
-        cls, weight_dtype: str, *, policy: Policy = "save", self_check: bool = True
+        cls,
+        weight_dtype: str,
+        *,
+        policy: Policy = "save",
+        self_check: bool = True,
+        source_dtype: torch.dtype | None = None,
     ) -> StoragePlan:
-        """The plan for the storage name ``weight_dtype``.
+        """The plan for the storage name ``weight_dtype`` (``"auto"``: ``source_dtype``'s).
+
+        Args:
+            weight_dtype: ``"auto"`` or a name in :data:`kt_kernel.FORMATS`.
+            policy: kt-kernel activation policy.
+            self_check: see :attr:`self_check`.
+            source_dtype: the dtype the experts are stored in; ``"auto"`` stores them densely
+                in it (fp32, else bf16: :func:`kt_kernel.auto_format`).
 
         Raises:
+            WrapError: an unknown ``weight_dtype`` or ``policy``, or ``"auto"`` without a
+                ``source_dtype``.
+        """
+        name = storage_name(weight_dtype)
+        check_policy(policy)
+        reason = ""
+        if name == AUTO:
+            if source_dtype is None:
+                raise WrapError("weight_dtype='auto' needs the experts' dtype to resolve")
+            name = kt_kernel.auto_format(source_dtype)
+            reason = f"auto: the experts' {_dtype_name(source_dtype)} weights"
+        return cls(name, kt_kernel.FORMATS[name](), policy, self_check, reason)
+
+    @classmethod
+    def for_checkpoint(
+        cls, path: Path, weight_dtype: str | None, *, policy: Policy = "save"
+    ) -> StoragePlan:
+        """The plan of ``load_pretrained(path, weight_dtype=...)``, from ``config.json``.
+
+        A checkpoint whose ``quantization_config`` a registered format reads (FP8 blocks:
+        ``"fp8"``) keeps its shipped bytes under ``"auto"`` and ``None``, may be dequantised
+        (a dense format), and is never quantised a second time. Otherwise ``"auto"`` stores
+        the experts densely in the checkpoint's dtype (``config.json``'s ``dtype`` or
+        ``torch_dtype``, else the dtype most of its tensors have) and ``None`` in bf16.
+
+        Raises:
+            LoadError: an unreadable ``config.json``, a ``quantization_config`` no format
+                reads, or a lossy format other than the shipped one for a quantised checkpoint.
             WrapError: an unknown ``weight_dtype`` or ``policy``.
         """
-        if weight_dtype not in _DTYPES:
-            raise WrapError(f"weight_dtype must be one of {sorted(_DTYPES)}, got {weight_dtype!r}")
-        if policy not in POLICIES:
-            raise WrapError(f"policy must be 'save' or 'recompute', got {policy!r}")
-        from kt_kernel.formats import resolve_format
+        name = storage_name(weight_dtype) if weight_dtype is not None else None
+        check_policy(policy)
+        config_file = path / "config.json"
+        try:
+            raw = json.loads(config_file.read_text())
+        except (OSError, ValueError) as exc:
+            raise LoadError(f"cannot read {config_file}: {exc}") from exc
+        quant = raw.get("quantization_config") if isinstance(raw, dict) else None
+        try:
+            shipped = kt_kernel.auto_format(torch.float32, quant) if quant else None
+        except kt_kernel.KernelDTypeError as exc:
+            raise LoadError(f"{config_file}: {exc}") from exc
+        reason = ""
+        if shipped is not None and name in (None, AUTO):
+            name, reason = shipped, f"auto: the checkpoint's quantization_config ({shipped})"
+        elif name is None:
+            name = "bf16"
+        elif name == AUTO:
+            dtype = checkpoint_dtype(path, raw)
+            name = kt_kernel.auto_format(dtype)
+            reason = f"auto: the checkpoint's {_dtype_name(dtype)} weights"
+        if shipped is not None and name != shipped and kt_kernel.FORMATS[name].lossy:
+            raise LoadError(
+                f"{config_file}: the checkpoint's experts are {shipped.upper()} "
+                f"(quantization_config); weight_dtype={weight_dtype!r} would quantise them a "
+                f"second time; pass {shipped!r} (the default: the shipped bytes) or a dense "
+                "format such as 'bf16'/'fp32' (dequantised while streaming)"
+            )
+        return cls(name, kt_kernel.FORMATS[name](), policy, False, reason)
 
-        quantised = weight_dtype if weight_dtype in _QUANTISED else None
-        fmt = resolve_format(quantised, _DTYPES[weight_dtype], _DTYPES[weight_dtype])
-        return cls(weight_dtype, fmt, policy, self_check)
 
-    @property
-    def quantised(self) -> bool:
-        """Whether the format is lossy (anything but dense storage)."""
-        return not isinstance(self.format, kt_kernel.Dense)
+def _dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def checkpoint_dtype(path: Path, config: Mapping[str, Any]) -> torch.dtype:
+    """The dtype a checkpoint's weights are stored in.
+
+    ``config.json``'s ``dtype`` (or the older ``torch_dtype``, also under ``text_config``),
+    else the floating dtype most of the checkpoint's tensors have (float32 if none).
+
+    Raises:
+        LoadError: the checkpoint's safetensors cannot be read.
+    """
+    for where in (config, config.get("text_config") or {}):
+        for key in ("dtype", "torch_dtype"):
+            value = where.get(key) if isinstance(where, Mapping) else None
+            dtype = getattr(torch, value, None) if isinstance(value, str) else None
+            if isinstance(dtype, torch.dtype) and dtype.is_floating_point:
+                return dtype
+    shards = Shards()
+    counts: Counter[torch.dtype] = Counter()
+    for key, file in weight_map(path).items():
+        dtype = shards.info(file, key)[1]
+        if dtype.is_floating_point and dtype.itemsize > 1:  # FP8 bytes are not a dtype choice
+            counts[dtype] += 1
+    return counts.most_common(1)[0][0] if counts else torch.float32
 
 
 @runtime_checkable

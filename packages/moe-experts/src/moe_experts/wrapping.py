@@ -4,13 +4,17 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Literal
 
 import torch
 from torch import nn
 
 import kt_kernel
-from moe_experts.architectures import MoEBlockSite, find_architecture, iter_moe_blocks
+from moe_experts.architectures import (
+    MoEArchitecture,
+    MoEBlockSite,
+    find_architecture,
+    iter_moe_blocks,
+)
 from moe_experts.errors import WrapError
 from moe_experts.kernel_experts import KernelExperts, Policy, unwrap_peft
 from moe_experts.memory import release_file_views, trim_host_heap
@@ -18,11 +22,12 @@ from moe_experts.placeholders import named_placeholders
 from moe_experts.self_check import BlockCheck
 from moe_experts.self_check import self_check as self_check_block
 from moe_experts.sharing import default_kernel_threads, expert_sharing
-from moe_experts.storage import StoragePlan, build_block
+from moe_experts.storage import AUTO, StoragePlan, build_block, check_policy, storage_name
 
 __all__ = ["ModuleSource", "WeightDType", "WrapReport", "experts_sites", "wrap"]
 
-WeightDType = Literal["bf16", "fp32", "int8", "int4", "fp8"]
+# A name in kt_kernel.FORMATS ("bf16", "fp32", "int8", ...) or "auto" (the experts' own dtype).
+WeightDType = str
 
 
 @dataclass(frozen=True)
@@ -58,6 +63,16 @@ class WrapReport:
     quantization: tuple[tuple[str, kt_kernel.QuantizationReport], ...] = ()
     self_checks: tuple[BlockCheck, ...] = ()
     shared_by: int = 1
+
+
+def _experts_dtype(model: nn.Module, arch: MoEArchitecture) -> torch.dtype | None:
+    """The stored dtype of the first experts module not yet on the kernel (``None``: none)."""
+    for site in iter_moe_blocks(model, arch):
+        _, base = unwrap_peft(getattr(site.block, arch.experts_attr))
+        gate_up = getattr(base, arch.gate_up_param, None)
+        if not isinstance(base, KernelExperts) and isinstance(gate_up, torch.Tensor):
+            return gate_up.dtype
+    return None
 
 
 def experts_sites(model: nn.Module) -> list[tuple[MoEBlockSite, KernelExperts]]:
@@ -180,12 +195,13 @@ def wrap(
 
     Args:
         model: a supported transformers MoE model (or a PEFT model around one).
-        weight_dtype: kernel storage dtype, ``"bf16"``, ``"fp32"``, or a quantised base
-            computing in bf16 (quantisation error in ``WrapReport.quantization``): ``"int8"``
-            (per-output-channel scales, 0.50x bf16 memory), ``"int4"`` (group-wise, 64
-            columns per bf16 scale, 0.27x) or ``"fp8"`` (E4M3 with 128x128 block scales,
-            0.50x); activations are cast to the compute dtype inside the experts and the
-            output is cast back.
+        weight_dtype: kernel storage, a name in :data:`kt_kernel.FORMATS`: ``"bf16"``,
+            ``"fp32"``, or a quantised base computing in bf16 (quantisation error in
+            ``WrapReport.quantization``): ``"int8"`` (per-output-channel scales, 0.50x bf16
+            memory), ``"int4"`` (group-wise, 64 columns per bf16 scale, 0.27x) or ``"fp8"``
+            (E4M3 with 128x128 block scales, 0.50x); or ``"auto"``: dense in the experts'
+            own dtype (``"fp32"`` for float32, else ``"bf16"``). Activations are cast to the
+            compute dtype inside the experts and the output is cast back.
         policy: kt-kernel activation policy, ``"save"`` or ``"recompute"``.
         self_check: run each block's original experts module and the kernel on the same
             8 random tokens before the original weights are freed and refuse a disagreement
@@ -209,8 +225,14 @@ def wrap(
             activation kt-kernel does not implement (read from the experts module).
         SelfCheckError: the kernel disagrees with the original experts module.
     """
-    plan = StoragePlan.resolve(weight_dtype, policy=policy, self_check=self_check)
+    name = storage_name(weight_dtype)
+    check_policy(policy)
     arch = find_architecture(model)
+    # With nothing left to wrap the plan is never used, so "auto" may resolve to anything.
+    source_dtype = (_experts_dtype(model, arch) or torch.bfloat16) if name == AUTO else None
+    plan = StoragePlan.resolve(
+        name, policy=policy, self_check=self_check, source_dtype=source_dtype
+    )
     default_kernel_threads()
     already: list[str] = []
     checks: list[BlockCheck] = []

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import difflib
 import math
+import sys
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -57,7 +58,7 @@ class FinetuneArgs:
     """Everything one fine-tune run needs; filled from defaults, ``--config`` and flags."""
 
     model: str = "tiny-qwen3-moe"
-    weight_dtype: str = "fp32"
+    weight_dtype: str = "auto"  # "auto" (the checkpoint's own format) or a kt_kernel.FORMATS name
     # Under torchrun with several local ranks: one copy of the frozen experts per machine
     # (True), one per rank (False); None shares unless MOE_EXPERTS_SHARE_EXPERTS=0.
     share_experts: bool | None = None
@@ -129,9 +130,19 @@ class Option:
     help: str
     check: Check | None = None
     choices: tuple[str, ...] = ()
+    # Choices owned by another package, read only when a value is checked (it may import
+    # torch): (choices, old spelling -> current one). Old spellings are accepted with a warning.
+    vocabulary: Callable[[], tuple[tuple[str, ...], Mapping[str, str]]] | None = None
     nullable: bool = False  # None (unset) is a valid value
     aliases: tuple[str, ...] = ()  # the Hugging Face TrainingArguments spelling, where it fits
     negation: str | None = None  # a bool's flag that sets False (the two exclude each other)
+
+
+def _weight_formats() -> tuple[tuple[str, ...], Mapping[str, str]]:
+    """``--weight-dtype``'s vocabulary: ``auto`` and kt-kernel's registry of weight formats."""
+    import kt_kernel
+
+    return ("auto", *kt_kernel.FORMATS), kt_kernel.FORMAT_ALIASES
 
 
 OPTIONS: tuple[Option, ...] = (
@@ -149,9 +160,10 @@ OPTIONS: tuple[Option, ...] = (
         "model",
         "weight_dtype",
         str,
-        "kernel storage of the frozen experts; fp8 keeps a FP8-block checkpoint's shipped "
-        "bytes (and quantises any other)",
-        choices=("fp32", "bf16", "int8", "int4", "fp8"),
+        "kernel storage of the frozen experts: auto (the checkpoint's own: a FP8-block "
+        "checkpoint's shipped bytes, else dense in its dtype) or a weight format registered "
+        "in kt_kernel.FORMATS (an unknown name lists them)",
+        vocabulary=_weight_formats,
     ),
     Option(
         "share_experts",
@@ -445,10 +457,16 @@ def coerce(opt: Option, value: Any, where: str) -> Any:
             Path: "a path",
         }.get(opt.kind, "a string")
         raise FinetuneError(f"{where} {value!r}: expected {expected}") from None
-    if opt.choices and out not in opt.choices:
-        close = difflib.get_close_matches(out, opt.choices, n=1, cutoff=0.5)
+    choices = opt.choices
+    if opt.vocabulary is not None:
+        choices, renamed = opt.vocabulary()
+        if out in renamed:
+            print(f"warning: {where} {out!r} is deprecated; use {renamed[out]!r}", file=sys.stderr)
+            out = renamed[out]
+    if choices and out not in choices:
+        close = difflib.get_close_matches(out, choices, n=1, cutoff=0.5)
         hint = f"; did you mean {close[0]!r}?" if close else ""
-        raise FinetuneError(f"{where} {out!r}: expected one of {', '.join(opt.choices)}{hint}")
+        raise FinetuneError(f"{where} {out!r}: expected one of {', '.join(choices)}{hint}")
     if opt.check is not None:
         problem = opt.check(out)
         if problem:

@@ -56,6 +56,9 @@ class LoadedModel:
     # Local ranks mapping the kernel's expert storage (one copy per machine); None: the
     # experts are still the model's own modules (no weight_dtype was asked for).
     shared_by: int | None = None
+    # The experts' kernel storage and, for "auto", how it was chosen, e.g.
+    # "fp32 (auto: the checkpoint's float32 weights)"; None without a weight_dtype.
+    storage: str | None = None
 
 
 def _cache_root() -> Path:
@@ -144,10 +147,12 @@ def load_model(
     Args:
         model: a name in :data:`BUILTIN_MODELS` or a local model directory.
         dtype: the dense weights' dtype.
-        weight_dtype: when given, the routed experts come up on kt-kernel in this storage:
-            a causal-LM checkpoint streams them straight from its safetensors
-            (:func:`moe_experts.load_pretrained`, never holding the experts twice); any other
-            (a multimodal checkpoint) loads whole and is wrapped. ``None``: plain load.
+        weight_dtype: when given, the routed experts come up on kt-kernel in this storage
+            (``"auto"`` or a name in ``kt_kernel.FORMATS``, resolved once by
+            :meth:`moe_experts.storage.StoragePlan.for_checkpoint`): a causal-LM checkpoint
+            streams them straight from its safetensors (:func:`moe_experts.load_pretrained`,
+            never holding the experts twice); any other (a multimodal checkpoint) loads whole
+            and is wrapped. ``None``: plain load.
         share_experts: as in :func:`moe_experts.wrap` (one copy per machine under torchrun);
             every rank must call this together when ``weight_dtype`` is given.
 
@@ -169,6 +174,7 @@ def load_model(
     import moe_experts
     from moe_experts import LoadError, UnsupportedModelError, WrapError, find_architecture
     from moe_experts.architectures import checkpoint_model_type, require_transformers
+    from moe_experts.storage import StoragePlan
 
     try:
         # Before transformers parses the config: an old release does not know a new type.
@@ -176,8 +182,12 @@ def load_model(
     except (LoadError, UnsupportedModelError) as exc:
         raise FinetuneError(f"--model {model}: {exc}") from exc
     cls = pretrained_class(source)
-    shared_by = None
+    shared_by = storage = None
     try:
+        if weight_dtype is not None:  # "auto" resolved once, from the checkpoint
+            plan = StoragePlan.for_checkpoint(source, weight_dtype)
+            weight_dtype = plan.weight_dtype
+            storage = f"{weight_dtype} ({plan.reason})" if plan.reason else weight_dtype
         if weight_dtype is not None and cls is AutoModelForCausalLM:
             lm = moe_experts.load_pretrained(
                 source, weight_dtype=weight_dtype, dtype=dtype, share_experts=share_experts
@@ -207,4 +217,4 @@ def load_model(
     def encode(text: str) -> list[int]:
         return encode_text(tok, text)
 
-    return LoadedModel(lm, encode, source, builtin, tok, shared_by)
+    return LoadedModel(lm, encode, source, builtin, tok, shared_by, storage)

@@ -128,6 +128,8 @@ def run_finetune(args: FinetuneArgs, stop: StopRequest | None = None) -> Finetun
     samples, eval_samples = _read_samples(args)  # bad records fail before the model loads
     ranks = init_distributed()
     loaded = _load_on_ranks(args, ranks)
+    if ranks.rank == 0 and loaded.storage is not None:
+        print(f"expert storage: {loaded.storage}", file=sys.stderr)
     args = resolve_targets(args, loaded.model)  # "auto" targets: this model's routers, attention
     lora = lora_config(args)
     torch.manual_seed(args.seed)
