@@ -16,6 +16,7 @@ dense weights can also be quantised (``scale_inv = max|block| / 448``).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Mapping
 from typing import Any
 
@@ -110,8 +111,8 @@ class Fp8Block(StackedFormat):
 
         Raises:
             KernelDTypeError: a dtype other than the above.
-            KernelInputError: the scale grid does not match the weight's 128x128 blocks, or a
-                weight byte is NaN (E4M3 has no inf).
+            KernelInputError: the scale grid does not match the weight's 128x128 blocks, a
+                weight byte is NaN (E4M3 has no inf), or a scale is negative, NaN or inf.
         """
         if not isinstance(weight, torch.Tensor) or weight.dtype != torch.float8_e4m3fn:
             got = weight.dtype if isinstance(weight, torch.Tensor) else type(weight).__name__
@@ -138,7 +139,17 @@ class Fp8Block(StackedFormat):
             raise KernelInputError(
                 "weight holds NaN (E4M3 byte 0x7F/0xFF); the checkpoint is corrupt"
             )
-        return weight.contiguous(), weight_scale_inv.to(torch.float32).contiguous()
+        scale = weight_scale_inv.to(torch.float32).contiguous()
+        if scale.numel():
+            # scale_inv = max|block| / 448 >= 0; NaN fails the comparison as well.
+            lo, hi = torch.aminmax(scale.view(-1))
+            if not (float(lo) >= 0.0 and math.isfinite(float(hi))):
+                raise KernelInputError(
+                    f"weight_scale_inv holds a negative, NaN or inf scale (min {float(lo)}, "
+                    f"max {float(hi)}); block scales are finite and >= 0, the checkpoint is "
+                    "corrupt"
+                )
+        return weight.contiguous(), scale
 
     def fuse_gate_up(self, gate: Parts, up: Parts) -> Parts:
         """Parts of ``gate_up [..., 2I, H]`` from separately shipped gate and up parts.

@@ -471,7 +471,7 @@ def checkpoint_model_type(directory: str | os.PathLike[str]) -> str | None:
         raise LoadError(f"cannot read {config}: {exc}") from exc
     try:
         data = json.loads(text)
-    except ValueError as exc:
+    except (ValueError, RecursionError) as exc:  # RecursionError: "[[[[..." nested
         raise LoadError(f"{config} is not valid JSON ({exc}); re-save the model's config") from exc
     if not isinstance(data, dict):
         raise LoadError(

@@ -156,12 +156,20 @@ class Fp8Reader:
         FP8 values are ``weight * scale_inv`` formed in fp32 and rounded once to ``dtype``.
 
         Raises:
-            LoadError: a mis-shaped tensor, or a FP8 one without a valid scale.
+            LoadError: a mis-shaped tensor, an integer one where ``dtype`` is floating point,
+                or a FP8 one without a valid scale.
         """
         file = self.where[key]
         stored = self.shards.info(file, key)[1]
         if stored == torch.float8_e4m3fn or key in self.scales:
             return _dequantize(*self.parts(key, shape), dtype)
+        if dtype.is_floating_point and not stored.is_floating_point:
+            # torch would cast the integers silently (experts) or refuse the parameter late.
+            raise LoadError(
+                f"{file.name}: tensor {key!r} is {stored}, but the model's weight is {dtype}; "
+                "a checkpoint stores its weights as floating point (the file is corrupt or "
+                "was saved from another model)"
+            )
         t = self.shards.read(file, key, shape)
         return t.to(dtype) if t.dtype.is_floating_point else t
 

@@ -18,11 +18,13 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
 
 import kt_kernel
+from moe_experts import validation
 from moe_experts._safetensors import Shards, weight_map
 from moe_experts.architectures import (
     MoEBlockSite,
@@ -38,6 +40,7 @@ from moe_experts.memory import trim_host_heap
 from moe_experts.self_check import BlockCheck
 from moe_experts.sharing import default_kernel_threads, expert_sharing
 from moe_experts.storage import StoragePlan, build_block, check_policy, storage_name
+from moe_experts.validation import ExpertConfig, check_expert_config, check_model_type, check_sizes
 
 __all__ = ["CheckpointSource", "load_pretrained"]
 
@@ -367,6 +370,83 @@ def _fp8_weights(
     return kt_kernel.ExpertWeights.from_parts(spec, fmt, gu_parts, dn_parts)
 
 
+def _check_fits(
+    config: Any,
+    config_file: Path,
+    dtype: torch.dtype,
+    plan: StoragePlan,
+    fp8: bool,
+    dense_device: torch.device,
+) -> ExpertConfig:
+    """Validate the config's experts and the host memory the load needs, before allocating.
+
+    The model is built once on the meta device (shapes and dtypes only) for the family, the
+    expert count and the bytes; the real build allocates each parameter before moving it.
+
+    Raises:
+        LoadError: transformers cannot build the config, a bad expert count or experts per
+            token (naming the key), or more memory than the host has (naming both figures).
+        UnsupportedModelError: the config is not a supported MoE family.
+    """
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            meta = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    except (ValueError, TypeError, KeyError, AttributeError) as exc:
+        if validation.is_moe_family(config):  # a bad expert value: name its key
+            check_expert_config(config, config_file)
+        raise LoadError(f"{config_file}: transformers cannot build the model: {exc}") from exc
+    arch = find_architecture(meta)
+    counts = check_expert_config(config, config_file)
+    blocks = len(list(iter_moe_blocks(meta, arch)))
+    quantising = plan.format.lossy and not (fp8 and isinstance(plan.format, kt_kernel.Fp8Block))
+    experts, dense, transient = validation.host_memory_needed(
+        meta, arch, plan, quantising=quantising, dense_on_host=dense_device.type == "cpu"
+    )
+    validation.check_host_memory(
+        experts + dense + transient,
+        f"{config_file}: {counts.num_experts_key} = {counts.num_experts} experts in {blocks} "
+        f"MoE layers, stored as {plan.weight_dtype} ({validation.format_bytes(experts)}), plus "
+        f"{validation.format_bytes(dense)} of dense weights and "
+        f"{validation.format_bytes(transient)} while quantising,",
+    )
+    return counts
+
+
+def _check_expert_count(
+    site: MoEBlockSite,
+    keys: _ExpertKeys,
+    shards: Shards,
+    where: dict[str, Path],
+    counts: ExpertConfig,
+) -> None:
+    """Refuse checkpoint experts beyond the config's count (they would be dropped silently).
+
+    Raises:
+        LoadError: a per-expert key of an expert index >= E, or a fused tensor holding more or
+            fewer than E experts; names the key, its file and the config key.
+    """
+    e = site.arch.expert_dims(
+        getattr(getattr(site.block, site.arch.experts_attr), site.arch.gate_up_param)
+    )[0]
+    declared = f"{counts.num_experts_key} = {e} experts in config.json"
+    for (x, _), key in sorted(keys.per_expert.items()):
+        if x >= e:
+            raise LoadError(
+                f"{where[key]}: checkpoint key {key!r} is expert {x} of {site.experts_name}, but "
+                f"the model has {declared}; the checkpoint holds more experts than its config "
+                "declares (fix the config or re-save the checkpoint)"
+            )
+    for key in keys.fused.values():
+        shape = shards.info(where[key], key)[0]
+        if shape and shape[0] != e:
+            raise LoadError(
+                f"{where[key]}: tensor {key!r} holds {shape[0]} experts (shape {list(shape)}), "
+                f"but the model has {declared}; fix the config or re-save the checkpoint"
+            )
+
+
 def load_pretrained(
     path: str | Path,
     *,
@@ -432,22 +512,31 @@ def load_pretrained(
             "available accelerator such as 'cuda:0'"
         ) from exc
     path = Path(path)
-    require_transformers(checkpoint_model_type(path))  # LoadError: no readable config.json
-    where = weight_map(path)
-    config = AutoConfig.from_pretrained(path)
+    config_file = path / "config.json"
+    model_type = checkpoint_model_type(path)  # LoadError: no readable config.json
+    require_transformers(model_type)
+    check_model_type(config_file, model_type)
+    shards = Shards()
+    where = weight_map(path, shards)
+    try:
+        config = AutoConfig.from_pretrained(path)
+    except Exception as exc:  # ValueError, TypeError, huggingface_hub's StrictDataclassError
+        raise LoadError(f"{config_file}: transformers refuses it: {exc}") from exc
+    check_sizes(config, config_file)
     quant = getattr(config, "quantization_config", None)
-    fp8 = check_quantization_config(path / "config.json", quant)
+    fp8 = check_quantization_config(config_file, quant)
     plan = StoragePlan.for_checkpoint(path, weight_dtype, policy=policy)
     if quant is not None:
         # The dense FP8 weights are dequantised here, so the model is built (and later saved)
         # as a plain one; transformers' FP8 modules would expect the scales as parameters.
         del config.quantization_config
+    counts = _check_fits(config, config_file, dtype, plan, fp8, dense_device)
     with _parameters_on_meta():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     arch = find_architecture(model)
     sites = list(iter_moe_blocks(model, arch))
     mapper = _KeyMapper(model, sites)
-    reader = Fp8Reader(Shards(), where, fp8)
+    reader = Fp8Reader(shards, where, fp8)
     scale_keys = set(reader.scales.values())
 
     # Sort every checkpoint key: expert tensors per block, the rest by model name.
@@ -466,6 +555,9 @@ def load_pretrained(
             keys.fused[slot] = key
         else:
             keys.per_expert[slot] = key
+
+    for site in sites:  # before any block's storage exists
+        _check_expert_count(site, expert_keys[site.experts_name], shards, where, counts)
 
     # Experts first, one block at a time, so the meta experts never need storage.
     default_kernel_threads()

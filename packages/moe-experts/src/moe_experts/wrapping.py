@@ -23,6 +23,7 @@ from moe_experts.self_check import BlockCheck
 from moe_experts.self_check import self_check as self_check_block
 from moe_experts.sharing import default_kernel_threads, expert_sharing
 from moe_experts.storage import AUTO, StoragePlan, build_block, check_policy, storage_name
+from moe_experts.validation import check_expert_config
 
 __all__ = ["ModuleSource", "WeightDType", "WrapReport", "experts_sites", "wrap"]
 
@@ -228,6 +229,9 @@ def wrap(
     name = storage_name(weight_dtype)
     check_policy(policy)
     arch = find_architecture(model)
+    config = getattr(model, "config", None)
+    if config is not None:  # top-k above the expert count would fail only in the first forward
+        check_expert_config(config, f"{type(model).__name__}.config", WrapError)
     # With nothing left to wrap the plan is never used, so "auto" may resolve to anything.
     source_dtype = (_experts_dtype(model, arch) or torch.bfloat16) if name == AUTO else None
     plan = StoragePlan.resolve(
