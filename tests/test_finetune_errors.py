@@ -151,3 +151,85 @@ def test_kernel_attention_is_on_by_default_and_can_be_turned_off(tmp_path: Path,
     cfg.write_text("model:\n  kernel_attention: false\n")
     again = cli.run(["--config", str(cfg), "--print-config"])
     assert yaml.safe_load(again.stdout)["model"]["kernel_attention"] is False
+
+
+def _builtin_copy(model_cache: Path, dest: Path, monkeypatch: pytest.MonkeyPatch) -> Path:
+    """A copy of the built-in tiny model directory (single-file safetensors, tokenizer)."""
+    import shutil
+
+    from moe_experts.finetune.models import builtin_model_dir
+
+    monkeypatch.setenv("MOE_EXPERTS_CACHE", str(model_cache))
+    return Path(shutil.copytree(builtin_model_dir("tiny-qwen3-moe"), dest))
+
+
+def _damage(path: Path, case: str) -> tuple[str, ...]:
+    """Damage the model directory ``path`` as ``case`` says; return what the error must name."""
+    import json
+
+    import torch
+
+    config_file = path / "config.json"
+    config = json.loads(config_file.read_text())
+    if case in ("experts-beyond-config", "top-k-above-experts", "huge-expert-count"):
+        config.update(
+            {
+                "experts-beyond-config": {"num_local_experts": 6},
+                "top-k-above-experts": {"num_experts_per_tok": 9},
+                "huge-expert-count": {"num_local_experts": 10**12},
+            }[case]
+        )
+        config_file.write_text(json.dumps(config))
+        return {
+            "experts-beyond-config": ("experts.6.", "num_local_experts = 6"),
+            "top-k-above-experts": ("num_experts_per_tok = 9", "num_local_experts = 8"),
+            "huge-expert-count": ("num_local_experts = 1000000000000", "of host memory"),
+        }[case]
+    file = path / "model.safetensors"
+    raw = file.read_bytes()
+    n = int.from_bytes(raw[:8], "little")
+    header, data = json.loads(raw[8 : 8 + n]), raw[8 + n :]
+    key = (
+        "model.layers.0.self_attn.q_proj.weight"
+        if case == "nan-weight"
+        else next(k for k in header if ".experts." in k)
+    )
+    start = header[key]["data_offsets"][0]
+    if case == "garbled-offsets":
+        header[key]["data_offsets"] = [start]
+    else:  # a NaN where the dense weight starts
+        nan = torch.tensor([float("nan")], dtype=torch.float32).numpy().tobytes()
+        data = data[:start] + nan + data[start + 4 :]
+    text = json.dumps(header).encode()
+    file.write_bytes(len(text).to_bytes(8, "little") + text + data)
+    return (str(file), repr(key))
+
+
+@pytest.mark.timeout(240)
+@pytest.mark.parametrize(
+    "case",
+    [
+        "garbled-offsets",
+        "nan-weight",
+        "experts-beyond-config",
+        "top-k-above-experts",
+        "huge-expert-count",
+    ],
+)
+def test_hostile_model_directory_is_one_error_line(
+    tmp_path: Path,
+    cli,
+    assert_clean_error,
+    model_cache: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    case: str,
+) -> None:
+    """A corrupt checkpoint or a config that contradicts it fails at load, named, before any
+    step: not a traceback, not "non-finite gradients", not blamed on transformers."""
+    model = _builtin_copy(model_cache, tmp_path / "model", monkeypatch)
+    needles = _damage(model, case)
+    proc = cli.run(["--model", str(model), "--steps", "1", "--output", str(tmp_path / "out")])
+    line = assert_clean_error(proc, "--model", *needles)
+    assert "transformers could not" not in line
+    assert "gradient" not in line
+    assert not (tmp_path / "out" / "checkpoints").exists()
