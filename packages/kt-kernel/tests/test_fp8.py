@@ -76,6 +76,15 @@ def test_checkpoint_errors_name_the_tensor() -> None:
         fmt.from_checkpoint(bad.view(torch.float8_e4m3fn), torch.ones(2, 1))
     with pytest.raises(kk.KernelInputError, match="multiple of 128"):
         fmt.fuse_gate_up((w[:100], torch.ones(1, 1)), (w[:100], torch.ones(1, 1)))
+    for value in (-0.5, float("nan"), float("inf")):  # scale_inv = max|block| / 448 >= 0
+        scale = torch.ones(2, 1)
+        scale[1, 0] = value
+        with pytest.raises(kk.KernelInputError, match="negative, NaN or inf scale"):
+            fmt.from_checkpoint(w, scale)
+        with pytest.raises(kk.KernelInputError, match="negative, NaN or inf scale"):
+            fmt.from_checkpoint(w, scale.bfloat16())
+    zero = fmt.from_checkpoint(w, torch.zeros(2, 1))  # an all-zero block has scale 0
+    assert torch.equal(fmt.dequantize(zero, torch.float32), torch.zeros(130, 128))
 
 
 def test_quantise_error_bound_and_memory() -> None:

@@ -173,8 +173,17 @@ def read_header(file: Path) -> dict[str, TensorEntry]:
 
 
 def _non_finite(t: torch.Tensor) -> bool:
-    """Whether a floating ``t`` holds NaN or inf: one pass, no temporary (NaN propagates)."""
-    lo, hi = torch.aminmax(t.view(-1))
+    """Whether a floating ``t`` holds NaN or inf, in one pass and without a temporary.
+
+    NaN and inf propagate through a sum (inf - inf is NaN), so a finite sum proves every value
+    finite; only a sum that overflows from finite values needs the exact, slower ``aminmax``
+    (a float16 sum overflows at 65504, so float16 goes there directly). A bf16 sum reads at
+    1.2-2x the speed of ``aminmax`` on one core.
+    """
+    flat = t.view(-1)
+    if t.dtype != torch.float16 and math.isfinite(float(flat.sum())):
+        return False
+    lo, hi = torch.aminmax(flat)
     return not (math.isfinite(float(lo)) and math.isfinite(float(hi)))
 
 
@@ -218,7 +227,8 @@ class Shards:
             f.seek(start)
             if f.readinto(buf) != end - start:
                 raise LoadError(f"{file.name} is truncated inside tensor {key!r}")
-        # FP8 bytes are checked where their scales are adopted (E4M3 has NaN, no inf).
+        # FP8 bytes are checked where their scales are adopted (E4M3 has NaN, no inf). Reading
+        # and scanning in cache-sized chunks measured no cheaper (bench_load_checks.py).
         if out.dtype.is_floating_point and out.element_size() > 1 and _non_finite(out):
             raise LoadError(
                 f"{file}: tensor {key!r} holds NaN or inf; the checkpoint is corrupt (re-download "
