@@ -69,36 +69,51 @@ using common::scatter;
 // Every check below guards a pointer the loops read: the op is reachable from any Python
 // code as torch.ops.kt_kernel.*, so it trusts nothing the Python wrapper already checked.
 
-Act parse_activation(const std::string& name, const std::vector<double>& params) {
-  Act act;
-  size_t want = 0;
-  if (name == "swiglu") {
-    act.kind = kSwiGLU;
-  } else if (name == "clamped_swiglu") {
-    act.kind = kClampedSwiGLU;
-    want = 2;
-  } else if (name == "swiglu_limit") {
-    act.kind = kSwiGLULimit;
-    want = 1;
-  } else if (name == "gelu_tanh_gated") {
-    act.kind = kGeluTanhGated;
-  } else {
-    TORCH_CHECK_VALUE(false, "activation must be swiglu, clamped_swiglu, swiglu_limit or "
-                      "gelu_tanh_gated, got '", name, "'");
-  }
-  TORCH_CHECK_VALUE(params.size() == want, "activation_params for ", name, " must hold ", want,
-                    " values (clamped_swiglu: alpha, limit; swiglu_limit: limit), got ",
+// The native activations by id (ActKind, elementwise.h): the Python classes in
+// kt_kernel/activations.py carry the same id as `native_id` and the same name.
+struct ActInfo {
+  const char* name;
+  size_t num_params;
+  const char* params;  // for messages
+};
+constexpr ActInfo kActivations[] = {
+    {"swiglu", 0, "none"},                      // kSwiGLU
+    {"clamped_swiglu", 2, "alpha, limit"},      // kClampedSwiGLU
+    {"swiglu_limit", 1, "limit"},               // kSwiGLULimit
+    {"gelu_tanh_gated", 0, "none"},             // kGeluTanhGated
+};
+constexpr int64_t kNumActivations = sizeof(kActivations) / sizeof(kActivations[0]);
+
+Act parse_activation(int64_t id, const std::vector<double>& params) {
+  TORCH_CHECK_VALUE(id >= 0 && id < kNumActivations, "activation must be an id in [0, ",
+                    kNumActivations, ") (kt_kernel.ACTIVATIONS' native_id), got ", id);
+  const ActInfo& info = kActivations[id];
+  TORCH_CHECK_VALUE(params.size() == info.num_params, "activation_params for ", info.name,
+                    " must hold ", info.num_params, " values (", info.params, "), got ",
                     params.size());
-  if (act.kind == kClampedSwiGLU) {
-    act.alpha = params[0];
-    act.limit = params[1];
-  } else if (act.kind == kSwiGLULimit) {
-    act.limit = params[0];
+  Act act;
+  act.kind = static_cast<int>(id);
+  switch (act.kind) {
+    case kClampedSwiGLU:
+      act.alpha = params[0];
+      act.limit = params[1];
+      break;
+    case kSwiGLULimit:
+      act.limit = params[0];
+      break;
+    default:
+      break;
   }
-  if (want > 0) {
+  if (info.num_params > 0) {
     TORCH_CHECK_VALUE(act.limit > 0, "activation_params: limit must be > 0, got ", act.limit);
   }
   return act;
+}
+
+std::vector<std::string> activation_names() {
+  std::vector<std::string> out;
+  for (const ActInfo& a : kActivations) out.emplace_back(a.name);
+  return out;
 }
 
 const char* const kSplitNames[] = {"gate_lora_a", "gate_lora_b", "up_lora_a",
@@ -151,7 +166,7 @@ Call prepare(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& w,
              const std::string& format, const std::vector<at::Tensor>& gate_up,
              const std::vector<at::Tensor>& down, const std::optional<at::Tensor>& gate_up_bias,
              const std::optional<at::Tensor>& down_bias, int64_t num_experts,
-             int64_t intermediate_size, const std::string& activation,
+             int64_t intermediate_size, int64_t activation,
              const std::vector<double>& activation_params, const std::vector<at::Tensor>& lora,
              bool fused, int64_t tile_rows) {
   Call c;
@@ -280,7 +295,7 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> forward(
     const std::string& format, const std::vector<at::Tensor>& gate_up,
     const std::vector<at::Tensor>& down, const std::optional<at::Tensor>& gate_up_bias,
     const std::optional<at::Tensor>& down_bias, int64_t num_experts, int64_t intermediate_size,
-    const std::string& activation, const std::vector<double>& activation_params,
+    int64_t activation, const std::vector<double>& activation_params,
     std::vector<at::Tensor> lora_t, double scaling, bool fused, bool save, int64_t tile_rows) {
   at::NoGradGuard no_grad;
   for (auto& t : lora_t) t = t.defined() ? t.detach() : t;
@@ -355,7 +370,7 @@ std::tuple<at::Tensor, at::Tensor, std::vector<at::Tensor>> backward(
     const at::Tensor& w_in, const std::string& format, const std::vector<at::Tensor>& gate_up,
     const std::vector<at::Tensor>& down, const std::optional<at::Tensor>& gate_up_bias,
     const std::optional<at::Tensor>& down_bias, int64_t num_experts, int64_t intermediate_size,
-    const std::string& activation, const std::vector<double>& activation_params,
+    int64_t activation, const std::vector<double>& activation_params,
     std::vector<at::Tensor> lora_t, double scaling, bool fused, std::vector<at::Tensor> saved,
     bool need_dx, int64_t tile_rows) {
   at::NoGradGuard no_grad;
@@ -572,6 +587,7 @@ TORCH_LIBRARY(kt_kernel, m) {
   m.def("isa", []() { return std::string(kt_kernel::isa_name(kt_kernel::isa_level())); });
   m.def("int8_isa", []() { return kt_kernel::formats::int8_isa(); });
   m.def("formats", []() { return kt_kernel::formats::format_names(); });
+  m.def("activations", []() { return kt_kernel::activation_names(); });
   m.def("cpu_features", []() { return kt_kernel::cpu_features(); });
   m.def("set_num_threads", [](int64_t n) {
     kt_kernel::common::thread_override().store(n > 0 ? static_cast<int>(n) : 0);

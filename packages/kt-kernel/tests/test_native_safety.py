@@ -51,10 +51,10 @@ CASES = [
     ("lora_dtype", "call(lora=[l.double() for l in lora])", "TypeError", "lora[0] (gate_lora_a)"),
     ("bias_shape", "call(gub=torch.zeros(8, 63))", "ValueError", "gate_up_bias must have shape"),
     ("down_bias_dtype", "call(dnb=torch.zeros(8, 64).double())", "TypeError", "down_bias must be"),
-    ("activation", "call(act='relu')", "ValueError", "activation must be"),
+    ("activation", "call(act=7)", "ValueError", "activation must be an id in [0, 4)"),
     (
         "activation_params",
-        "call(act='clamped_swiglu', params=[1.0])",
+        "call(act=1, params=[1.0])",
         "ValueError",
         "activation_params for clamped_swiglu",
     ),
@@ -115,19 +115,19 @@ lora = [torch.randn(8, 4, 64), torch.randn(8, 32, 4), torch.randn(8, 4, 64),
         torch.randn(8, 32, 4), torch.randn(8, 4, 32), torch.randn(8, 64, 4)]
 
 def call(x=x, ids=ids, w=w, fmt="dense", gu=[gu], dn=[dn], gub=None, dnb=None, E=8, I=32,
-         act="swiglu", params=[], lora=lora, tile=256):
+         act=0, params=[], lora=lora, tile=256):
     if fmt == "int8" and tile == 256:
         tile = 512
     return ops.forward(x, ids, w, fmt, gu, dn, gub, dnb, E, I, act, params, lora, 0.5, False,
                        False, tile)
 
 _, saved = call()
-_, saved_full = ops.forward(x, ids, w, "dense", [gu], [dn], None, None, 8, 32, "swiglu", [],
+_, saved_full = ops.forward(x, ids, w, "dense", [gu], [dn], None, None, 8, 32, 0, [],
                             lora, 0.5, False, True, 256)
 
 def bwd(dy=None, saved=saved):
     dy = torch.randn(37, 64) if dy is None else dy
-    return ops.backward(dy, x, ids, w, "dense", [gu], [dn], None, None, 8, 32, "swiglu", [],
+    return ops.backward(dy, x, ids, w, "dense", [gu], [dn], None, None, 8, 32, 0, [],
                         lora, 0.5, False, saved, True, 256)
 
 bwd()  # the good arguments work
