@@ -83,7 +83,7 @@ def training_state_files(rank: int) -> tuple[str, str]:
 
 
 def to_peft_layout(tensor: torch.Tensor, layout: PeftTensorLayout, name: str) -> torch.Tensor:
-    """Convert one of our tensors into the layout PEFT stores.
+    """Convert one of our tensors into the layout PEFT stores (:meth:`PeftTensorLayout.to_peft`).
 
     Args:
         tensor: IDENTITY: any shape; EXPERT_STACKED_A: ``[E, r, in]``; EXPERT_STACKED_B:
@@ -92,25 +92,20 @@ def to_peft_layout(tensor: torch.Tensor, layout: PeftTensorLayout, name: str) ->
         name: the parameter name, for errors.
 
     Returns:
-        IDENTITY: the tensor; A: ``[E*r, in]`` (row ``e*r+j`` = ``A[e, j]``); B: ``[out, r*E]``
-        (column ``j*E+e`` = ``B[e, :, j]``: PEFT stacks B rank-major).
+        IDENTITY: the tensor; A: ``[E*r, in]``; B: ``[out, r*E]`` (lora-core's
+        :class:`~lora_core.contracts.PeftTensorLayout` owns the stacking).
 
     Raises:
         ShapeMismatchError: if a stacked layout gets a tensor that is not 3-D.
     """
     from lora_checkpoint.errors import ShapeMismatchError
 
-    if layout is PeftTensorLayout.IDENTITY:
-        return tensor
-    if tensor.dim() != 3:
+    if layout is not PeftTensorLayout.IDENTITY and tensor.dim() != 3:
         raise ShapeMismatchError(
             f"parameter {name!r} has PEFT layout {layout.value} which needs a 3-D tensor "
             f"([E, r, in] or [E, out, r]), got shape {list(tensor.shape)}"
         )
-    e, a, b = tensor.shape
-    if layout is PeftTensorLayout.EXPERT_STACKED_A:
-        return tensor.reshape(e * a, b)
-    return tensor.permute(1, 2, 0).reshape(a, b * e)
+    return layout.to_peft(tensor)
 
 
 def _adapter_config(
