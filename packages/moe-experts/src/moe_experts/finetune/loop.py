@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lora_core.contracts import ParameterOwnership
 from moe_experts.finetune.config import FinetuneArgs
 from moe_experts.finetune.data import Batch
 from moe_experts.finetune.distributed import Ranks, clip_grad_norm, diagnose_peer_loss
@@ -35,6 +36,9 @@ from moe_experts.finetune.interrupts import StopRequest
 from moe_experts.finetune.loss import token_loss_sum
 from moe_experts.finetune.reporting import Reporter, TrainLog, plot_losses
 from moe_experts.finetune.schedule import lr_at
+
+# lora-checkpoint's own bound on a manifest it reads.
+_MAX_MANIFEST_BYTES = 256 * 1024 * 1024
 
 __all__ = [
     "BatchSource",
@@ -107,6 +111,40 @@ def _candidates(path: Path) -> list[Path]:
     return [path / m.name for m in manifests]
 
 
+def _rank_to_read(ckpt: Path, ranks: Ranks) -> int:
+    """Whose files this rank reads: its own, or rank 0's when the world size changed.
+
+    Adapters and AdamW state are stored whole (lora-checkpoint >= 0.3), the data order is
+    a function of seed and step, and the global batch is --batch-size at any world size, so
+    a run saved by N ranks continues on M: every rank reads rank 0's training state.
+
+    Raises:
+        FinetuneError: the checkpoint holds rank-local parameters (they exist per rank).
+        CheckpointError: the manifest cannot be read.
+    """
+    import lora_checkpoint
+
+    path = ckpt / lora_checkpoint.MANIFEST
+    try:
+        with path.open("rb") as fh:
+            data = fh.read(_MAX_MANIFEST_BYTES + 1)
+    except OSError as exc:
+        raise lora_checkpoint.CheckpointError(f"{path}: cannot be read ({exc})") from exc
+    if len(data) > _MAX_MANIFEST_BYTES:
+        raise lora_checkpoint.CheckpointError(f"{path}: larger than {_MAX_MANIFEST_BYTES} bytes")
+    manifest = lora_checkpoint.parse_manifest(data, str(path))
+    if manifest.world_size == ranks.world:
+        return ranks.rank
+    local = [p.name for p in manifest.parameters if p.ownership == ParameterOwnership.RANK_LOCAL]
+    if local:
+        raise FinetuneError(
+            f"--resume {ckpt}: saved by {manifest.world_size} rank(s) with rank-local "
+            f"parameters {local[:4]}, which exist once per rank; resume with "
+            f"{manifest.world_size} rank(s) (this run has {ranks.world})"
+        )
+    return 0
+
+
 def _load_agreed(path: Path, ranks: Ranks) -> Any:
     """The newest checkpoint for ``--resume path`` that verifies on every rank.
 
@@ -120,7 +158,8 @@ def _load_agreed(path: Path, ranks: Ranks) -> Any:
     for candidate in _candidates(path):
         loaded, error = None, None
         try:
-            loaded = lora_checkpoint.load(candidate, verify=True)
+            rank = _rank_to_read(candidate, ranks)
+            loaded = lora_checkpoint.load(candidate, verify=True, rank=rank)
         except (lora_checkpoint.CheckpointError, OSError) as exc:
             error = str(exc)
         ok = error is None
