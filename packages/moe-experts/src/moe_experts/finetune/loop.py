@@ -125,6 +125,8 @@ def _rank_to_read(ckpt: Path, ranks: Ranks) -> int:
     import lora_checkpoint
 
     path = ckpt / lora_checkpoint.MANIFEST
+    if not path.is_file():
+        return ranks.rank  # load() names what is missing
     try:
         with path.open("rb") as fh:
             data = fh.read(_MAX_MANIFEST_BYTES + 1)
@@ -154,14 +156,14 @@ def _load_agreed(path: Path, ranks: Ranks) -> Any:
     import lora_checkpoint
 
     skipped: list[str] = []
-    first_error: str | None = None
+    first_error: Exception | None = None
     for candidate in _candidates(path):
-        loaded, error = None, None
+        loaded, error, cause = None, None, None
         try:
             rank = _rank_to_read(candidate, ranks)
             loaded = lora_checkpoint.load(candidate, verify=True, rank=rank)
         except (lora_checkpoint.CheckpointError, OSError) as exc:
-            error = str(exc)
+            error, cause = str(exc), exc
         ok = error is None
         if ranks.world > 1:
             # Every rank must resume from the same checkpoint; each verified its own files.
@@ -178,9 +180,10 @@ def _load_agreed(path: Path, ranks: Ranks) -> Any:
                     file=sys.stderr,
                 )
             return loaded
-        first_error = first_error or error
+        if first_error is None:
+            first_error = cause or FinetuneError(error or "")
         skipped.append(f"{candidate.name} ({error})")
-    raise FinetuneError(f"--resume {path}: {first_error}")
+    raise FinetuneError(f"--resume {path}: {first_error}") from first_error
 
 
 def restore_checkpoint(
