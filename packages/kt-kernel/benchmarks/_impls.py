@@ -9,7 +9,29 @@ import torch
 from torch import nn
 
 import kt_kernel as kk
-from moe_experts import peft_mapping as pm  # the PEFT layout lives in moe-experts
+from lora_core.contracts import PeftTensorLayout, peft_lora_key  # the PEFT layout contract
+
+_A, _B = PeftTensorLayout.EXPERT_STACKED_A, PeftTensorLayout.EXPERT_STACKED_B
+# transformers' fused expert parameters -> the kernel's LoRA buffer prefixes.
+_PROJ = (("gate_up_proj", "gate_up"), ("down_proj", "down"))
+
+
+def _to_peft(lora: kk.LoraBuffers) -> dict[str, torch.Tensor]:
+    """The fused buffers as PEFT ``target_parameters`` tensors, keyed like PEFT's."""
+    out = {}
+    for proj, ours in _PROJ:
+        a, b = getattr(lora, f"{ours}_lora_a").detach(), getattr(lora, f"{ours}_lora_b").detach()
+        out[peft_lora_key(proj, "A")] = _A.to_peft(a).contiguous()
+        out[peft_lora_key(proj, "B")] = _B.to_peft(b).contiguous()
+    return out
+
+
+def _unstack(tensors: dict[str, torch.Tensor], proj: str, e: int) -> tuple[torch.Tensor, ...]:
+    """``(A [E, r, in], B [E, out, r])`` of ``proj`` from PEFT's tensors."""
+    return (
+        _A.from_peft(tensors[peft_lora_key(proj, "A")], e),
+        _B.from_peft(tensors[peft_lora_key(proj, "B")], e),
+    )
 
 
 @dataclass(frozen=True)
@@ -77,7 +99,7 @@ def make_problem(shape: Shape, tokens: int, dtype: torch.dtype, seed: int = 0) -
     with torch.no_grad():
         for _, p in lora.named_parameters():
             p.copy_(torch.randn(p.shape, generator=gen) / p.shape[-1] ** 0.5)
-    return Problem(shape, tokens, dtype, gate_up, down, x, ids, w, dy, pm.lora_to_peft(lora))
+    return Problem(shape, tokens, dtype, gate_up, down, x, ids, w, dy, _to_peft(lora))
 
 
 @dataclass
@@ -108,7 +130,13 @@ def kt_native(p: Problem, policy: str = "save", backend: str = "native") -> Runn
     s = p.shape
     spec = kk.ExpertSpec(s.experts, s.hidden, s.inter)
     weights = kk.ExpertWeights.from_fused(spec, p.gate_up, p.down)
-    lora = pm.lora_from_peft(spec, p.fused_lora, rank=s.rank, alpha=2.0 * s.rank, layout="fused")
+    tensors = {}
+    for proj, ours in _PROJ:
+        a, b = _unstack(p.fused_lora, proj, s.experts)
+        # Own trainable copies, as PEFT's adapter would be: the op computes their gradients.
+        tensors[f"{ours}_lora_a"] = nn.Parameter(a.contiguous().clone())
+        tensors[f"{ours}_lora_b"] = nn.Parameter(b.contiguous().clone())
+    lora = kk.LoraBuffers.from_tensors(spec, s.rank, 2.0 * s.rank, "fused", tensors)
     return _step(
         lambda x, w: kk.moe_experts_forward(
             x, p.ids, w, weights, lora, policy=policy, backend=backend
@@ -206,10 +234,8 @@ def linear_peft(p: Problem) -> Runner:
     mlps = nn.ModuleList(Qwen3MoeMLP(cfg, intermediate_size=s.inter) for _ in range(s.experts))
     mlps = mlps.to(p.dtype)
     e_, r = s.experts, s.rank
-    a_gu = pm.unstack_lora_a(p.fused_lora["gate_up_proj.lora_A.weight"], e_)
-    b_gu = pm.unstack_lora_b(p.fused_lora["gate_up_proj.lora_B.weight"], e_)
-    a_d = pm.unstack_lora_a(p.fused_lora["down_proj.lora_A.weight"], e_)
-    b_d = pm.unstack_lora_b(p.fused_lora["down_proj.lora_B.weight"], e_)
+    a_gu, b_gu = _unstack(p.fused_lora, "gate_up_proj", e_)
+    a_d, b_d = _unstack(p.fused_lora, "down_proj", e_)
     with torch.no_grad():
         for e, m in enumerate(mlps):
             m.gate_proj.weight.copy_(p.gate_up[e, : s.inter])

@@ -101,25 +101,29 @@ static void nn_block(const Int4Mat& g, const float* x, int64_t ldx, float* acc, 
   }
 }
 
-// Rows [0, m) in register blocks of at most V::kRows (for_row_blocks, format_simd.h).
-static void nt(const Int4Mat& g, const float* x, int64_t ldx, int64_t m, bool wbf16,
-               const OutRows& o) {
+// Rows [0, m) in register blocks of at most V::kRows (for_row_blocks, format_simd.h), the
+// weight rounding a template argument too: block.template operator()<R, Wbf16>(r0) per block.
+template <typename Block>
+static void for_blocks(int64_t m, bool wbf16, const Block& block) {
   for_row_blocks<V::kRows>(m, [&]<int R>(int64_t r0) {
     if (wbf16) {
-      nt_block<R, true>(g, x + r0 * ldx, ldx, o, r0);
+      block.template operator()<R, true>(r0);
     } else {
-      nt_block<R, false>(g, x + r0 * ldx, ldx, o, r0);
+      block.template operator()<R, false>(r0);
     }
+  });
+}
+
+static void nt(const Int4Mat& g, const float* x, int64_t ldx, int64_t m, bool wbf16,
+               const OutRows& o) {
+  for_blocks(m, wbf16, [&]<int R, bool B>(int64_t r0) {
+    nt_block<R, B>(g, x + r0 * ldx, ldx, o, r0);
   });
 }
 
 static void nn(const Int4Mat& g, const float* x, int64_t ldx, int64_t m, bool wbf16, float* acc,
                int64_t lda) {
-  for_row_blocks<V::kRows>(m, [&]<int R>(int64_t r0) {
-    if (wbf16) {
-      nn_block<R, true>(g, x + r0 * ldx, ldx, acc + r0 * lda, lda);
-    } else {
-      nn_block<R, false>(g, x + r0 * ldx, ldx, acc + r0 * lda, lda);
-    }
+  for_blocks(m, wbf16, [&]<int R, bool B>(int64_t r0) {
+    nn_block<R, B>(g, x + r0 * ldx, ldx, acc + r0 * lda, lda);
   });
 }

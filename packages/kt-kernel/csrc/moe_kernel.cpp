@@ -20,6 +20,7 @@
 #include <atomic>
 #include <ctime>
 #include <exception>
+#include <limits>
 #include <mutex>
 #include <optional>
 #include <vector>
@@ -69,36 +70,51 @@ using common::scatter;
 // Every check below guards a pointer the loops read: the op is reachable from any Python
 // code as torch.ops.kt_kernel.*, so it trusts nothing the Python wrapper already checked.
 
-Act parse_activation(const std::string& name, const std::vector<double>& params) {
-  Act act;
-  size_t want = 0;
-  if (name == "swiglu") {
-    act.kind = kSwiGLU;
-  } else if (name == "clamped_swiglu") {
-    act.kind = kClampedSwiGLU;
-    want = 2;
-  } else if (name == "swiglu_limit") {
-    act.kind = kSwiGLULimit;
-    want = 1;
-  } else if (name == "gelu_tanh_gated") {
-    act.kind = kGeluTanhGated;
-  } else {
-    TORCH_CHECK_VALUE(false, "activation must be swiglu, clamped_swiglu, swiglu_limit or "
-                      "gelu_tanh_gated, got '", name, "'");
-  }
-  TORCH_CHECK_VALUE(params.size() == want, "activation_params for ", name, " must hold ", want,
-                    " values (clamped_swiglu: alpha, limit; swiglu_limit: limit), got ",
+// The native activations by id (ActKind, elementwise.h): the Python classes in
+// kt_kernel/activations.py carry the same id as `native_id` and the same name.
+struct ActInfo {
+  const char* name;
+  size_t num_params;
+  const char* params;  // for messages
+};
+constexpr ActInfo kActivations[] = {
+    {"swiglu", 0, "none"},                      // kSwiGLU
+    {"clamped_swiglu", 2, "alpha, limit"},      // kClampedSwiGLU
+    {"swiglu_limit", 1, "limit"},               // kSwiGLULimit
+    {"gelu_tanh_gated", 0, "none"},             // kGeluTanhGated
+};
+constexpr int64_t kNumActivations = sizeof(kActivations) / sizeof(kActivations[0]);
+
+Act parse_activation(int64_t id, const std::vector<double>& params) {
+  TORCH_CHECK_VALUE(id >= 0 && id < kNumActivations, "activation must be an id in [0, ",
+                    kNumActivations, ") (kt_kernel.ACTIVATIONS' native_id), got ", id);
+  const ActInfo& info = kActivations[id];
+  TORCH_CHECK_VALUE(params.size() == info.num_params, "activation_params for ", info.name,
+                    " must hold ", info.num_params, " values (", info.params, "), got ",
                     params.size());
-  if (act.kind == kClampedSwiGLU) {
-    act.alpha = params[0];
-    act.limit = params[1];
-  } else if (act.kind == kSwiGLULimit) {
-    act.limit = params[0];
+  Act act;
+  act.kind = static_cast<int>(id);
+  switch (act.kind) {
+    case kClampedSwiGLU:
+      act.alpha = params[0];
+      act.limit = params[1];
+      break;
+    case kSwiGLULimit:
+      act.limit = params[0];
+      break;
+    default:
+      break;
   }
-  if (want > 0) {
+  if (info.num_params > 0) {
     TORCH_CHECK_VALUE(act.limit > 0, "activation_params: limit must be > 0, got ", act.limit);
   }
   return act;
+}
+
+std::vector<std::string> activation_names() {
+  std::vector<std::string> out;
+  for (const ActInfo& a : kActivations) out.emplace_back(a.name);
+  return out;
 }
 
 const char* const kSplitNames[] = {"gate_lora_a", "gate_lora_b", "up_lora_a",
@@ -151,7 +167,7 @@ Call prepare(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& w,
              const std::string& format, const std::vector<at::Tensor>& gate_up,
              const std::vector<at::Tensor>& down, const std::optional<at::Tensor>& gate_up_bias,
              const std::optional<at::Tensor>& down_bias, int64_t num_experts,
-             int64_t intermediate_size, const std::string& activation,
+             int64_t intermediate_size, int64_t activation,
              const std::vector<double>& activation_params, const std::vector<at::Tensor>& lora,
              bool fused, int64_t tile_rows) {
   Call c;
@@ -178,7 +194,10 @@ Call prepare(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& w,
   TORCH_CHECK_TYPE(w.scalar_type() == w_dt, "topk_weights must be ", w_dt, " for x of ", c.dt,
                    ", got ", w.scalar_type());
   TORCH_CHECK_VALUE(num_experts > 0, "num_experts must be > 0, got ", num_experts);
-  TORCH_CHECK_VALUE(intermediate_size > 0, "intermediate_size must be > 0, got ",
+  // 2 * intermediate_size (gate_up's rows) must not wrap.
+  TORCH_CHECK_VALUE(intermediate_size > 0 &&
+                        intermediate_size <= std::numeric_limits<int64_t>::max() / 2,
+                    "intermediate_size must be > 0 and at most 2**62 - 1, got ",
                     intermediate_size);
   c.experts = num_experts;
   c.inter = intermediate_size;
@@ -280,7 +299,7 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> forward(
     const std::string& format, const std::vector<at::Tensor>& gate_up,
     const std::vector<at::Tensor>& down, const std::optional<at::Tensor>& gate_up_bias,
     const std::optional<at::Tensor>& down_bias, int64_t num_experts, int64_t intermediate_size,
-    const std::string& activation, const std::vector<double>& activation_params,
+    int64_t activation, const std::vector<double>& activation_params,
     std::vector<at::Tensor> lora_t, double scaling, bool fused, bool save, int64_t tile_rows) {
   at::NoGradGuard no_grad;
   for (auto& t : lora_t) t = t.defined() ? t.detach() : t;
@@ -355,7 +374,7 @@ std::tuple<at::Tensor, at::Tensor, std::vector<at::Tensor>> backward(
     const at::Tensor& w_in, const std::string& format, const std::vector<at::Tensor>& gate_up,
     const std::vector<at::Tensor>& down, const std::optional<at::Tensor>& gate_up_bias,
     const std::optional<at::Tensor>& down_bias, int64_t num_experts, int64_t intermediate_size,
-    const std::string& activation, const std::vector<double>& activation_params,
+    int64_t activation, const std::vector<double>& activation_params,
     std::vector<at::Tensor> lora_t, double scaling, bool fused, std::vector<at::Tensor> saved,
     bool need_dx, int64_t tile_rows) {
   at::NoGradGuard no_grad;
@@ -381,10 +400,13 @@ std::tuple<at::Tensor, at::Tensor, std::vector<at::Tensor>> backward(
   const int64_t* perm = rt.perm.data_ptr<int64_t>();
   const int64_t np = rt.perm.numel();
   if (have_saved) {
-    TORCH_CHECK_VALUE(saved[3].sizes() == at::IntArrayRef({np, 2 * inter}) &&
-                          saved[3].scalar_type() == c.dt,
-                      "saved[3] (gate_up pre-activations) must be ", c.dt, " [", np, ", ",
-                      2 * inter, "]");
+    // saved[3] is read through raw row pointers (act_bwd): an expanded or strided view of
+    // the right shape would be read past its storage.
+    TORCH_CHECK_VALUE(saved[3].defined() && saved[3].sizes() == at::IntArrayRef({np, 2 * inter}) &&
+                          saved[3].scalar_type() == c.dt && saved[3].is_contiguous() &&
+                          saved[3].device().is_cpu(),
+                      "saved[3] (gate_up pre-activations) must be a contiguous CPU ", c.dt,
+                      " [", np, ", ", 2 * inter, "] tensor");
     if (l.on) {
       TORCH_CHECK_VALUE(saved[4].sizes() == at::IntArrayRef({np, ra}) &&
                             saved[5].sizes() == at::IntArrayRef({np, r}) &&
@@ -496,8 +518,8 @@ std::tuple<at::Tensor, at::Tensor, std::vector<at::Tensor>> backward(
       at::Tensor d_bbd_e = fused ? d_bbd[e] : at::Tensor();
       at::Tensor d_bg_e = fused ? at::Tensor() : d_bg[e];
       at::Tensor d_bu_e = fused ? at::Tensor() : d_bu[e];
-      for (int64_t b = off[e]; b < off[e + 1]; b += tile_rows) {
-        const int64_t m = std::min(tile_rows, off[e + 1] - b);
+      for (int64_t b = off[e]; b < off[e + 1]; b = common::tile_end(b, off[e + 1], tile_rows)) {
+        const int64_t m = common::tile_end(b, off[e + 1], tile_rows) - b;
         at::Tensor dgu_t = dgu.narrow(0, b, m), z_t = z.narrow(0, b, m);
         d_bd_e.addmm_(dys.narrow(0, b, m).t(), zdw.narrow(0, b, m), 1.0, l.s);
         d_ad_e.addmm_(qw.narrow(0, b, m).t(), h.narrow(0, b, m), 1.0, l.s);
@@ -568,14 +590,19 @@ TORCH_LIBRARY(kt_kernel, m) {
   m.def("set_gemv_rows", [](int64_t n) {
     kt_kernel::common::gemv_rows_setting().store(n >= 0 ? n : kt_kernel::common::kDefaultGemvRows);
   });
+  // An int64 count narrowed to the int OpenMP takes would wrap; more threads than this is a
+  // mistake (libgomp aborts the process when it cannot create them).
+  m.def("set_num_threads", [](int64_t n) {
+    TORCH_CHECK_VALUE(n <= kt_kernel::common::kMaxThreads, "set_num_threads: at most ",
+                      kt_kernel::common::kMaxThreads, " threads, got ", n);
+    kt_kernel::common::thread_override().store(n > 0 ? static_cast<int>(n) : 0);
+  });
   m.def("gemv_rows", []() { return kt_kernel::common::gemv_rows(); });
   m.def("isa", []() { return std::string(kt_kernel::isa_name(kt_kernel::isa_level())); });
   m.def("int8_isa", []() { return kt_kernel::formats::int8_isa(); });
   m.def("formats", []() { return kt_kernel::formats::format_names(); });
+  m.def("activations", []() { return kt_kernel::activation_names(); });
   m.def("cpu_features", []() { return kt_kernel::cpu_features(); });
-  m.def("set_num_threads", [](int64_t n) {
-    kt_kernel::common::thread_override().store(n > 0 ? static_cast<int>(n) : 0);
-  });
   m.def("get_num_threads", []() { return static_cast<int64_t>(kt_kernel::common::kernel_threads()); });
   m.def("release_scratch", []() { kt_kernel::common::pool().clear(); });
   m.def("profile", [](bool reset) {

@@ -21,7 +21,7 @@ BF16_TOL = 3e-2
 FORMATS = list(kk.FORMATS)
 FP32_FORMATS = [n for n, f in kk.FORMATS.items() if torch.float32 in f.compute_dtypes]
 BF16_FORMATS = [n for n, f in kk.FORMATS.items() if torch.bfloat16 in f.compute_dtypes]
-ACTIVATIONS = ["swiglu", "clamped_swiglu", "swiglu_limit", "gelu_tanh_gated"]
+ACTIVATIONS = list(kk.ACTIVATIONS)
 # H and I are multiples of 128 so block- and group-quantised formats (FP8 128x128 blocks,
 # INT4 groups) tile them exactly.
 E, H, I, T, K, R = 6, 128, 128, 24, 2, 4  # noqa: E741 (I: the intermediate size)
@@ -59,13 +59,9 @@ def _gap_limit(pre: torch.Tensor) -> float:
 
 
 def _activation(name: str, limit: float) -> kk.Activation:
-    if name == "swiglu":
-        return kk.SwiGLU()
-    if name == "clamped_swiglu":
-        return kk.ClampedSwiGLU(alpha=1.702, limit=limit)
-    if name == "swiglu_limit":
-        return kk.SwiGLULimit(limit=limit)
-    return kk.GeluTanhGated()
+    # Every parameter is a clamp limit but alpha (GPT-OSS's sigmoid slope).
+    cls = kk.ACTIVATIONS[name]
+    return cls(**{p: 1.702 if p == "alpha" else limit for p in cls.param_names})
 
 
 def build(kt, fmt: str, act: str, bias: bool, dtype: torch.dtype, seed: int = 0):
@@ -100,7 +96,7 @@ def build(kt, fmt: str, act: str, bias: bool, dtype: torch.dtype, seed: int = 0)
         spec, w0.format, *w0.storage, gate_up_bias=w0.gate_up_bias, down_bias=w0.down_bias
     )
     lora = kk.LoraBuffers.from_tensors(spec, R, 2.0 * R, "split", dict(lora0.named_parameters()))
-    if act in ("clamped_swiglu", "swiglu_limit"):
+    if "limit" in kk.ACTIVATIONS[act].param_names:
         inter = pre.shape[1] // 2
         clamped = int((pre[:, :inter] > limit).sum() + (pre[:, inter:].abs() > limit).sum())
         assert clamped > 0  # the clamp is really exercised
@@ -285,3 +281,21 @@ def test_a_new_format_needs_only_its_class_and_registration() -> None:
         assert w.format.self_check_tolerance == 6e-2
     finally:
         del kk.FORMATS["int8_again"]
+
+
+def test_activation_registry_matches_the_native_loops() -> None:
+    # The op dispatches on native_id: each row's id must name its own loop in the extension.
+    native = list(torch.ops.kt_kernel.activations())
+    assert sorted(c.native_id for c in kk.ACTIVATIONS.values()) == list(range(len(native)))
+    for name, cls in kk.ACTIVATIONS.items():
+        assert cls.name == name
+        assert native[cls.native_id] == name
+        assert isinstance(cls(), kk.ActivationClass)
+        assert len(cls().params()) == len(cls.param_names)
+
+    class Twin(kk.SwiGLU):
+        name = "swiglu_twin"
+
+    with pytest.raises(kk.KernelInputError, match=r"native_id 0\) collides with SwiGLU"):
+        kk.register_activation(Twin)
+    assert "swiglu_twin" not in kk.ACTIVATIONS

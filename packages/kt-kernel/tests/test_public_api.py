@@ -12,6 +12,9 @@ import torch
 import kt_kernel as kk
 
 EXPECTED_ALL = {
+    "ACTIVATIONS",
+    "ActivationClass",
+    "register_activation",
     "FORMATS",
     "FORMAT_ALIASES",
     "DenseStorage",

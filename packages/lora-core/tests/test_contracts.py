@@ -20,6 +20,7 @@ from lora_core import (
     PeftExport,
     PeftTensorLayout,
     enable_lora_training,
+    peft_lora_key,
 )
 
 GOLDEN = Path(__file__).parent / "fixtures" / "adaptation_result_describe.json"
@@ -220,3 +221,32 @@ def test_small_value_types() -> None:
         PeftExport("k", "identity")  # type: ignore[arg-type]
     assert PeftExport("k").layout is PeftTensorLayout.IDENTITY
     assert ParameterOwnership("rank_local") is ParameterOwnership.RANK_LOCAL
+
+
+def test_peft_tensor_layout_stacks_as_peft_does() -> None:
+    e, r, n_in, n_out = 3, 2, 5, 4
+    a = torch.randn(e, r, n_in)
+    b = torch.randn(e, n_out, r)
+    sa = PeftTensorLayout.EXPERT_STACKED_A.to_peft(a)
+    sb = PeftTensorLayout.EXPERT_STACKED_B.to_peft(b)
+    assert sa.shape == (e * r, n_in)
+    assert sb.shape == (n_out, r * e)
+    for x in range(e):
+        for j in range(r):
+            # A is expert-major (row e*r + j), B rank-major (column j*E + e), as PEFT reads them.
+            assert torch.equal(sa[x * r + j], a[x, j])
+            assert torch.equal(sb[:, j * e + x], b[x, :, j])
+    assert torch.equal(PeftTensorLayout.EXPERT_STACKED_A.from_peft(sa, e), a)
+    back = PeftTensorLayout.EXPERT_STACKED_B.from_peft(sb, e)
+    assert torch.equal(back, b)
+    assert back.data_ptr() == sb.data_ptr()  # a view: gradients reach PEFT's parameter
+    t = torch.randn(2, 3)
+    assert PeftTensorLayout.IDENTITY.to_peft(t) is t
+    assert PeftTensorLayout.IDENTITY.from_peft(t, 7) is t
+    with pytest.raises(ContractError, match=r"expert_stacked_a needs a 3-D tensor"):
+        PeftTensorLayout.EXPERT_STACKED_A.to_peft(t)
+    with pytest.raises(ContractError, match=r"dim 1 is a multiple of num_experts=4"):
+        PeftTensorLayout.EXPERT_STACKED_B.from_peft(sb, 4)
+    assert peft_lora_key("m.experts", "B") == "m.experts.lora_B.weight"
+    with pytest.raises(ContractError, match="'A' or 'B'"):
+        peft_lora_key("m", "C")

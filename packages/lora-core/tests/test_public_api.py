@@ -25,6 +25,7 @@ EXPECTED = {
     "ParameterOwnership",
     "PeftExport",
     "PeftTensorLayout",
+    "peft_lora_key",
     "__version__",
     "enable_lora_training",
     "init_lora_tensor",

@@ -150,3 +150,26 @@ def test_clamp_attribute_selects_the_clamped_activation(fresh) -> None:
     experts.is_transposed = True
     with pytest.raises(WrapError, match="is_transposed=True"):
         expert_activation(experts, "x")
+
+
+def test_activations_come_from_kt_kernels_registry(fresh) -> None:
+    # moe-experts names no activation: a class registered in kt_kernel.ACTIVATIONS is what a
+    # module's act_fn maps to (the registry's gate_act_names are transformers' ACT2FN names).
+    from dataclasses import dataclass
+    from typing import ClassVar
+
+    @dataclass(frozen=True)
+    class ReluGated(kt_kernel.SwiGLU):
+        name: ClassVar[str] = "relu_gated"
+        native_id: ClassVar[int] = 99  # no native loop: the mapping only is checked here
+        gate_act_names: ClassVar[tuple[str, ...]] = ("relu",)
+
+    experts = fresh("olmoe").model.layers[0].mlp.experts
+    experts.act_fn = nn.ReLU()
+    with pytest.raises(WrapError, match=r"act_fn=ReLU\(\).*kt_kernel\.ACTIVATIONS only: swiglu"):
+        expert_activation(experts, "x")
+    kt_kernel.register_activation(ReluGated)
+    try:
+        assert expert_activation(experts, "x") == ReluGated()
+    finally:
+        del kt_kernel.ACTIVATIONS["relu_gated"]

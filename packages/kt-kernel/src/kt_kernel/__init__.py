@@ -9,11 +9,14 @@ activation), :class:`ExpertWeights` (in a :class:`WeightFormat`), :class:`LoraBu
 from kt_kernel._native import BackendInfo, backend_info, get_num_threads, set_num_threads
 from kt_kernel._version import __version__
 from kt_kernel.activations import (
+    ACTIVATIONS,
     Activation,
+    ActivationClass,
     ClampedSwiGLU,
     GeluTanhGated,
     SwiGLU,
     SwiGLULimit,
+    register_activation,
 )
 from kt_kernel.attention import causal_attention, causal_attention_reference
 from kt_kernel.errors import KernelDTypeError, KernelInputError, NativeBackendError
@@ -51,11 +54,13 @@ from kt_kernel.spec import ExpertSpec
 from kt_kernel.weights import ExpertWeights
 
 __all__ = [
+    "ACTIVATIONS",
     "FORMATS",
     "FORMAT_ALIASES",
     "FUSED_NAMES",
     "SPLIT_NAMES",
     "Activation",
+    "ActivationClass",
     "BackendInfo",
     "ClampedSwiGLU",
     "Dense",
@@ -94,6 +99,7 @@ __all__ = [
     "moe_experts_forward",
     "moe_experts_forward_reference",
     "quantize_per_channel",
+    "register_activation",
     "register_format",
     "set_num_threads",
     "write_shared",

@@ -46,6 +46,7 @@ class Fp8Block(StackedFormat):
 
     name = "fp8"
     weight_dtype = "fp8"
+    block_size = FP8_BLOCK  # rows and columns per scale block
     # As INT8: a task dequantises its expert's weight tiles once, so tall tasks amortise it.
     tile_rows = 512
     # Against a dense kernel on the same weights, measured on the 37 tiny families (gaussian

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from kt_kernel.activations import ACTIVATION_TYPES, Activation, SwiGLU
+from kt_kernel.activations import ACTIVATIONS, Activation, SwiGLU
 from kt_kernel.errors import KernelDTypeError, KernelInputError
 
 __all__ = ["SUPPORTED_WEIGHT_DTYPES", "ExpertSpec"]
@@ -29,9 +29,9 @@ class ExpertSpec:
         num_experts: E, number of routed experts.
         hidden_size: H, model width (expert input and output size).
         intermediate_size: I, per-expert width of gate/up (the input of down).
-        activation: the gated activation ``h = act(gate, up)``: :class:`SwiGLU` (default),
-            :class:`ClampedSwiGLU` (GPT-OSS), :class:`SwiGLULimit` (DeepSeek-V4) or
-            :class:`GeluTanhGated` (Gemma).
+        activation: the gated activation ``h = act(gate, up)``, an instance of a class in
+            :data:`kt_kernel.ACTIVATIONS`: :class:`SwiGLU` (default), :class:`ClampedSwiGLU`
+            (GPT-OSS), :class:`SwiGLULimit` (DeepSeek-V4) or :class:`GeluTanhGated` (Gemma).
     """
 
     num_experts: int
@@ -45,10 +45,13 @@ class ExpertSpec:
             value = getattr(self, name)
             if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
                 raise KernelInputError(f"ExpertSpec.{name} must be a positive int, got {value!r}")
-        if not isinstance(self.activation, ACTIVATION_TYPES):
+        if not isinstance(self.activation, tuple(ACTIVATIONS.values())):
+            known = ", ".join(
+                f"{c.__name__}({', '.join(c.param_names)})" for c in ACTIVATIONS.values()
+            )
             raise KernelInputError(
-                "ExpertSpec.activation must be one of SwiGLU(), ClampedSwiGLU(alpha, limit), "
-                f"SwiGLULimit(limit), GeluTanhGated(), got {self.activation!r}"
+                f"ExpertSpec.activation must be one of {known} (kt_kernel.ACTIVATIONS), got "
+                f"{self.activation!r}"
             )
 
 

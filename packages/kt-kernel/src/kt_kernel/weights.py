@@ -13,7 +13,7 @@ from kt_kernel.spec import ExpertSpec, _resolve_dtype, check_shape
 
 __all__ = ["ExpertWeights", "NativeArgs"]
 
-# (format name, gate_up tensors, down tensors, gate_up_bias, down_bias, E, I, activation name,
+# (format name, gate_up tensors, down tensors, gate_up_bias, down_bias, E, I, activation id,
 # activation parameters): the weight-side arguments of torch.ops.kt_kernel.forward/backward.
 NativeArgs = tuple[
     str,
@@ -23,7 +23,7 @@ NativeArgs = tuple[
     torch.Tensor | None,
     int,
     int,
-    str,
+    int,
     list[float],
 ]
 
@@ -320,7 +320,7 @@ class ExpertWeights:
             self.down_bias,
             self.spec.num_experts,
             self.spec.intermediate_size,
-            act.native_name,
+            act.native_id,
             list(act.params()),
         )
 

@@ -13,6 +13,7 @@ from lora_core.contracts import (
     ParameterOwnership,
     PeftExport,
     PeftTensorLayout,
+    peft_lora_key,
 )
 from lora_core.initialization import init_lora_tensor
 from lora_core.injection import (
@@ -42,6 +43,7 @@ __all__ = [
     "enable_lora_training",
     "init_lora_tensor",
     "matches_module",
+    "peft_lora_key",
     "rebind_parameters",
     "remap_checkpoint_keys",
 ]

@@ -29,6 +29,7 @@ __all__ = [
     "ParameterOwnership",
     "PeftExport",
     "PeftTensorLayout",
+    "peft_lora_key",
 ]
 
 # Bumped whenever a field is added, removed or changes meaning; readers refuse others.
@@ -49,15 +50,86 @@ class ParameterOwnership(enum.StrEnum):
 
 
 class PeftTensorLayout(enum.StrEnum):
-    """How a tensor of ours maps onto the tensor PEFT stores under the same adapter key."""
+    """How a tensor of ours maps onto the tensor PEFT stores under the same adapter key.
+
+    The one place that codes PEFT's stacking of per-expert LoRA (``target_parameters`` on
+    fused 3-D experts, ``peft.tuners.lora.layer.ParamWrapper``): :meth:`to_peft` and
+    :meth:`from_peft`. moe-experts (adopting and exporting expert LoRA) and lora-checkpoint
+    (writing ``adapter_model.safetensors``) both convert through it.
+    """
 
     IDENTITY = "identity"  # same shape and element order
     # Per-expert A ``[E, r, in]`` <-> PEFT's stacked ``lora_A [E*r, in]`` (row e*r + j = A[e, j]).
     EXPERT_STACKED_A = "expert_stacked_a"
     # Per-expert B ``[E, out, r]`` <-> PEFT's stacked ``lora_B [out, r*E]``, rank-major:
     # col j*E + e = B[e, :, j]. PEFT's ParamWrapper reshapes lora_B to [out, r, E] (verified
-    # against peft 0.21 in kt-kernel's peft_mapping tests), unlike A, which is expert-major.
+    # against peft 0.21 in moe-experts' peft_mapping tests), unlike A, which is expert-major.
     EXPERT_STACKED_B = "expert_stacked_b"
+
+    def to_peft(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Our tensor in the layout PEFT stores (a view where the layout allows one).
+
+        Args:
+            tensor: IDENTITY: any shape; EXPERT_STACKED_A: ``A [E, r, in]``;
+                EXPERT_STACKED_B: ``B [E, out, r]``.
+
+        Returns:
+            IDENTITY: ``tensor``; A: ``[E*r, in]`` (row ``e*r + j`` = ``A[e, j]``); B:
+            ``[out, r*E]`` (column ``j*E + e`` = ``B[e, :, j]``).
+
+        Raises:
+            ContractError: a stacked layout and a tensor that is not 3-D.
+        """
+        if self is PeftTensorLayout.IDENTITY:
+            return tensor
+        if tensor.dim() != 3:
+            raise ContractError(
+                f"PEFT layout {self.value} needs a 3-D tensor ([E, r, in] or [E, out, r]), "
+                f"got shape {list(tensor.shape)}"
+            )
+        e, a, b = tensor.shape
+        if self is PeftTensorLayout.EXPERT_STACKED_A:
+            return tensor.reshape(e * a, b)
+        return tensor.permute(1, 2, 0).reshape(a, b * e)
+
+    def from_peft(self, tensor: torch.Tensor, num_experts: int) -> torch.Tensor:
+        """The inverse of :meth:`to_peft`: a view of PEFT's tensor in our layout.
+
+        Args:
+            tensor: IDENTITY: any shape; EXPERT_STACKED_A: ``lora_A [E*r, in]``;
+                EXPERT_STACKED_B: ``lora_B [out, r*E]``.
+            num_experts: ``E``.
+
+        Returns:
+            IDENTITY: ``tensor``; A: ``[E, r, in]``; B: ``[E, out, r]`` (a non-contiguous
+            view, so gradients through it reach PEFT's parameter).
+
+        Raises:
+            ContractError: a stacked layout and a tensor that is not 2-D with a stacked dim
+                divisible by ``num_experts``.
+        """
+        if self is PeftTensorLayout.IDENTITY:
+            return tensor
+        stacked = 0 if self is PeftTensorLayout.EXPERT_STACKED_A else 1
+        if tensor.dim() != 2 or num_experts < 1 or tensor.shape[stacked] % num_experts:
+            raise ContractError(
+                f"PEFT layout {self.value} needs a 2-D tensor whose dim {stacked} is a "
+                f"multiple of num_experts={num_experts}, got shape {list(tensor.shape)}"
+            )
+        if self is PeftTensorLayout.EXPERT_STACKED_A:
+            return tensor.reshape(num_experts, -1, tensor.shape[-1])
+        return tensor.reshape(tensor.shape[0], -1, num_experts).permute(2, 0, 1)
+
+
+def peft_lora_key(prefix: str, factor: str) -> str:
+    """PEFT's key of a LoRA factor: ``f"{prefix}.lora_{factor}.weight"`` (factor ``A``/``B``).
+
+    Raises:
+        ContractError: ``factor`` is neither ``"A"`` nor ``"B"``.
+    """
+    if factor not in ("A", "B"):
+        raise ContractError(f"a LoRA factor is 'A' or 'B', got {factor!r}")
+    return f"{prefix}.lora_{factor}.weight"
 
 
 @dataclass(frozen=True)

@@ -16,6 +16,7 @@ from lora_core.contracts import (
     ParameterOwnership,
     PeftExport,
     PeftTensorLayout,
+    peft_lora_key,
 )
 from moe_experts.architectures import MoEBlockSite, find_architecture, iter_moe_blocks
 from moe_experts.attention import use_kernel_attention
@@ -251,9 +252,9 @@ def adapt(
             _proj, peft_layout, attr = spec
             param_name = getattr(arch, attr)
             depth = len(kept) - 1 - kept.index(param_name)
-            suffix = "lora_A.weight" if name.endswith("_a") else "lora_B.weight"
+            factor = "A" if peft_layout is PeftTensorLayout.EXPERT_STACKED_A else "B"
             exports[fqn] = PeftExport(
-                f"{peft_key_prefix(site.experts_name, depth)}.{suffix}", peft_layout
+                peft_lora_key(peft_key_prefix(site.experts_name, depth), factor), peft_layout
             )
         targets += [f"{rel}.{p}" for p in kept]
     return AdaptationResult.create(

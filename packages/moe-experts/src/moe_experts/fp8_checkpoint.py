@@ -21,8 +21,7 @@ from typing import Any
 
 import torch
 
-from kt_kernel.errors import KernelDTypeError, KernelInputError
-from kt_kernel.formats_fp8 import FP8_BLOCK, Fp8Block
+from kt_kernel import Fp8Block, KernelDTypeError, KernelInputError
 from moe_experts._safetensors import Shards, expect_shape
 from moe_experts.errors import LoadError
 
@@ -34,6 +33,7 @@ __all__ = [
 ]
 
 SCALE_SUFFIX = "_scale_inv"
+FP8_BLOCK = Fp8Block.block_size  # rows and columns per scale block
 
 
 def check_quantization_config(config_file: Path, raw: object) -> bool:

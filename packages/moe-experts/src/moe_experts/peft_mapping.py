@@ -1,7 +1,8 @@
 """One-to-one conversion between kt-kernel's :class:`LoraBuffers` and PEFT's adapter tensors.
 
-The one place that owns PEFT's stacked layout (moved here from kt-kernel, which knows tensors,
-not PEFT).
+The stacking itself is lora-core's :class:`~lora_core.contracts.PeftTensorLayout` (the
+contract lora-checkpoint writes ``adapter_model.safetensors`` with); this module applies it to
+kt-kernel's buffers and names the keys.
 
 Fused layout (PEFT ``target_parameters=["gate_up_proj", "down_proj"]`` on transformers 5.x
 fused experts, ``peft.tuners.lora.layer.ParamWrapper``). transformers stores
@@ -13,8 +14,8 @@ and builds the per-expert delta as::
     B = lora_B.weight.reshape(out, r, E).permute(2, 0, 1)  # col  j*E + e  of lora_B = B[e, :, j]
     delta[e] = scaling * B[e] @ A[e]
 
-so A is stacked expert-major but B is stacked **rank-major** (column ``j*E + e``). The
-functions here implement exactly that; the tests check it against a real PEFT model.
+so A is stacked expert-major but B is stacked **rank-major** (column ``j*E + e``):
+``PeftTensorLayout.EXPERT_STACKED_A``/``_B``. The tests check it against a real PEFT model.
 
 Transposed experts (GPT-OSS, ``is_transposed=True``: ``gate_up_proj [E, H, 2I]``,
 ``down_proj [E, I, H]``) give PEFT the same ``in``/``out`` without its swap, so the shapes and
@@ -40,6 +41,7 @@ from collections.abc import Mapping
 import torch
 
 from kt_kernel import ExpertSpec, LoraBuffers, LoraLayout, lora_shapes
+from lora_core.contracts import PeftTensorLayout, peft_lora_key
 from moe_experts.errors import AdaptError
 
 __all__ = [
@@ -57,35 +59,36 @@ _SPLIT_PROJ = (("gate_proj", "gate"), ("up_proj", "up"), ("down_proj", "down"))
 _FUSED_PROJ = (("gate_up_proj", "gate_up"), ("down_proj", "down"))
 
 
+_A, _B = PeftTensorLayout.EXPERT_STACKED_A, PeftTensorLayout.EXPERT_STACKED_B
+
+
 def stack_lora_a(a: torch.Tensor) -> torch.Tensor:
     """Per-expert ``A [E, r, in]`` -> PEFT ``lora_A.weight [E*r, in]`` (row ``e*r + j``)."""
-    e, r, n_in = a.shape
-    return a.reshape(e * r, n_in)
+    return _A.to_peft(a)
 
 
 def stack_lora_b(b: torch.Tensor) -> torch.Tensor:
     """Per-expert ``B [E, out, r]`` -> PEFT ``lora_B.weight [out, r*E]`` (col ``j*E + e``)."""
-    e, n_out, r = b.shape
-    return b.permute(1, 2, 0).reshape(n_out, r * e)
+    return _B.to_peft(b)
 
 
 def unstack_lora_a(a: torch.Tensor, num_experts: int) -> torch.Tensor:
     """PEFT ``lora_A.weight [E*r, in]`` -> ``A [E, r, in]`` (a view)."""
-    return a.reshape(num_experts, -1, a.shape[-1])
+    return _A.from_peft(a, num_experts)
 
 
 def unstack_lora_b(b: torch.Tensor, num_experts: int) -> torch.Tensor:
     """PEFT ``lora_B.weight [out, r*E]`` -> ``B [E, out, r]`` (a non-contiguous view)."""
-    return b.reshape(b.shape[0], -1, num_experts).permute(2, 0, 1)
+    return _B.from_peft(b, num_experts)
 
 
 def peft_keys(spec: ExpertSpec, layout: LoraLayout) -> tuple[str, ...]:
     """The relative PEFT keys :func:`lora_to_peft` produces for ``layout``, in a stable order."""
     if layout == "fused":
-        return tuple(f"{p}.lora_{m}.weight" for p, _ in _FUSED_PROJ for m in ("A", "B"))
+        return tuple(peft_lora_key(p, m) for p, _ in _FUSED_PROJ for m in ("A", "B"))
     if layout == "split":
         return tuple(
-            f"{e}.{p}.lora_{m}.weight"
+            peft_lora_key(f"{e}.{p}", m)
             for e in range(spec.num_experts)
             for p, _ in _SPLIT_PROJ
             for m in ("A", "B")
@@ -107,10 +110,10 @@ def lora_to_peft(buffers: LoraBuffers) -> dict[str, torch.Tensor]:
             for proj, ours in _FUSED_PROJ:
                 a = getattr(buffers, f"{ours}_lora_a").detach()
                 b = getattr(buffers, f"{ours}_lora_b").detach()
-                out[f"{proj}.lora_A.weight"] = stack_lora_a(a).clone(
+                out[peft_lora_key(proj, "A")] = stack_lora_a(a).clone(
                     memory_format=torch.contiguous_format
                 )
-                out[f"{proj}.lora_B.weight"] = stack_lora_b(b).clone(
+                out[peft_lora_key(proj, "B")] = stack_lora_b(b).clone(
                     memory_format=torch.contiguous_format
                 )
         else:
@@ -118,8 +121,8 @@ def lora_to_peft(buffers: LoraBuffers) -> dict[str, torch.Tensor]:
                 for proj, ours in _SPLIT_PROJ:
                     a = getattr(buffers, f"{ours}_lora_a").detach()
                     b = getattr(buffers, f"{ours}_lora_b").detach()
-                    out[f"{e}.{proj}.lora_A.weight"] = a[e].clone()
-                    out[f"{e}.{proj}.lora_B.weight"] = b[e].clone()
+                    out[peft_lora_key(f"{e}.{proj}", "A")] = a[e].clone()
+                    out[peft_lora_key(f"{e}.{proj}", "B")] = b[e].clone()
     return out
 
 
@@ -144,15 +147,15 @@ def _logical_from_peft(
     logical: dict[str, torch.Tensor] = {}
     if layout == "fused":
         for proj, ours in _FUSED_PROJ:
-            logical[f"{ours}_lora_a"] = unstack_lora_a(tensors[f"{proj}.lora_A.weight"], e)
-            logical[f"{ours}_lora_b"] = unstack_lora_b(tensors[f"{proj}.lora_B.weight"], e)
+            logical[f"{ours}_lora_a"] = unstack_lora_a(tensors[peft_lora_key(proj, "A")], e)
+            logical[f"{ours}_lora_b"] = unstack_lora_b(tensors[peft_lora_key(proj, "B")], e)
     else:
         for proj, ours in _SPLIT_PROJ:
             logical[f"{ours}_lora_a"] = torch.stack(
-                [tensors[f"{i}.{proj}.lora_A.weight"] for i in range(e)]
+                [tensors[peft_lora_key(f"{i}.{proj}", "A")] for i in range(e)]
             )
             logical[f"{ours}_lora_b"] = torch.stack(
-                [tensors[f"{i}.{proj}.lora_B.weight"] for i in range(e)]
+                [tensors[peft_lora_key(f"{i}.{proj}", "B")] for i in range(e)]
             )
     for name, shape in lora_shapes(spec, rank, layout).items():
         if tuple(logical[name].shape) != shape:

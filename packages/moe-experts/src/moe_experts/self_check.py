@@ -33,8 +33,13 @@ __all__ = [
 # original (the spec, at the dense compute dtype's tolerance), then the quantised kernel
 # against that twin (the format's rounding only; a broken quantisation path errs by order one).
 _POOL = 4  # experts the check batch routes to (a dense twin of only these is built)
-_CLAMP_ATTRS = ("limit", "swiglu_limit")
-_ALPHA_ATTRS = ("alpha", "swiglu_alpha")
+# How transformers' experts modules spell the parameters of a clamped activation (the names in
+# kt_kernel.ACTIVATIONS' param_names), as attributes.
+_PARAM_ATTRS: dict[str, tuple[str, ...]] = {
+    "limit": ("limit", "swiglu_limit"),
+    "alpha": ("alpha", "swiglu_alpha"),
+}
+_CLAMP_ATTRS = _PARAM_ATTRS["limit"]
 _TOKENS = 8
 
 
@@ -68,18 +73,24 @@ def _attr(module: nn.Module, names: tuple[str, ...]) -> tuple[str, float] | None
     return None
 
 
-def _is_silu(act: object) -> bool:
-    from transformers.activations import SiLUActivation
+def _act_names(act: object) -> set[str]:
+    """The names of ``act`` in transformers' ``ACT2FN`` vocabulary (``"silu"``, ...).
 
-    return act is F.silu or isinstance(act, nn.SiLU | SiLUActivation)
+    Every ``ACT2CLS`` entry whose class ``act`` is an instance of, plus torch's own spellings
+    of two of them, which transformers' experts modules also hold.
+    """
+    from transformers.activations import ACT2CLS
 
-
-def _is_gelu_tanh(act: object) -> bool:
-    from transformers.activations import GELUTanh, NewGELUActivation
-
-    return isinstance(act, GELUTanh | NewGELUActivation) or (
-        isinstance(act, nn.GELU) and act.approximate == "tanh"
-    )
+    names = set()
+    for name, entry in ACT2CLS.items():
+        cls = entry[0] if isinstance(entry, tuple) else entry
+        if isinstance(act, cls):
+            names.add(name)
+    if act is F.silu:
+        names.add("silu")
+    if isinstance(act, nn.GELU) and act.approximate == "tanh":
+        names.add("gelu_pytorch_tanh")
+    return names
 
 
 def _custom_gate(experts: nn.Module) -> bool:
@@ -126,11 +137,14 @@ def expert_activation(
 ) -> kt_kernel.Activation:
     """The kt-kernel activation that ``experts`` computes, read from the module itself.
 
-    A module with its own ``_apply_gate`` (transformers' hook for clamped gates) maps to
-    :class:`kt_kernel.SwiGLULimit` (a ``limit``/``swiglu_limit`` attribute) or
-    :class:`kt_kernel.ClampedSwiGLU` (also an ``alpha``/``swiglu_alpha``); otherwise ``act_fn``
-    decides: SiLU -> :class:`kt_kernel.SwiGLU`, tanh-GELU -> :class:`kt_kernel.GeluTanhGated`.
-    :func:`self_check` then proves the choice on real numbers.
+    Read from :data:`kt_kernel.ACTIVATIONS` only. A module with its own ``_apply_gate``
+    (transformers' hook for clamped gates) or a clamp attribute maps to the activation with
+    parameters whose every parameter the module has, the most of them winning
+    (``limit``/``swiglu_limit`` -> :class:`kt_kernel.SwiGLULimit`; with ``alpha``/
+    ``swiglu_alpha`` too -> :class:`kt_kernel.ClampedSwiGLU`); otherwise ``act_fn`` decides,
+    through the activations' ``gate_act_names`` (SiLU -> :class:`kt_kernel.SwiGLU`, tanh-GELU ->
+    :class:`kt_kernel.GeluTanhGated`). :func:`self_check` then proves the choice on real
+    numbers.
 
     Args:
         experts: the transformers experts module (unwrapped from PEFT).
@@ -150,7 +164,8 @@ def expert_activation(
     _check_layout(experts, label, arch)
     clamp = _attr(experts, _CLAMP_ATTRS)
     if _custom_gate(experts) or clamp is not None:
-        alpha = _attr(experts, _ALPHA_ATTRS)
+        found = {p: _attr(experts, attrs) for p, attrs in _PARAM_ATTRS.items()}
+        have = {p: v[1] for p, v in found.items() if v is not None}
         if clamp is None or not math.isfinite(clamp[1]) or clamp[1] <= 0:
             raise WrapError(
                 f"{label} ({kind}) computes its own gate (_apply_gate) without a finite "
@@ -158,17 +173,25 @@ def expert_activation(
                 "that is. Add the family to moe_experts.UNSUPPORTED_FAMILIES or teach "
                 "moe_experts.self_check.expert_activation its formula"
             )
-        if alpha is not None:
-            return kt_kernel.ClampedSwiGLU(alpha=alpha[1], limit=clamp[1])
-        return kt_kernel.SwiGLULimit(limit=clamp[1])
+        fits = [
+            c
+            for c in kt_kernel.ACTIVATIONS.values()
+            if c.param_names and set(c.param_names) <= set(have)
+        ]
+        cls = max(fits, key=lambda c: len(c.param_names))
+        return cls(**{p: have[p] for p in cls.param_names})  # type: ignore[return-value]
     act = getattr(experts, "act_fn", None)
-    if _is_silu(act):
-        return kt_kernel.SwiGLU()
-    if _is_gelu_tanh(act):
-        return kt_kernel.GeluTanhGated()
+    names = _act_names(act)
+    for cls in kt_kernel.ACTIVATIONS.values():
+        if not cls.param_names and names & set(cls.gate_act_names):
+            return cls()  # type: ignore[return-value]
+    known = ", ".join(
+        f"{c.name} ({'/'.join(c.gate_act_names) or '+'.join(c.param_names)})"
+        for c in kt_kernel.ACTIVATIONS.values()
+    )
     raise WrapError(
-        f"{label} ({kind}) has act_fn={act!r}; kt-kernel computes gated experts with SiLU "
-        "(SwiGLU), tanh-GELU, or clamped SwiGLU only"
+        f"{label} ({kind}) has act_fn={act!r}; kt-kernel computes gated experts with the "
+        f"activations of kt_kernel.ACTIVATIONS only: {known}"
     )
 
 

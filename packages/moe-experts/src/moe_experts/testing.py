@@ -394,7 +394,7 @@ def save_fp8_checkpoint(
 
     Every projection weight ``W [..., N, K]`` is stored as ``float8_e4m3fn`` plus
     ``<key>_scale_inv`` float32 ``[..., ceil(N/128), ceil(K/128)]`` (kt-kernel's
-    :meth:`~kt_kernel.formats_fp8.Fp8Block.quantize`: ``scale_inv = max|block| / 448``), and
+    :meth:`kt_kernel.Fp8Block.quantize`: ``scale_inv = max|block| / 448``), and
     ``config.json`` gets :data:`FP8_QUANTIZATION_CONFIG`.
 
     Args:
@@ -409,7 +409,7 @@ def save_fp8_checkpoint(
     from safetensors import safe_open
     from safetensors.torch import save_file
 
-    from kt_kernel.formats_fp8 import Fp8Block
+    from kt_kernel import Fp8Block
 
     path = Path(path)
     model.save_pretrained(path, max_shard_size=max_shard_size, save_original_format=per_expert)
