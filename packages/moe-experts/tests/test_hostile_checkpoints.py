@@ -331,6 +331,33 @@ def test_memory_check_names_both_figures_and_takes_an_injected_figure(
     _load(path)
 
 
+def test_memory_figure_is_the_model_and_counts_the_machine_under_torchrun(
+    saved: dict[str, Path], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import moe_experts.validation as validation
+    from moe_experts import KernelExperts, is_placeholder
+
+    path = saved["per_expert"]
+    seen: list[int] = []
+    monkeypatch.setattr(validation, "check_host_memory", lambda needed, what: seen.append(needed))
+    model = _load(path)
+    # The oracle: what the loaded model holds (kernel storage + dense parameters and buffers).
+    kernels = [m for m in model.modules() if isinstance(m, KernelExperts)]
+    experts = sum(k.expert_weights.nbytes for k in kernels)
+    dense = sum(t.nbytes for t in [*model.parameters(), *model.buffers()] if not is_placeholder(t))
+    assert experts == 2 * 8 * 3 * 16 * 32 * 4  # layers x E x (gate, up, down) x I x H x fp32
+    assert seen == [experts + dense]
+    monkeypatch.setenv("LOCAL_WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_RANK", "0")
+    _load(path)  # local rank 0 checks for the machine: 4 ranks' dense weights, experts once
+    assert seen[-1] == experts + 4 * dense
+    _load(path, share_experts=False)  # a copy of the experts per rank
+    assert seen[-1] == 4 * (experts + dense)
+    monkeypatch.setenv("LOCAL_RANK", "2")
+    _load(path)  # the other local ranks leave it to local rank 0
+    assert len(seen) == 3
+
+
 @pytest.mark.parametrize(
     ("change", "expected"),
     [

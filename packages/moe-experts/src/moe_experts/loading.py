@@ -18,13 +18,11 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
 import torch
 from torch import nn
 
 import kt_kernel
-from moe_experts import validation
 from moe_experts._safetensors import Shards, weight_map
 from moe_experts.architectures import (
     MoEBlockSite,
@@ -40,7 +38,12 @@ from moe_experts.memory import trim_host_heap
 from moe_experts.self_check import BlockCheck
 from moe_experts.sharing import default_kernel_threads, expert_sharing
 from moe_experts.storage import StoragePlan, build_block, check_policy, storage_name
-from moe_experts.validation import ExpertConfig, check_expert_config, check_model_type, check_sizes
+from moe_experts.validation import (
+    check_expert_count,
+    check_load_fits,
+    check_model_type,
+    check_sizes,
+)
 
 __all__ = ["CheckpointSource", "load_pretrained"]
 
@@ -370,83 +373,6 @@ def _fp8_weights(
     return kt_kernel.ExpertWeights.from_parts(spec, fmt, gu_parts, dn_parts)
 
 
-def _check_fits(
-    config: Any,
-    config_file: Path,
-    dtype: torch.dtype,
-    plan: StoragePlan,
-    fp8: bool,
-    dense_device: torch.device,
-) -> ExpertConfig:
-    """Validate the config's experts and the host memory the load needs, before allocating.
-
-    The model is built once on the meta device (shapes and dtypes only) for the family, the
-    expert count and the bytes; the real build allocates each parameter before moving it.
-
-    Raises:
-        LoadError: transformers cannot build the config, a bad expert count or experts per
-            token (naming the key), or more memory than the host has (naming both figures).
-        UnsupportedModelError: the config is not a supported MoE family.
-    """
-    from transformers import AutoModelForCausalLM
-
-    try:
-        with torch.device("meta"):
-            meta = AutoModelForCausalLM.from_config(config, dtype=dtype)
-    except (ValueError, TypeError, KeyError, AttributeError) as exc:
-        if validation.is_moe_family(config):  # a bad expert value: name its key
-            check_expert_config(config, config_file)
-        raise LoadError(f"{config_file}: transformers cannot build the model: {exc}") from exc
-    arch = find_architecture(meta)
-    counts = check_expert_config(config, config_file)
-    blocks = len(list(iter_moe_blocks(meta, arch)))
-    quantising = plan.format.lossy and not (fp8 and isinstance(plan.format, kt_kernel.Fp8Block))
-    experts, dense, transient = validation.host_memory_needed(
-        meta, arch, plan, quantising=quantising, dense_on_host=dense_device.type == "cpu"
-    )
-    validation.check_host_memory(
-        experts + dense + transient,
-        f"{config_file}: {counts.num_experts_key} = {counts.num_experts} experts in {blocks} "
-        f"MoE layers, stored as {plan.weight_dtype} ({validation.format_bytes(experts)}), plus "
-        f"{validation.format_bytes(dense)} of dense weights and "
-        f"{validation.format_bytes(transient)} while quantising,",
-    )
-    return counts
-
-
-def _check_expert_count(
-    site: MoEBlockSite,
-    keys: _ExpertKeys,
-    shards: Shards,
-    where: dict[str, Path],
-    counts: ExpertConfig,
-) -> None:
-    """Refuse checkpoint experts beyond the config's count (they would be dropped silently).
-
-    Raises:
-        LoadError: a per-expert key of an expert index >= E, or a fused tensor holding more or
-            fewer than E experts; names the key, its file and the config key.
-    """
-    e = site.arch.expert_dims(
-        getattr(getattr(site.block, site.arch.experts_attr), site.arch.gate_up_param)
-    )[0]
-    declared = f"{counts.num_experts_key} = {e} experts in config.json"
-    for (x, _), key in sorted(keys.per_expert.items()):
-        if x >= e:
-            raise LoadError(
-                f"{where[key]}: checkpoint key {key!r} is expert {x} of {site.experts_name}, but "
-                f"the model has {declared}; the checkpoint holds more experts than its config "
-                "declares (fix the config or re-save the checkpoint)"
-            )
-    for key in keys.fused.values():
-        shape = shards.info(where[key], key)[0]
-        if shape and shape[0] != e:
-            raise LoadError(
-                f"{where[key]}: tensor {key!r} holds {shape[0]} experts (shape {list(shape)}), "
-                f"but the model has {declared}; fix the config or re-save the checkpoint"
-            )
-
-
 def load_pretrained(
     path: str | Path,
     *,
@@ -493,7 +419,12 @@ def load_pretrained(
     Raises:
         LoadError: missing files, a missing or mis-shaped tensor, a FP8 weight without a valid
             128x128 scale grid (naming the key and file), an unsupported
-            ``quantization_config``, or ``"int8"``/``"int4"`` for a FP8 checkpoint.
+            ``quantization_config``, or ``"int8"``/``"int4"`` for a FP8 checkpoint; hostile
+            or corrupt input, before it is used: an invalid safetensors header or index,
+            NaN/inf or integer weights, negative/NaN/inf FP8 scales (naming file and tensor),
+            a ``config.json`` whose ``model_type``, sizes, expert count or experts per token
+            are invalid or disagree with the checkpoint (naming the key), or a load needing
+            more than 90% of the available host memory (naming both figures).
         UnsupportedModelError: the checkpoint is not a supported MoE family.
         TransformersVersionError: the installed transformers is older than the family needs.
         WrapError: an unknown ``weight_dtype``/``policy`` or an unsupported activation.
@@ -530,7 +461,16 @@ def load_pretrained(
         # The dense FP8 weights are dequantised here, so the model is built (and later saved)
         # as a plain one; transformers' FP8 modules would expect the scales as parameters.
         del config.quantization_config
-    counts = _check_fits(config, config_file, dtype, plan, fp8, dense_device)
+    quantising = plan.format.lossy and not (fp8 and isinstance(plan.format, kt_kernel.Fp8Block))
+    counts = check_load_fits(
+        config,
+        config_file,
+        dtype,
+        plan,
+        quantising=quantising,
+        dense_device=dense_device,
+        share_experts=share_experts,
+    )
     with _parameters_on_meta():
         model = AutoModelForCausalLM.from_config(config, dtype=dtype)
     arch = find_architecture(model)
@@ -557,7 +497,8 @@ def load_pretrained(
             keys.per_expert[slot] = key
 
     for site in sites:  # before any block's storage exists
-        _check_expert_count(site, expert_keys[site.experts_name], shards, where, counts)
+        keys = expert_keys[site.experts_name]
+        check_expert_count(site, keys.per_expert, keys.fused, shards, where, counts)
 
     # Experts first, one block at a time, so the meta experts never need storage.
     default_kernel_threads()

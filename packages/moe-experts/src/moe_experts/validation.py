@@ -12,6 +12,8 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
+from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,8 +21,16 @@ from typing import Any
 import torch
 from torch import nn
 
-from moe_experts.architectures import ARCHITECTURES, MoEArchitecture, iter_moe_blocks
+from moe_experts._safetensors import Shards
+from moe_experts.architectures import (
+    ARCHITECTURES,
+    MoEArchitecture,
+    MoEBlockSite,
+    find_architecture,
+    iter_moe_blocks,
+)
 from moe_experts.errors import LoadError
+from moe_experts.sharing import SHARE_ENV
 from moe_experts.storage import StoragePlan
 
 __all__ = [
@@ -30,7 +40,9 @@ __all__ = [
     "TOP_K_KEYS",
     "ExpertConfig",
     "check_expert_config",
+    "check_expert_count",
     "check_host_memory",
+    "check_load_fits",
     "check_model_type",
     "check_sizes",
     "expert_config",
@@ -282,3 +294,120 @@ def host_memory_needed(
             dense += _nbytes(p.shape, p.dtype)
     dense += sum(_nbytes(b.shape, b.dtype) for b in model.buffers())
     return experts, dense, transient
+
+
+def check_load_fits(
+    config: Any,
+    config_file: Path,
+    dtype: torch.dtype,
+    plan: StoragePlan,
+    *,
+    quantising: bool,
+    dense_device: torch.device,
+    share_experts: bool | None,
+) -> ExpertConfig:
+    """Validate the config's experts and the host memory a load needs, before allocating.
+
+    The model is built once on the meta device (shapes and dtypes only) for the family, the
+    expert count and the bytes; the real build allocates each parameter before moving it.
+    Under torchrun with several local ranks, local rank 0 checks for the whole machine (every
+    rank's dense weights, the experts once when shared), before any rank allocates: a rank
+    checking later would see the memory the others already took.
+
+    Args:
+        config: the checkpoint's config (without a ``quantization_config``).
+        config_file: its ``config.json`` (for messages).
+        dtype: the model dtype.
+        plan: how the experts are stored.
+        quantising: whether loading quantises the experts (see :func:`host_memory_needed`).
+        dense_device: where the dense weights go (host memory counts only for ``cpu``).
+        share_experts: as in ``load_pretrained`` (the experts count once per machine).
+
+    Returns:
+        The config's validated :class:`ExpertConfig`.
+
+    Raises:
+        LoadError: transformers cannot build the config, a bad expert count or experts per
+            token (naming the key), or more memory than the host has (naming both figures).
+        UnsupportedModelError: the config is not a supported MoE family.
+    """
+    from transformers import AutoModelForCausalLM
+
+    try:
+        with torch.device("meta"):
+            meta = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    except (ValueError, TypeError, KeyError, AttributeError) as exc:
+        if is_moe_family(config):  # a bad expert value: name its key
+            check_expert_config(config, config_file)
+        raise LoadError(f"{config_file}: transformers cannot build the model: {exc}") from exc
+    arch = find_architecture(meta)
+    counts = check_expert_config(config, config_file)
+    blocks = len(list(iter_moe_blocks(meta, arch)))
+    experts, dense, transient = host_memory_needed(
+        meta, arch, plan, quantising=quantising, dense_on_host=dense_device.type == "cpu"
+    )
+    ranks, local_rank = _local_ranks()
+    if local_rank > 0:
+        return counts
+    shared = share_experts is not False and os.environ.get(SHARE_ENV, "1") != "0"
+    copies = 1 if shared else ranks
+    machine = f" on each of {ranks} local ranks" if ranks > 1 else ""
+    check_host_memory(
+        experts * copies + (dense + transient) * ranks,
+        f"{config_file}: {counts.num_experts_key} = {counts.num_experts} experts in {blocks} "
+        f"MoE layers, stored as {plan.weight_dtype} ({format_bytes(experts)}"
+        f"{' x ' + str(copies) if copies > 1 else ''}), plus "
+        f"{format_bytes(dense)} of dense weights and "
+        f"{format_bytes(transient)} while quantising{machine},",
+    )
+    return counts
+
+
+def _local_ranks() -> tuple[int, int]:
+    """``(LOCAL_WORLD_SIZE, LOCAL_RANK)`` under torchrun, ``(1, 0)`` otherwise or if garbled."""
+    try:
+        return int(os.environ.get("LOCAL_WORLD_SIZE", "1")), int(os.environ.get("LOCAL_RANK", "0"))
+    except ValueError:
+        return 1, 0
+
+
+def check_expert_count(
+    site: MoEBlockSite,
+    per_expert: Mapping[tuple[int, str], str],
+    fused: Mapping[str, str],
+    shards: Shards,
+    where: Mapping[str, Path],
+    counts: ExpertConfig,
+) -> None:
+    """Refuse checkpoint experts beyond the config's count (they would be dropped silently).
+
+    Args:
+        site: the block, its experts module built (on the meta device) from the config.
+        per_expert: ``(expert, role) -> key`` of its per-expert checkpoint keys.
+        fused: ``stored parameter name -> key`` of its fused ones.
+        shards: the checkpoint reader (only headers are read).
+        where: checkpoint key -> shard file.
+        counts: the config's expert count key (for messages).
+
+    Raises:
+        LoadError: a per-expert key of an expert index >= E, or a fused tensor holding more or
+            fewer than E experts; names the key, its file and the config key.
+    """
+    e = site.arch.expert_dims(
+        getattr(getattr(site.block, site.arch.experts_attr), site.arch.gate_up_param)
+    )[0]
+    declared = f"{counts.num_experts_key} = {e} experts in config.json"
+    for (x, _), key in sorted(per_expert.items()):
+        if x >= e:
+            raise LoadError(
+                f"{where[key]}: checkpoint key {key!r} is expert {x} of {site.experts_name}, but "
+                f"the model has {declared}; the checkpoint holds more experts than its config "
+                "declares (fix the config or re-save the checkpoint)"
+            )
+    for key in fused.values():
+        shape = shards.info(where[key], key)[0]
+        if shape and shape[0] != e:
+            raise LoadError(
+                f"{where[key]}: tensor {key!r} holds {shape[0]} experts (shape {list(shape)}), "
+                f"but the model has {declared}; fix the config or re-save the checkpoint"
+            )

@@ -222,8 +222,9 @@ def wrap(
 
     Raises:
         UnsupportedModelError: the model is not a supported family (lists the supported).
-        WrapError: bad ``weight_dtype``/``policy``, unexpected expert shapes, or an
-            activation kt-kernel does not implement (read from the experts module).
+        WrapError: bad ``weight_dtype``/``policy``, unexpected expert shapes, an activation
+            kt-kernel does not implement (read from the experts module), or a config with
+            more experts per token than experts (naming the keys).
         SelfCheckError: the kernel disagrees with the original experts module.
     """
     name = storage_name(weight_dtype)
