@@ -24,6 +24,7 @@ import torch
 from torch import nn
 
 from moe_experts.errors import LoadError, TransformersVersionError, UnsupportedModelError
+from moe_experts.isolation import Packing
 
 __all__ = [
     "ARCHITECTURES",
@@ -83,6 +84,10 @@ class MoEArchitecture:
         down_bias_param: frozen ``[E, H]`` bias of down, or ``None``.
         min_transformers: the oldest transformers release whose modeling code for this family
             matches this spec; older ones are refused by :meth:`check_transformers`.
+        packing: how the examples packed into one row are kept apart
+            (:class:`~moe_experts.isolation.Packing`); the fine-tune CLI and
+            :meth:`Batch.model_inputs` read it, the coverage report prints it.
+        packing_reason: why this family needs :attr:`packing`, for the coverage report.
     """
 
     family: str
@@ -111,6 +116,11 @@ class MoEArchitecture:
     # layout (per-expert Linear, no ``experts`` attribute), which would otherwise surface as a
     # raw AttributeError deep inside wrap.
     min_transformers: str = TRANSFORMERS_FLOOR
+    # Why a field: whether restarting position_ids isolate packed examples depends on the
+    # family's modeling code (its mask builders, its state-carrying layers), so each row says,
+    # and the shared suite proves it against each example run alone.
+    packing: Packing = Packing.POSITIONS
+    packing_reason: str = "transformers builds block-diagonal masks from restarting position_ids"
 
     @property
     def bias_params(self) -> tuple[str, ...]:
@@ -225,6 +235,22 @@ _QWEN_SHARED = {
     "shared_expert_gate_attr": "shared_expert_gate",
 }
 _GROUPED = "sigmoid, grouped top-k, bias, scaling"
+# Packing (moe_experts.isolation): families whose restarting position_ids alone do not keep
+# packed examples apart. Each claim is proved per family by the shared suite
+# (tests/test_architectures.py: a packed row equals each example run alone).
+_OWN_MASKS = {
+    "packing": Packing.MASKS,
+    "packing_reason": "transformers builds this family's masks without position_ids",
+}
+_NO_RESET = (
+    "; transformers resets it at example boundaries only through {} (CUDA), "
+    "never on its PyTorch path"
+)
+_GATED_DELTA_NET = {
+    "packing": Packing.ONE_PER_ROW,
+    "packing_reason": "linear-attention (gated delta net) and short-convolution state runs "
+    "across examples" + _NO_RESET.format("flash-linear-attention and causal-conv1d"),
+}
 # min_transformers: the lowest release each family was verified with (its tiny model wrapped,
 # self-checked and fine-tuned one step through the CLI) among 5.1, 5.17, 5.18 and 5.24. A
 # family absent from 5.1 (or laid out otherwise there) and passing on 5.17 gets 5.17, although
@@ -246,12 +272,14 @@ ARCHITECTURES: dict[str, MoEArchitecture] = {
             router="softmax top-k, renormalised",
             min_transformers=_V5_17,
             **_QWEN_SHARED,
+            **_GATED_DELTA_NET,
         ),
         _spec(
             "qwen3_next",
             "Qwen3NextSparseMoeBlock",
             router="softmax top-k (norm_topk_prob)",
             **_QWEN_SHARED,
+            **_GATED_DELTA_NET,
         ),
         _spec(
             "qwen3_vl_moe",
@@ -260,7 +288,14 @@ ARCHITECTURES: dict[str, MoEArchitecture] = {
             router="softmax top-k, renormalised",
         ),
         _spec("mixtral", "MixtralSparseMoeBlock", router="softmax top-k, renormalised"),
-        _spec("minimax", "MiniMaxSparseMoeBlock", router="softmax top-k, renormalised"),
+        _spec(
+            "minimax",
+            "MiniMaxSparseMoeBlock",
+            router="softmax top-k, renormalised",
+            packing=Packing.ONE_PER_ROW,
+            packing_reason="lightning (linear) attention layers carry their state across "
+            "examples; transformers has no boundary reset for them",
+        ),
         _spec("minimax_m2", "MiniMaxM2SparseMoeBlock", router="sigmoid top-k, bias"),
         _spec("phimoe", "PhimoeSparseMoeBlock", router_attr="router", router="sparsemixer top-2"),
         _spec("olmoe", "OlmoeSparseMoeBlock"),
@@ -277,7 +312,16 @@ ARCHITECTURES: dict[str, MoEArchitecture] = {
         ),
         _spec("glm4_moe", "Glm4MoeMoE", router=_GROUPED, **_SHARED),
         _spec("glm4_moe_lite", "Glm4MoeLiteMoE", router=_GROUPED, **_SHARED),
-        _spec("glm4v_moe", "Glm4vMoeTextMoE", text=True, router=_GROUPED, **_SHARED),
+        _spec(
+            "glm4v_moe",
+            "Glm4vMoeTextMoE",
+            text=True,
+            router=_GROUPED,
+            packing=Packing.MASKS,
+            packing_reason="its text model reads restarting positions only from 4-row "
+            "(text + 3-D rope) position_ids, not from the 2-D ones of packed text",
+            **_SHARED,
+        ),
         _spec("dots1", "Dots1MoE", router=_GROUPED, **_SHARED),
         _spec("exaone_moe", "ExaoneMoeSparseMoEBlock", router=_GROUPED, **_SHARED),
         _spec("solar_open", "SolarOpenMoE", router=_GROUPED, **_SHARED),
@@ -299,6 +343,7 @@ ARCHITECTURES: dict[str, MoEArchitecture] = {
             router="sigmoid top-k, bias",
             min_transformers=_V5_17,
             **_SHARED,
+            **_OWN_MASKS,
         ),
         _spec(
             "ernie4_5_moe", "Ernie4_5_MoeSparseMoeBlock", router="softmax top-k, bias", **_SHARED
@@ -337,7 +382,14 @@ ARCHITECTURES: dict[str, MoEArchitecture] = {
         _spec("mellum", "MellumSparseMoeBlock", min_transformers=_V5_17),
         # Not in 5.18; 5.24 is the oldest release it was verified with.
         _spec("kolibri1", "Kolibri1SparseMoeBlock", min_transformers="5.24", **_SHARED),
-        _spec("lfm2_moe", "Lfm2MoeSparseMoeBlock", router="sigmoid top-k, bias"),
+        _spec(
+            "lfm2_moe",
+            "Lfm2MoeSparseMoeBlock",
+            router="sigmoid top-k, bias",
+            packing=Packing.ONE_PER_ROW,
+            packing_reason="short-convolution layers mix each token with the ones before it, "
+            "across examples" + _NO_RESET.format("causal-conv1d"),
+        ),
         # Experts and router sit in the decoder layer itself, beside a dense mlp whose output
         # is added; gated tanh-GELU experts (kt_kernel.GeluTanhGated).
         _spec(
@@ -357,6 +409,9 @@ ARCHITECTURES: dict[str, MoEArchitecture] = {
             "DeepseekV4SparseMoeBlock",
             router="sqrt-softplus top-k, bias, scaling (hash layers: token-id table)",
             min_transformers=_V5_17,
+            packing=Packing.ONE_PER_ROW,
+            packing_reason="compressed attention pools windows of consecutive tokens counted "
+            "from the row's start, so a window spans examples; no mask can undo that",
             **_SHARED,
         ),
         # Up to 5.17 Aria's experts are per-expert nn.Linear; 5.18 fuses them (transposed).
@@ -379,6 +434,7 @@ ARCHITECTURES: dict[str, MoEArchitecture] = {
             interleaved=True,
             gate_up_bias_param="gate_up_proj_bias",
             down_bias_param="down_proj_bias",
+            **_OWN_MASKS,
         ),
     )
 }
