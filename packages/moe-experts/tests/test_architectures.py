@@ -3,11 +3,15 @@ packed rows keep their examples apart."""
 
 import dataclasses
 import itertools
+import re
+from pathlib import Path
 
 import pytest
 import torch
+import transformers
 from transformers import LlamaConfig, LlamaForCausalLM
 
+import kt_kernel
 from moe_experts import (
     ARCHITECTURES,
     UNSUPPORTED_FAMILIES,
@@ -48,6 +52,16 @@ def test_registry_rows_have_tiny_configs_and_are_frozen() -> None:
         "phimoe",
         "granitemoe",
         "gpt_oss",
+        "glm_moe_dsa",
+        "kimi_linear",
+        "jamba",
+        "granitemoehybrid",
+        "mistral4",
+        "mistral_large4",
+        "axk1",
+        "axk2",
+        "lara_mini",
+        "dots3_note",
     }
     assert required <= set(ARCHITECTURES)
     assert set(TINY_CONFIGS) == set(ARCHITECTURES) == set(FAMILIES)
@@ -104,13 +118,47 @@ def test_unsupported_model_lists_families() -> None:
         assert family in msg
 
 
-@pytest.mark.parametrize("model_type", ["llama4", "longcat_flash", "muse_spark"])
+@pytest.mark.parametrize(
+    "model_type", ["llama4", "llama4_text", "longcat_flash", "muse_spark", "minimax_m3_vl_text"]
+)
 def test_refused_families_say_why(model_type: str) -> None:
     model = torch.nn.Module()
     model.config = type("Cfg", (), {"model_type": model_type})()
     with pytest.raises(UnsupportedModelError, match=model_type) as info:
         find_architecture(model)
     assert UNSUPPORTED_FAMILIES[model_type] in str(info.value)
+
+
+def _pinned_transformers() -> str:
+    constraints = Path(__file__).parents[3] / "constraints" / "current.txt"
+    lines = constraints.read_text().splitlines()
+    return next(line.split("==")[1] for line in lines if line.startswith("transformers=="))
+
+
+def test_every_name_is_a_model_type_and_text_models_go_with_their_family() -> None:
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    if transformers.__version__ != _pinned_transformers():
+        pytest.skip("model types are checked against the pinned transformers only")
+    for arch in ARCHITECTURES.values():
+        for model_type in arch.model_types:
+            assert model_type in CONFIG_MAPPING_NAMES, (arch.family, model_type)
+            text = f"{model_type}_text"
+            assert text not in CONFIG_MAPPING_NAMES or text in arch.model_types, text
+    for model_type in UNSUPPORTED_FAMILIES:
+        assert model_type in CONFIG_MAPPING_NAMES, model_type
+        text = f"{model_type}_text"
+        assert text not in CONFIG_MAPPING_NAMES or text in UNSUPPORTED_FAMILIES, text
+
+
+def test_refusals_name_only_kernel_activations_that_exist() -> None:
+    # A reason that says what kt-kernel computes must name a class it has (no stale claims
+    # such as "no clamped_swiglu yet" once ClampedSwiGLU exists).
+    for model_type, why in UNSUPPORTED_FAMILIES.items():
+        for name in re.findall(r"kt_kernel\.(\w+)", why):
+            assert hasattr(kt_kernel, name), (model_type, name)
+        assert "clamped_swiglu yet" not in why, model_type
+    assert "kt_kernel.ClampedSwiGLU" in UNSUPPORTED_FAMILIES["minimax_m3_vl"]
 
 
 @pytest.mark.parametrize("transposed", [False, True])
@@ -230,10 +278,14 @@ def test_packing_choices_say_why() -> None:
     for arch in ARCHITECTURES.values():
         assert isinstance(arch.packing, Packing)
         assert arch.packing_reason
+    # The recurrent, linear-attention and convolution families the issue names.
     assert {f for f, a in ARCHITECTURES.items() if not a.packing.shares_rows} >= {
         "qwen3_next",
         "qwen3_5_moe",
         "minimax",
         "lfm2_moe",
         "deepseek_v4",
+        "kimi_linear",
+        "jamba",
+        "granitemoehybrid",
     }

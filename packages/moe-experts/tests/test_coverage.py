@@ -47,7 +47,7 @@ def test_full_coverage_is_reported(fresh) -> None:
     assert "every block's routed experts are trained" in text
     assert len(text.splitlines()) <= 24
     assert report.packing is Packing.POSITIONS
-    assert "packing: several examples per row, masks built by transformers" in text
+    assert "packing: several examples per row: transformers builds block-diagonal" in text
 
 
 def test_a_family_packed_one_example_per_row_says_why_and_what_it_costs(fresh) -> None:
@@ -56,7 +56,7 @@ def test_a_family_packed_one_example_per_row_says_why_and_what_it_costs(fresh) -
     assert report.packing is Packing.ONE_PER_ROW
     text = coverage_summary(model, result)
     line = next(t for t in text.splitlines() if "packing:" in t)
-    assert "one example per row (padding): linear-attention (gated delta net)" in line
+    assert "packing: one example per row: linear-attention (gated delta net)" in line
     assert "on the chat demo that is 39 rows at 40.1% padding instead of 30 at 22.1%" in line
 
 

@@ -19,8 +19,8 @@ from moe_experts.finetune.loss import full_logits_reason, head_weight, token_los
 from moe_experts.testing import TINY_FAMILIES, tiny_model
 
 # Families whose logits are not lm_head(hidden): Granite divides by logits_scaling (chunked
-# when it is 1.0), Cohere2 multiplies by logit_scale.
-TRANSFORMED = {"cohere2_moe": "logit_scale"}
+# when it is 1.0), Cohere2 multiplies by logit_scale, Mistral Large 4 soft-caps them.
+TRANSFORMED = {"cohere2_moe": "logit_scale", "mistral_large4": "final_logit_softcapping"}
 
 
 def _batch(vocab: int, rows: int = 2, length: int = 12, shares_rows: bool = True) -> Batch:

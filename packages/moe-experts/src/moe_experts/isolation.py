@@ -46,9 +46,9 @@ class Packing(Enum):
 
 
 _DESCRIPTIONS = {
-    Packing.POSITIONS: "several examples per row, masks built by transformers from position_ids",
-    Packing.MASKS: "several examples per row, block-diagonal masks passed explicitly",
-    Packing.ONE_PER_ROW: "one example per row (padding)",
+    Packing.POSITIONS: "several examples per row",
+    Packing.MASKS: "several examples per row, explicit block-diagonal masks",
+    Packing.ONE_PER_ROW: "one example per row",
 }
 
 
