@@ -70,8 +70,11 @@ _GROUPED: dict[str, Any] = {
     "num_hidden_layers": 3,
     "routed_scaling_factor": 2.5,
 }
-# DeepSeek sparse attention: an indexer picks each query's top-4 keys.
-_DSA: dict[str, Any] = {"index_topk": 4, "index_head_dim": 8, "index_n_heads": 2}
+# DeepSeek sparse attention: an indexer picks each query's top-16 keys, so the selection bites
+# past 16 tokens. Not fewer: the indexer's ReLU'd scores tie at exactly 0 on tiny random
+# weights, and torch.topk breaks ties differently at other lengths, so an example alone and
+# packed (the shared suite's examples are up to 13 tokens) would pick different tied keys.
+_DSA: dict[str, Any] = {"index_topk": 16, "index_head_dim": 8, "index_n_heads": 2}
 _QWEN_LINEAR: dict[str, Any] = {
     # One linear-attention (gated delta net) and one full-attention layer.
     "layer_types": ["linear_attention", "full_attention"],
