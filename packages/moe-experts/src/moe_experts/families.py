@@ -55,6 +55,8 @@ _GATED_DELTA_NET = {
 # it may have appeared in a release in between; a too-high minimum refuses with an upgrade
 # hint, a too-low one would let a mismatched layout through.
 _V5_17 = "5.17"
+# Families absent from 5.18 (kolibri1, mistral_large4, lara_mini, dots3_note): 5.24 is the
+# oldest release they were verified with.
 _V5_24 = "5.24"
 
 # One row per family; every row is run by the shared parametrised test suite
@@ -179,8 +181,7 @@ ARCHITECTURES: dict[str, MoEArchitecture] = {
         ),
         _spec("cohere2_moe", "Cohere2MoeSparseMoeBlock", min_transformers=_V5_17, **_SHARED),
         _spec("mellum", "MellumSparseMoeBlock", min_transformers=_V5_17),
-        # Not in 5.18; 5.24 is the oldest release it was verified with.
-        _spec("kolibri1", "Kolibri1SparseMoeBlock", min_transformers="5.24", **_SHARED),
+        _spec("kolibri1", "Kolibri1SparseMoeBlock", min_transformers=_V5_24, **_SHARED),
         _spec(
             "lfm2_moe",
             "Lfm2MoeSparseMoeBlock",
@@ -224,12 +225,12 @@ ARCHITECTURES: dict[str, MoEArchitecture] = {
             min_transformers="5.18",
             **_SHARED,
         ),
-        _spec("glm_moe_dsa", "GlmMoeDsaMoE", router=_GROUPED, min_transformers=_V5_24, **_SHARED),
+        _spec("glm_moe_dsa", "GlmMoeDsaMoE", router=_GROUPED, min_transformers=_V5_17, **_SHARED),
         _spec(
             "kimi_linear",
             "KimiLinearMoE",
             router=_GROUPED,
-            min_transformers=_V5_24,
+            min_transformers=_V5_17,
             packing=Packing.ONE_PER_ROW,
             packing_reason="linear-attention (Kimi delta attention) and short-convolution state "
             "runs across examples" + _NO_RESET.format("flash-linear-attention and causal-conv1d"),
@@ -240,7 +241,7 @@ ARCHITECTURES: dict[str, MoEArchitecture] = {
             "JambaSparseMoeBlock",
             router_attr="router",
             router="softmax top-k, not renormalised",
-            min_transformers=_V5_24,
+            min_transformers=_V5_17,
             packing=Packing.ONE_PER_ROW,
             packing_reason="Mamba layers carry their convolution and SSM state across examples"
             + _NO_RESET.format("mamba-ssm and causal-conv1d"),
@@ -251,7 +252,7 @@ ARCHITECTURES: dict[str, MoEArchitecture] = {
             "GraniteMoeHybridMoE",
             router_attr="router",
             router="top-k logits, softmax",
-            min_transformers=_V5_24,
+            min_transformers=_V5_17,
             packing=Packing.ONE_PER_ROW,
             packing_reason="Mamba-2 layers carry their convolution and SSM state across examples"
             + _NO_RESET.format("mamba-ssm and causal-conv1d"),
@@ -260,7 +261,7 @@ ARCHITECTURES: dict[str, MoEArchitecture] = {
             "mistral4",
             "Mistral4MoE",
             router="softmax, grouped top-k, renormalised, scaling",
-            min_transformers=_V5_24,
+            min_transformers=_V5_17,
             **_SHARED,
         ),
         _spec(
@@ -272,12 +273,12 @@ ARCHITECTURES: dict[str, MoEArchitecture] = {
             **_SHARED,
         ),
         # DeepSeek-V3's MoE with a post_mlp_layernorm on the block output (outside the experts).
-        _spec("axk1", "AXK1MoE", router=_GROUPED, min_transformers=_V5_24, **_SHARED),
+        _spec("axk1", "AXK1MoE", router=_GROUPED, min_transformers=_V5_17, **_SHARED),
         _spec(
             "axk2",
             "AXK2MoE",
             router="sigmoid, (grouped) top-k, bias, scaling",
-            min_transformers=_V5_24,
+            min_transformers=_V5_17,
             **_SHARED,
         ),
         # The shared expert is added in full, without a gate.
