@@ -27,8 +27,9 @@ def _spec(family: str, block_class: str, *, text: bool = False, **fields: Any) -
     )
 
 
-_SHARED = {"shared_expert_attrs": ("shared_experts",)}
-_QWEN_SHARED = {
+# Fields spread into _spec rows (typed Any: each value goes to its own MoEArchitecture field).
+_SHARED: dict[str, Any] = {"shared_expert_attrs": ("shared_experts",)}
+_QWEN_SHARED: dict[str, Any] = {
     "shared_expert_attrs": ("shared_expert",),
     "shared_expert_gate_attr": "shared_expert_gate",
 }
@@ -36,7 +37,7 @@ _GROUPED = "sigmoid, grouped top-k, bias, scaling"
 # Packing (moe_experts.isolation): families whose restarting position_ids alone do not keep
 # packed examples apart. Each claim is proved per family by the shared suite
 # (tests/test_architectures.py: a packed row equals each example run alone).
-_OWN_MASKS = {
+_OWN_MASKS: dict[str, Any] = {
     "packing": Packing.MASKS,
     "packing_reason": "transformers builds this family's masks without position_ids",
 }
@@ -44,7 +45,7 @@ _NO_RESET = (
     "; transformers resets it at example boundaries only through {} (CUDA), "
     "never on its PyTorch path"
 )
-_GATED_DELTA_NET = {
+_GATED_DELTA_NET: dict[str, Any] = {
     "packing": Packing.ONE_PER_ROW,
     "packing_reason": "linear-attention (gated delta net) and short-convolution state runs "
     "across examples" + _NO_RESET.format("flash-linear-attention and causal-conv1d"),

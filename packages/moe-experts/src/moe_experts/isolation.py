@@ -129,8 +129,9 @@ def boundary_masks(model: nn.Module, position_ids: torch.Tensor) -> Any:
     Raises:
         PackingError: a layer type has no mask builder here.
     """
-    config = model.config.get_text_config()
-    embeddings = model.get_input_embeddings().weight
+    hf: Any = model  # a transformers PreTrainedModel (config, get_input_embeddings)
+    config = hf.config.get_text_config()
+    embeddings = hf.get_input_embeddings().weight
     # The builders read only the batch size, length, dtype and device of the embeddings.
     shape = torch.empty(
         (*position_ids.shape, 0), dtype=embeddings.dtype, device=position_ids.device
