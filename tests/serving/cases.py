@@ -34,7 +34,8 @@ SERVING_OVERRIDES: dict[str, dict[str, Any]] = {
     },
     # Fields of the released checkpoints' config.json that vLLM 0.32 reads and transformers
     # 5.24's config classes drop or leave unset.
-    "minimax_m2": {"rotary_dim": 8},
+    "minimax_m2": {"rotary_dim": 8, "scoring_func": "sigmoid"},
+    "qwen3_vl_moe": {"norm_topk_prob": True},
     "glm4v_moe": {"use_qk_norm": False},
     "hy_v3": {"expert_hidden_dim": 16, "route_norm": True},
     "afmoe": {"score_func": "sigmoid", "route_norm": True},
@@ -87,7 +88,7 @@ def _family(name: str) -> str:
 
 
 def reference_deltas(
-    base_dir: Path, checkpoint: Path
+    base_dir: Path, checkpoint: Path, *, fused_experts: bool
 ) -> tuple[dict[str, torch.Tensor], dict[str, list[str]]]:
     """PEFT's merged delta of every LoRA layer of ``checkpoint``, named as the checkpoint does.
 
@@ -96,6 +97,9 @@ def reference_deltas(
     ``save_pretrained`` runs), so every delta carries the checkpoint name and layout of the
     base weight it adds to: the names vLLM loads base weights by (Mixtral's fused
     ``mlp.experts.gate_up_proj [E, 2I, H]`` becomes ``block_sparse_moe.experts.{e}.w1/w3``).
+    Fused experts that the checkpoint keeps fused, or that vLLM's model class reads fused
+    (``fused_experts``: ``is_3d_moe_weight``), stay one ``[E, out, in]`` delta named by the
+    module path with the checkpoint's prefix.
 
     Returns:
         ``(deltas, trained)``: checkpoint key -> delta, and trained module -> its checkpoint
@@ -105,11 +109,13 @@ def reference_deltas(
     """
     from peft import PeftModel
     from peft.tuners.lora.layer import LoraLayer, ParamWrapper
-    from transformers import AutoConfig, AutoModelForCausalLM, AutoModelForImageTextToText
     from transformers.core_model_loading import revert_weight_conversion
 
-    config = AutoConfig.from_pretrained(base_dir)
-    auto = AutoModelForImageTextToText if hasattr(config, "vision_config") else AutoModelForCausalLM
+    from moe_experts.finetune.models import pretrained_class
+
+    # The class the fine-tune trained (a causal LM where transformers maps the checkpoint's
+    # model_type to one, as Qwen3.5-MoE's multimodal checkpoint), so PEFT's keys match.
+    auto = pretrained_class(base_dir)
     model = PeftModel.from_pretrained(auto.from_pretrained(base_dir), checkpoint)
     base = auto.from_pretrained(base_dir)  # PEFT's wrappers hide parameters the revert reads
     deltas: dict[str, torch.Tensor] = {}
@@ -129,6 +135,13 @@ def reference_deltas(
                 key = name.removeprefix("base_model.model.")
                 weight = f"{key}.weight"
             stored = revert_weight_conversion(base, {weight: delta})
+            whole = len(stored) == 1 and next(iter(stored.values())).ndim == 3
+            if delta.ndim == 3 and (fused_experts or whole):
+                # Experts the checkpoint keeps fused: vLLM reads their LoRA by the module path
+                # (with the checkpoint's prefix), whatever the checkpoint calls the tensor.
+                probe = f"{owner.removeprefix('base_model.model.')}.probe.weight"
+                (path,) = revert_weight_conversion(base, {probe: torch.zeros(1, 1)})
+                stored = {f"{path.removesuffix('.probe.weight')}.{module.parameter_name}": delta}
             trained[key] = sorted(stored)
             deltas.update({k: v.contiguous() for k, v in stored.items()})
     return deltas, trained
@@ -186,10 +199,12 @@ def prepare(name: str, root: Path) -> Prepared:
     if code != 0:
         raise RuntimeError(f"{name}: export failed:\n{err.getvalue()[-3000:]}")
     checkpoint = resolve_checkpoint(run / "checkpoints")
-    reference, trained = reference_deltas(base, checkpoint)
+    serving = json.loads((adapter / "serving.json").read_text())
+    reference, trained = reference_deltas(
+        base, checkpoint, fused_experts=serving["is_3d_lora_weight"]
+    )
     save_file(reference, str(work / "reference.safetensors"))
     exported = sorted(_exported_modules(load_file(adapter / "adapter_model.safetensors"), trained))
-    serving = json.loads((adapter / "serving.json").read_text())
     prepared = Prepared(
         name=name,
         family=_family(name),
@@ -216,7 +231,7 @@ def prepare(name: str, root: Path) -> Prepared:
 
 def _exported_modules(tensors: dict[str, torch.Tensor], trained: dict[str, list[str]]) -> set[str]:
     """The trained modules whose LoRA the export wrote (any of their checkpoint names)."""
-    owner_of = {}
+    owner_of = {module: module for module in trained}
     for module, keys in trained.items():
         for key in keys:
             owner_of[key.removesuffix(".weight")] = module

@@ -115,8 +115,26 @@ def _lora_slots(manager: Any, slot: int) -> dict[str, torch.Tensor]:
     return {k: v for k, v in out.items() if bool(v.abs().max() > 0)}
 
 
+def _expert_shards(model: Any) -> dict[str, tuple[int, str]]:
+    """``experts.{e}.<ckpt name>`` -> (expert id, ``w1``/``w2``/``w3``): the model's own mapping.
+
+    Read before the LoRA manager wraps the MoE layers, as vLLM's manager reads it.
+    """
+    from vllm.model_executor.utils import get_moe_expert_mapping
+
+    try:
+        mapping = get_moe_expert_mapping(model)
+    except ValueError:  # no MoE layer
+        return {}
+    return {name.rstrip("."): (expert, shard) for _, name, expert, shard in mapping}
+
+
 def _expected(
-    reference: dict[str, torch.Tensor], case: dict[str, Any], model: Any, is_3d: bool
+    reference: dict[str, torch.Tensor],
+    case: dict[str, Any],
+    model: Any,
+    shards: dict[str, tuple[int, str]],
+    is_3d: bool,
 ) -> dict[str, tuple[str, torch.Tensor]]:
     """vLLM slot name -> (what it holds, reference delta ``[out, in]``) for every exported key.
 
@@ -124,17 +142,8 @@ def _expected(
     loader applies) and per-expert names are placed by the model's own expert mapping
     (``experts.{e}.<ckpt name>`` -> expert id and shard ``w1``/``w2``/``w3``).
     """
-    from vllm.model_executor.utils import get_moe_expert_mapping
-
     mapper = getattr(model, "hf_to_vllm_mapper", None)
     mapper = mapper.get_rename_mapper() if mapper is not None else None
-    shards: dict[str, tuple[int, str]] = {}
-    try:
-        mapping = get_moe_expert_mapping(model)
-    except ValueError:  # no MoE layer
-        mapping = []
-    for _, weight_name, expert_id, shard_id in mapping:
-        shards[weight_name.rstrip(".")] = (expert_id, shard_id)
 
     def vname(key: str) -> str:
         mapped = mapper.apply_list([key]) if mapper is not None else [key]
@@ -210,6 +219,7 @@ def check_case(case: dict[str, Any], init_distributed: Callable[[], None]) -> di
         init_distributed()
         model = get_model(vllm_config=config)
         result["model_class"] = type(model).__name__
+        shards = _expert_shards(model)
         worker = LRUCacheWorkerLoRAManager(config, torch.device("cpu"), model.embedding_modules)
         worker.create_lora_manager(model, config)
         manager = worker._adapter_manager
@@ -223,7 +233,7 @@ def check_case(case: dict[str, Any], init_distributed: Callable[[], None]) -> di
         is_3d = any(isinstance(m, FusedMoE3DWithLoRA) for m in manager.modules.values())
         result["experts_3d_wrapper"] = is_3d
         reference = load_file(case["reference"])
-        expected = _expected(reference, case, model, is_3d)
+        expected = _expected(reference, case, model, shards, is_3d)
     compared: dict[str, Any] = {}
     missing: list[str] = []
     for slot, (module, want) in expected.items():

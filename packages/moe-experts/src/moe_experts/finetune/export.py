@@ -120,7 +120,11 @@ def vllm_tensors(
 
     from moe_experts.architectures import find_architecture
     from moe_experts.errors import UnsupportedModelError
-    from moe_experts.finetune.vllm_serving import checkpoint_rows, conversion_twin
+    from moe_experts.finetune.vllm_serving import (
+        checkpoint_module,
+        checkpoint_rows,
+        conversion_twin,
+    )
     from moe_experts.peft_mapping import unstack_lora_a, unstack_lora_b
 
     try:
@@ -155,11 +159,11 @@ def vllm_tensors(
                 skipped.setdefault(_NOT_VERIFIED, []).append(f"{owner}.{module.parameter_name}")
                 continue
             if fused_experts:
-                # vLLM's _stack_moe_lora_weights: `.base_layer` is gate_up, the bare key down;
-                # the module is named by its runtime path, as in PEFT's own adapter.
+                # vLLM's _stack_moe_lora_weights: `.base_layer` is gate_up, the bare key down.
+                stored = checkpoint_module(base_model, owner)
                 gate_up = module.parameter_name == "gate_up_proj"
-                put(owner + (".base_layer" if gate_up else ""), a, b)
-                targets.add(owner.rsplit(".", 1)[-1])
+                put(stored + (".base_layer" if gate_up else ""), a, b)
+                targets.add(stored.rsplit(".", 1)[-1])
                 continue
             where = checkpoint_rows(
                 base_model,
@@ -170,8 +174,9 @@ def vllm_tensors(
             if where[0].rows is None:  # the checkpoint keeps the experts fused
                 # vLLM's per-expert names then hang off the runtime module path.
                 projections = _FUSED[module.parameter_name]
+                stored = checkpoint_module(base_model, owner)
                 where = [
-                    _generic_rows(owner, e, proj, k, len(projections), param, transposed)
+                    _generic_rows(stored, e, proj, k, len(projections), param, transposed)
                     for e in range(param.shape[0])
                     for k, proj in enumerate(projections)
                 ]
@@ -251,13 +256,17 @@ def export(
     from moe_experts.finetune.vllm_serving import (
         VLLM_LORA_ARCHITECTURES,
         VLLM_VERSION,
+        base_architecture,
         serving_info,
     )
 
-    architectures = getattr(getattr(loaded.model, "config", None), "architectures", None) or [None]
     cfg = json.loads((loaded.checkpoint / lora_checkpoint.ADAPTER_CONFIG).read_text())
     serving = serving_info(
-        architectures[0], str(loaded.base), output.resolve(), name=output.name, rank=cfg["r"]
+        base_architecture(str(loaded.base), loaded.model),
+        str(loaded.base),
+        output.resolve(),
+        name=output.name,
+        rank=cfg["r"],
     )
     tensors, targets, skipped = vllm_tensors(loaded.model, fused_experts=serving.is_3d_lora_weight)
     cfg.update(

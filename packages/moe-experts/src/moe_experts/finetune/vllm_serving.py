@@ -29,6 +29,8 @@ __all__ = [
     "CheckpointRows",
     "ServingInfo",
     "VllmModel",
+    "base_architecture",
+    "checkpoint_module",
     "checkpoint_rows",
     "conversion_twin",
     "serve_command",
@@ -249,3 +251,33 @@ def conversion_twin(model: Any) -> Any:
     if conversions is not None:
         twin._weight_conversions = conversions
     return twin
+
+
+def base_architecture(base: str, model: Any) -> str | None:
+    """``architectures[0]`` of the base's ``config.json`` (what vLLM reads), else the model's."""
+    path = Path(base) / "config.json"
+    architectures = None
+    if path.is_file():
+        architectures = json.loads(path.read_text()).get("architectures")
+    if not architectures:
+        architectures = getattr(getattr(model, "config", None), "architectures", None)
+    return architectures[0] if architectures else None
+
+
+def checkpoint_module(model: Any, module: str) -> str:
+    """The name the checkpoint gives runtime module ``module`` (its prefix renames only).
+
+    A causal LM loaded from a multimodal checkpoint (Qwen3.5-MoE) runs ``model.layers.*``
+    that the checkpoint, and vLLM, call ``model.language_model.layers.*``. A module of fused
+    experts keeps its runtime path otherwise: vLLM names its LoRA so, even where the checkpoint
+    stores the tensors under other names (GraniteMoe's ``input_linear``).
+    """
+    import torch
+
+    try:
+        from transformers.core_model_loading import revert_weight_conversion
+    except ImportError:
+        return module
+    probe = f"{module}.lora_name_probe.weight"  # matches renames of the path, no converter
+    (key,) = revert_weight_conversion(model, {probe: torch.zeros(1, 1)})
+    return key.removesuffix(".lora_name_probe.weight")
