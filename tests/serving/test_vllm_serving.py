@@ -15,16 +15,23 @@ forward reads is compared with PEFT's, within 1e-6 relative; nothing trained may
 vLLM's buffers unless the export named it in a ``warning:``. A served forward is not run: the
 MoE LoRA kernels of vLLM (Punica/Triton) need a GPU.
 
-Where vLLM 0.34's source (which the export followed before vLLM could run here) and 0.32
-(the vLLM that runs) differ, the export follows 0.32 and the test states it:
+Before this check the export followed a reading of vLLM 0.34's source (see the git history of
+moe_experts/finetune/export.py and tests/test_export_vllm_mla.py): GPT-OSS refused, every other
+family per-expert 2-D keys under transformers' runtime module names. vLLM 0.32, the vLLM that
+runs here, differs from that reading, and the export now follows 0.32:
 
-- 0.32's text-only ``Qwen3_5MoeForCausalLM`` reads 2-D expert keys; only the multimodal
-  ``Qwen3_5MoeForConditionalGeneration`` (the released checkpoints) declares
-  ``is_3d_moe_weight`` (:func:`test_qwen3_5_moe_layout_follows_the_model_class`).
+- 0.32 picks the expert layout per model class, not per family: GPT-OSS, Qwen3-VL-MoE and the
+  multimodal Qwen3.5-MoE class (the released checkpoints) declare ``is_3d_moe_weight`` and
+  read PEFT's 3-D tensors; the text-only ``Qwen3_5MoeForCausalLM`` reads 2-D keys
+  (:func:`test_qwen3_5_moe_layout_follows_the_model_class`, :func:`test_3d_exports`).
 - 0.32 loads LoRA by the checkpoint's module names (Mixtral: ``block_sparse_moe.experts.{e}.w1``);
-  an export named after transformers' runtime modules (``mlp.experts.{e}.gate_proj``, what the
-  export wrote before) loads without an error and is never applied
-  (:func:`test_mixtral_runtime_names_vanish_in_vllm`).
+  under the runtime names (``mlp.experts.{e}.gate_proj``) it loads the adapter without an
+  error and applies none of its expert LoRA (:func:`test_mixtral_runtime_names_vanish_in_vllm`).
+- 0.32 serves FlexOlmo, HunYuan-MoE-V1 and Mellum through its Transformers backend, whose MoE
+  LoRA loader fails on every expert adapter; the export warns (``VllmModel.issue``).
+- 0.32's Qwen3-MoE class (among others) also takes LoRA on its router (``gate``) and
+  ``lm_head``; the export still leaves them out with a ``warning:``, as before (their
+  loading is not checked here).
 """
 
 from __future__ import annotations
