@@ -22,6 +22,8 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any, NamedTuple
 
+from moe_experts.finetune.errors import FinetuneError
+
 __all__ = [
     "SERVING_FILE",
     "VLLM_LORA_ARCHITECTURES",
@@ -202,6 +204,9 @@ def checkpoint_rows(
     Returns:
         One entry per checkpoint tensor the weight becomes; a single ``CheckpointRows(key,
         None, None)`` when the checkpoint keeps the weight whole (``key`` without ``.weight``).
+
+    Raises:
+        FinetuneError: the checkpoint stores parts of rows, or mixes experts, in one tensor.
     """
     import torch
 
@@ -224,14 +229,19 @@ def checkpoint_rows(
     out = []
     for key, tensor in reverted.items():
         if tensor.ndim != 2 or 1 not in tensor.shape:
-            raise ValueError(
-                f"{name}: transformers saves it as {key} {list(tensor.shape)}, not as whole "
-                "rows; this export cannot name its LoRA for vLLM"
+            raise FinetuneError(
+                f"--format vllm: {name}: transformers saves it as {key} "
+                f"{list(tensor.shape)}, not as whole rows, so its LoRA has no name vLLM "
+                "loads; use --format peft or --format merged"
             )
         values = tensor.reshape(-1).to(torch.int64)
         experts = torch.unique(values // n_out)
         if len(experts) != 1:
-            raise ValueError(f"{name}: {key} mixes rows of several experts")
+            raise FinetuneError(
+                f"--format vllm: {name}: transformers saves {key} with rows of several "
+                "experts, so its LoRA has no name vLLM loads; use --format peft or --format "
+                "merged"
+            )
         expert = int(experts[0]) if len(shape) == 3 else None
         out.append(CheckpointRows(key.removesuffix(".weight"), expert, values % n_out))
     return out
