@@ -192,7 +192,7 @@ def vllm_tensors(
             if leaf not in allowed:
                 skipped.setdefault(_VLLM_NOT_APPLIED.get(leaf, _NOT_VERIFIED), []).append(owner)
                 continue
-            weight = module.get_base_layer().weight
+            weight = module.get_base_layer().get_parameter("weight")
             for w in checkpoint_rows(base_model, f"{owner}.weight", tuple(weight.shape), out_dim=0):
                 put(w.key, a, b if w.rows is None else b[w.rows])
                 targets.add(w.key.rsplit(".", 1)[-1])

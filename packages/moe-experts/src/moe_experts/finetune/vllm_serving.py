@@ -271,7 +271,7 @@ def base_architecture(base: str, model: Any) -> str | None:
         architectures = json.loads(path.read_text()).get("architectures")
     if not architectures:
         architectures = getattr(getattr(model, "config", None), "architectures", None)
-    return architectures[0] if architectures else None
+    return str(architectures[0]) if architectures else None
 
 
 def checkpoint_module(model: Any, module: str) -> str:
@@ -290,4 +290,4 @@ def checkpoint_module(model: Any, module: str) -> str:
         return module
     probe = f"{module}.lora_name_probe.weight"  # matches renames of the path, no converter
     (key,) = revert_weight_conversion(model, {probe: torch.zeros(1, 1)})
-    return key.removesuffix(".lora_name_probe.weight")
+    return str(key).removesuffix(".lora_name_probe.weight")
