@@ -386,6 +386,7 @@ def test_expert_config_keys_are_the_ones_the_model_reads(family: str) -> None:
     # Built with other values under the keys expert_config names, the model must follow them:
     # its experts' E, and the k of the top_k_index its blocks hand the experts.
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     config = tiny_config(family)
     named = expert_config(config)
@@ -394,7 +395,9 @@ def test_expert_config_keys_are_the_ones_the_model_reads(family: str) -> None:
     setattr(config.get_text_config(), named.num_experts_key, e)
     setattr(config.get_text_config(), named.top_k_key, k)
     assert expert_config(config) == ExpertConfig(named.num_experts_key, e, named.top_k_key, k)
-    auto = AutoModelForImageTextToText if hasattr(config, "vision_config") else AutoModelForCausalLM
+    # As tiny_model picks the class (Mistral 4's causal LM is mapped as image-text-to-text only).
+    causal = config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    auto = AutoModelForCausalLM if causal else AutoModelForImageTextToText
     model = auto.from_config(config).eval()
     arch = find_architecture(model)
     seen: list[int] = []
