@@ -195,3 +195,34 @@ def test_print_config_shows_the_device_settings(tmp_path: Path, cli) -> None:
     bad = cli.run(["--config", str(cfg), "--print-config"])
     assert bad.returncode == 1
     assert "model.device 'gpu'" in bad.stderr
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a CPU machine")
+def test_generate_device_cuda_refused_before_loading(tmp_path: Path, cli_env) -> None:
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "import sys; from moe_experts.finetune.cli import main; sys.exit(main())",
+            "generate",
+            "--adapter",
+            str(tmp_path / "none"),  # never looked at: the device is refused first
+            "--prompt",
+            "hi",
+            "--device",
+            "cuda",
+        ],
+        env=cli_env,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        check=False,
+    )
+    assert proc.returncode == 1
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1, proc.stderr
+    assert lines[0].startswith("error: --device cuda:")
+    assert "Traceback" not in proc.stderr

@@ -49,13 +49,20 @@ class HotExperts:
         cold: ``[E]`` bool on the host: the experts the kernel still runs.
     """
 
-    def __init__(self, experts: KernelExperts, n: int, device: torch.device) -> None:
+    def __init__(
+        self,
+        experts: KernelExperts,
+        n: int,
+        device: torch.device,
+        dtype: torch.dtype | None = None,
+    ) -> None:
         """Start counting for ``experts``; nothing is resident yet."""
         self.experts_ref = experts
         self.n = n
         self.device = torch.device(device)
         # bf16 on an accelerator (what it computes in); fp32 on the CPU: exact against the host.
-        self.dtype = torch.float32 if self.device.type == "cpu" else torch.bfloat16
+        default = torch.float32 if self.device.type == "cpu" else torch.bfloat16
+        self.dtype = default if dtype is None else dtype
         e = experts.spec.num_experts
         self.counts = torch.zeros(e, dtype=torch.int64, device=self.device)
         self.counting = True
@@ -275,6 +282,7 @@ def enable_gpu_experts(
     *,
     count_calls: int = 1,
     device: torch.device | str | None = None,
+    dtype: torch.dtype | None = None,
 ) -> GpuExperts:
     """Keep each MoE layer's ``n`` most-routed experts resident on the dense device.
 
@@ -284,6 +292,7 @@ def enable_gpu_experts(
         count_calls: training forwards counted before the sets are fixed (at the start of
             the next training forward).
         device: the dense device (default: the input embedding's).
+        dtype: the resident weights' dtype (default: bf16 on an accelerator, fp32 on the CPU).
 
     Returns:
         The :class:`GpuExperts` handle (``fix``, ``sets``, ``restore``, ``remove``).
@@ -310,5 +319,6 @@ def enable_gpu_experts(
                 f"n={n} hot experts, but {site.experts_name} has {e} routed experts; pass at "
                 f"most {e}"
             )
-        experts.hot = layers[site.experts_name] = HotExperts(experts, n, torch.device(device))
+        hot = HotExperts(experts, n, torch.device(device), dtype)
+        experts.hot = layers[site.experts_name] = hot
     return GpuExperts(model, layers, count_calls)

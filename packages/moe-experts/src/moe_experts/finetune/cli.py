@@ -311,9 +311,9 @@ def finetune_main(argv: Sequence[str] | None = None, prog: str = "moe-experts fi
         return 130
     except FinetuneError as exc:
         return report_error(exc, debug=ns.debug)
-    if summary.world_size > 1:
-        import torch.distributed as dist
+    import torch.distributed as dist
 
+    if dist.is_initialized():  # several ranks, or one GPU rank on NCCL
         dist.destroy_process_group()
         if not lead:
             return 0

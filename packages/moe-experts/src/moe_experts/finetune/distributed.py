@@ -50,8 +50,11 @@ def init_distributed(backend: str = "gloo", device: torch.device | None = None) 
         FinetuneError: NCCL did not start; names the rank, its device and the cause.
     """
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1 and not dist.is_initialized():
-        nccl = device is not None and device.type == "cuda"
+    nccl = device is not None and device.type == "cuda"
+    # Under torchrun on GPUs even one rank starts NCCL (and FSDP on its CUDA mesh), so a
+    # one-GPU machine runs the multi-GPU code path.
+    launched = nccl and "TORCHELASTIC_RUN_ID" in os.environ
+    if (world > 1 or launched) and not dist.is_initialized():
         try:
             if nccl:
                 torch.cuda.set_device(device)

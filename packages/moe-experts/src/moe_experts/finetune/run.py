@@ -173,7 +173,7 @@ def run_finetune(args: FinetuneArgs, stop: StopRequest | None = None) -> Finetun
     if ranks.rank == 0:
         line = placement_summary(setup, loaded.model, checkpointing=args.gradient_checkpointing)
         print(line, file=sys.stderr)
-    if ranks.world > 1:
+    if dist.is_initialized():  # torchrun: several ranks, or one GPU rank on NCCL
         shard_dense(loaded.model, _expert_parameters(loaded.model), placement.dense.type)
         result = rebind_parameters(result, loaded.model)  # fully_shard made new Parameters
     optimizer = torch.optim.AdamW(result.parameters(), lr=args.lr, weight_decay=0.0)
