@@ -186,3 +186,57 @@ def test_checkpointed_layers_equal_plain(fresh, family: str) -> None:
     torch.testing.assert_close(loss_b, loss_a, rtol=0, atol=0)
     for name, g in grads_a.items():
         torch.testing.assert_close(grads_b[name], g, rtol=1e-5, atol=1e-7, msg=name)
+
+
+@pytest.mark.timeout(120)
+# gpt_oss: interleaved gate/up, so the adopted B rows are reordered on their way to the kernel.
+@pytest.mark.parametrize("family", ["qwen3_moe", "gpt_oss"])
+def test_overlap_and_hot_experts_with_adopted_peft_lora(fresh, family: str) -> None:
+    import peft
+
+    def peft_model():
+        torch.manual_seed(0)  # PEFT draws lora_A from the global generator
+        pm = peft.get_peft_model(
+            fresh(family),
+            peft.LoraConfig(
+                r=2,
+                lora_alpha=4,
+                target_modules=[],
+                target_parameters=["mlp.experts.gate_up_proj", "mlp.experts.down_proj"],
+            ),
+        )
+        gen = torch.Generator().manual_seed(3)
+        with torch.no_grad():
+            for n, p in pm.named_parameters():
+                if "lora_B" in n:
+                    p.copy_(torch.randn(p.shape, generator=gen) * 0.2)
+        wrap(pm, weight_dtype="fp32")
+        return pm.train()
+
+    def step(pm):
+        pm.zero_grad(set_to_none=True)
+        torch.manual_seed(1)
+        out = pm(token_batch(), labels=token_batch())
+        out.loss.backward()
+        grads = {n: p.grad.clone() for n, p in pm.named_parameters() if p.grad is not None}
+        return out.loss.detach(), grads
+
+    loss_a, grads_a = step(peft_model())
+    assert grads_a  # PEFT's own parameters got gradients through the kernel
+    overlapped = peft_model()
+    enable_overlap(overlapped)
+    loss_b, grads_b = step(overlapped)
+    assert torch.equal(loss_a, loss_b)
+    assert grads_a.keys() == grads_b.keys()
+    for name, g in grads_a.items():
+        assert torch.equal(g, grads_b[name]), name
+    hot_model = peft_model()
+    gpu = enable_gpu_experts(hot_model, 3, count_calls=1)
+    step(hot_model)
+    gpu.fix()
+    loss_c, grads_c = step(hot_model)
+    tol = SELF_CHECK_TOLERANCE[torch.float32]
+    torch.testing.assert_close(loss_c, loss_a, rtol=tol, atol=tol)
+    for name, g in grads_a.items():
+        err = (grads_c[name] - g).abs().max()
+        assert err <= tol * g.abs().max().clamp_min(1e-6), (name, float(err))
