@@ -423,13 +423,15 @@ class _Collect(torch.autograd.Function):
     def forward(ctx: Any, call: _HostCall, token: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
         """``[T, H]`` routed output on the dense device."""
         ctx.call = call
+        ctx.token = (token.dtype, token.device)
         return call.finish_forward()
 
     @staticmethod
     def backward(ctx: Any, dy: torch.Tensor) -> tuple[None, torch.Tensor]:  # type: ignore[override]
         """Hand ``dy`` to the host and return at once (the token's gradient is empty)."""
         ctx.call.start_backward(dy.contiguous())
-        return None, dy.new_empty(0)
+        dtype, device = ctx.token
+        return None, torch.empty(0, dtype=dtype, device=device)
 
 
 # ----------------------------------------------------------------- independent work
