@@ -17,7 +17,7 @@ CUDA (``--device cuda``) ``torch.cuda.max_memory_allocated`` minus the allocatio
 keeps its share of the total, and a 2-core machine can run T=8192.
 
 Usage: ``python bench_checkpointing.py --out DIR [--quick] [--lengths 8192] [--device cpu]
-[--narrow N]``.
+[--narrow N] [--policies save,recompute]``.
 Writes ``bench_checkpointing.json`` and ``bench_checkpointing.md``.
 """
 
@@ -141,6 +141,7 @@ def main() -> int:
     ap.add_argument("--lengths", default="8192")
     ap.add_argument("--layers", type=int, default=4)
     ap.add_argument("--device", default="cpu")
+    ap.add_argument("--policies", default="save,recompute", help="kernel policies to run")
     ap.add_argument(
         "--narrow",
         type=int,
@@ -159,6 +160,8 @@ def main() -> int:
     rows = []
     for seq in lengths:
         for ckpt, policy in VARIANTS:
+            if policy not in args.policies.split(","):
+                continue
             spec = {"seq": seq, "checkpointing": ckpt, "policy": policy, "device": args.device,
                     "layers": args.layers, "quick": args.quick, "narrow": args.narrow}  # fmt: skip
             proc = subprocess.run(
