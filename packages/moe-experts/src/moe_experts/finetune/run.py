@@ -30,7 +30,13 @@ from moe_experts.finetune.distributed import Ranks, init_distributed, shard_dens
 from moe_experts.finetune.errors import FinetuneError
 from moe_experts.finetune.formats import Sample
 from moe_experts.finetune.interrupts import StopRequest
-from moe_experts.finetune.loop import FinetuneSummary, TrainingJob, restore_checkpoint, train
+from moe_experts.finetune.loop import (
+    FinetuneSummary,
+    TrainingJob,
+    check_later_checkpoints,
+    restore_checkpoint,
+    train,
+)
 from moe_experts.finetune.loss import full_logits_reason
 from moe_experts.finetune.models import (
     BUILTIN_MODELS,
@@ -198,7 +204,8 @@ def run_finetune(args: FinetuneArgs, stop: StopRequest | None = None) -> Finetun
     )
     if args.resume is not None:
         job.first_step, job.last_eval = restore_checkpoint(
-            args.resume, result, optimizer, args.steps
+            args.resume, result, optimizer, args.steps, ranks
         )
+        check_later_checkpoints(args.output / "checkpoints", job.first_step, args.steps)
         restore_gpu_experts(setup, args.resume)
     return train(job)
