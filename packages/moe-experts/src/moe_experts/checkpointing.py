@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import warnings
 from contextlib import AbstractContextManager
+from typing import Any
 
 from torch import nn
 
@@ -42,14 +43,15 @@ def enable_gradient_checkpointing(model: nn.Module) -> int:
         WrapError: the model does not support activation checkpointing.
     """
     kwargs = {"use_reentrant": False, "context_fn": replay_contexts}
-    enable = getattr(model, "activation_checkpointing_enable", None)
+    enable: Any = getattr(model, "activation_checkpointing_enable", None)
+    legacy: Any = getattr(model, "gradient_checkpointing_enable", None)
     try:
         if enable is not None:  # transformers >= 5.24
             enable(activation_checkpointing_kwargs=kwargs)
         else:
             with warnings.catch_warnings():
                 warnings.simplefilter("ignore", FutureWarning)
-                model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+                legacy(gradient_checkpointing_kwargs=kwargs)
     except (AttributeError, ValueError) as exc:
         raise WrapError(
             f"{type(model).__name__} does not support activation checkpointing ({exc}); run "

@@ -308,7 +308,8 @@ def enable_gpu_experts(
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise GpuExpertsError(f"n must be a positive int (experts per layer), got {n!r}")
     if device is None:
-        embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+        getter: Any = getattr(model, "get_input_embeddings", None)
+        embed = getter() if callable(getter) else None
         weight = getattr(embed, "weight", None)
         device = _local(weight).device if isinstance(weight, torch.Tensor) else "cpu"
     layers: dict[str, HotExperts] = {}

@@ -75,7 +75,7 @@ def _side_stream(device: torch.device) -> Any:
     with _LOCK:
         stream = _SIDE_STREAMS.get(device)
         if stream is None:
-            stream = _SIDE_STREAMS[device] = torch.cuda.Stream(device)
+            stream = _SIDE_STREAMS[device] = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]
         return stream
 
 
@@ -113,7 +113,7 @@ class GpuIdleMeter:
     bounds: list[Any] = field(default_factory=list)
 
     def _event(self) -> Any:
-        event = torch.cuda.Event(enable_timing=True)
+        event = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
         event.record()
         return event
 
@@ -271,7 +271,7 @@ class _HostCall:
         side.wait_stream(main)
         with torch.cuda.stream(side):
             out = tuple(t.detach().to("cpu", non_blocking=True) for t in tensors)
-            copied = torch.cuda.Event()
+            copied = torch.cuda.Event()  # type: ignore[no-untyped-call]
             copied.record(side)
         for t in tensors:
             t.record_stream(side)  # the caching allocator must not reuse them before the copy
@@ -288,7 +288,7 @@ class _HostCall:
                 out = tuple(
                     None if t is None else t.to(self.device, non_blocking=True) for t in tensors
                 )
-                done = torch.cuda.Event()
+                done = torch.cuda.Event()  # type: ignore[no-untyped-call]
                 done.record(side)
             main.wait_event(done)
             for t in out:
@@ -330,7 +330,8 @@ class _HostCall:
         """Wait for the kernel's output and bring it to the dense device."""
         y, start = self._wait()
         (out,) = self._to_device(start, y)
-        return out
+        result: torch.Tensor = out
+        return result
 
     # -- backward
     def start_backward(self, dy: torch.Tensor) -> None:
@@ -399,7 +400,7 @@ class _Launch(torch.autograd.Function):
     """Forward: start the host call. Backward: wait for ``dx`` / ``d topk_weights``."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any, call: _HostCall, hidden: torch.Tensor, w: torch.Tensor, *anchors: torch.Tensor
     ) -> torch.Tensor:
         """Copy and start; the returned empty token orders ``_Collect`` after this node."""
@@ -409,7 +410,7 @@ class _Launch(torch.autograd.Function):
         return hidden.new_empty(0)
 
     @staticmethod
-    def backward(ctx: Any, _token: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx: Any, _token: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         """The host gradients of the hidden states and routing weights."""
         dx, dw = ctx.call.finish_backward()
         # The LoRA anchors got their gradients from the kernel's own graph already.
@@ -420,14 +421,14 @@ class _Collect(torch.autograd.Function):
     """Forward: wait for the kernel's output. Backward: start the kernel's backward."""
 
     @staticmethod
-    def forward(ctx: Any, call: _HostCall, token: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, call: _HostCall, token: torch.Tensor) -> torch.Tensor:
         """``[T, H]`` routed output on the dense device."""
         ctx.call = call
         ctx.token = (token.dtype, token.device)
         return call.finish_forward()
 
     @staticmethod
-    def backward(ctx: Any, dy: torch.Tensor) -> tuple[None, torch.Tensor]:  # type: ignore[override]
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[None, torch.Tensor]:
         """Hand ``dy`` to the host and return at once (the token's gradient is empty)."""
         ctx.call.start_backward(dy.contiguous())
         dtype, device = ctx.token
@@ -575,14 +576,18 @@ def routed_experts(
         if call.grad:
             # The LoRA leaves ride along as inputs so the node exists even when neither the
             # hidden states nor the routing weights need a gradient.
-            token = _Launch.apply(call, hidden, w, *anchors)
+            token = _Launch.apply(call, hidden, w, *anchors)  # type: ignore[no-untyped-call]
         else:
             call.start_forward(hidden, w, grad=False)
             token = None
         if cache is not None:
             cache.precompute()  # the GPU works on these while the host computes
         hot_y = resident.forward(experts, hidden, ids, w, use_lora) if resident else None
-        y = _Collect.apply(call, token) if token is not None else call.finish_forward()
+        y = (
+            _Collect.apply(call, token)  # type: ignore[no-untyped-call]
+            if token is not None
+            else call.finish_forward()
+        )
         if replay is not None:
             replay.push(experts, y)
     if hot_y is not None:

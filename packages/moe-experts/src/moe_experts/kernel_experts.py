@@ -194,6 +194,7 @@ class KernelExperts(nn.Module):
         """The trainable leaf tensors behind :meth:`call_lora` (the parameters it reads)."""
         if not use_lora:
             return ()
+        params: list[torch.Tensor]
         if self._peft is not None:
             params = [p for p, _ in self._peft.sources.values()]
         elif self.lora is not None:

@@ -199,10 +199,9 @@ def _gpu_numa_node(index: int) -> int | None:
     """The NUMA node of ``cuda:index`` from its PCI address, or ``None`` where unknown."""
     try:
         props = torch.cuda.get_device_properties(index)
-        address = (
-            f"{getattr(props, 'pci_domain_id', 0):04x}:{props.pci_bus_id:02x}:"
-            f"{props.pci_device_id:02x}.0"
-        )
+        # getattr: older torch builds lack the PCI fields (then: unknown, an even share).
+        bus, slot = getattr(props, "pci_bus_id"), getattr(props, "pci_device_id")  # noqa: B009
+        address = f"{getattr(props, 'pci_domain_id', 0):04x}:{bus:02x}:{slot:02x}.0"
         node = int((_SYS_PCI / address / "numa_node").read_text())
     except (AttributeError, OSError, ValueError, RuntimeError, AssertionError):
         return None

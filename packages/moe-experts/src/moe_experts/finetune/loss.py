@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 from torch import nn
@@ -104,7 +105,8 @@ def head_weight(head: nn.Module) -> torch.Tensor:
 
 def _on_model_device(model: nn.Module, batch: Batch) -> Batch:
     """``batch`` on the device of the model's input embedding (a GPU for ``--device cuda``)."""
-    embed = model.get_input_embeddings() if hasattr(model, "get_input_embeddings") else None
+    getter: Any = getattr(model, "get_input_embeddings", None)
+    embed = getter() if callable(getter) else None
     weight = getattr(embed, "weight", None)
     if not isinstance(weight, torch.Tensor) or weight.device == batch.input_ids.device:
         return batch
