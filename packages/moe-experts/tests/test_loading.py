@@ -338,9 +338,9 @@ def test_shipped_head_is_kept_as_from_pretrained_keeps_it(
     ref = _reference(tmp_path, torch.float32, "fp32")
     got = load_pretrained(tmp_path, weight_dtype="fp32", dtype=torch.float32)
     tied = head != "distinct"
-    for m in (ref, got):
+    for which, m in (("from_pretrained", ref), ("load_pretrained", got)):
         out, inp = m.get_output_embeddings().weight, m.get_input_embeddings().weight
-        assert (out is inp) == tied, (family, head)
+        assert (out is inp) == tied, which
         if not tied:
             assert torch.equal(out, shipped)
             assert not torch.equal(out, inp)
