@@ -89,14 +89,15 @@ def head_weight(head: nn.Module) -> torch.Tensor:
         head: the model's ``lm_head``, accepted by :func:`full_logits_reason`.
 
     Returns:
-        ``head.weight``, or for a ``LoRALinear`` ``W + scaling * B @ A`` in ``W``'s dtype.
+        ``head.weight``, or for a ``LoRALinear`` ``W + scaling * B @ A`` in ``W``'s dtype
+        (``W`` alone while its adapter is merged or switched off).
     """
     from lora_core import LoRALinear
 
     if not isinstance(head, LoRALinear):
         return _local(head.weight)
     w = _local(head.base_layer.weight)
-    if head.merged:
+    if not head.adds_update:  # merged into W, or switched off (adapters_disabled)
         return w
     a, b = _local(head.lora_A.weight), _local(head.lora_B.weight)
     return w + ((b @ a) * head.scaling).to(w.dtype)
