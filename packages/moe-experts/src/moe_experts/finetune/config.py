@@ -84,6 +84,14 @@ class FinetuneArgs:
     # the run (silently untrained experts or routers are the commonest MoE-LoRA failure).
     warn_missing_gradients: bool = False
     seed: int = 0
+    # sft: cross-entropy on the data; dpo/orpo: preference pairs (finetune/preference.py).
+    method: str = "sft"
+    dpo_loss: str = "sigmoid"  # a name in preference.DPO_LOSSES
+    beta: float = 0.1  # DPO's beta (IPO's tau)
+    label_smoothing: float = 0.0  # conservative DPO: the share of pairs assumed flipped
+    orpo_lambda: float = 0.1  # the weight of ORPO's odds-ratio term (TRL's ORPOConfig.beta)
+    # DPO: every reference log-probability in one pass before training, kept in --output.
+    precompute_reference: bool = False
     eval_every: int | None = None  # None: evaluate at the end only (when there is eval data)
     output: Path = Path("finetune-output")
     save_every: int | None = None  # None: save at the end (and on interrupt) only
@@ -111,6 +119,10 @@ def _at_least(n: int) -> Check:
 
 def _fraction(v: float) -> str | None:
     return None if 0 < v < 1 else "must be a fraction strictly between 0 and 1, e.g. 0.05"
+
+
+def _half_probability(v: float) -> str | None:
+    return None if 0 <= v < 0.5 else "must be in [0, 0.5), e.g. 0.1 (0: no smoothing)"
 
 
 def _probability(v: float) -> str | None:
@@ -311,6 +323,62 @@ OPTIONS: tuple[Option, ...] = (
         "non-zero gradient in the first step",
     ),
     Option("seed", "--seed", "training", "seed", int, "data order and LoRA initialisation"),
+    Option(
+        "method",
+        "--method",
+        "training",
+        "method",
+        str,
+        "sft: supervised (text, chat, instruction data); dpo or orpo: preference pairs "
+        "(--batch-size then counts pairs)",
+        choices=("sft", "dpo", "orpo"),
+    ),
+    Option(
+        "dpo_loss",
+        "--dpo-loss",
+        "training",
+        "dpo_loss",
+        str,
+        "--method dpo: sigmoid (DPO) or ipo (IPO, length-normalised), as TRL's loss_type",
+        choices=("sigmoid", "ipo"),
+    ),
+    Option(
+        "beta",
+        "--beta",
+        "training",
+        "beta",
+        float,
+        "--method dpo: how far the policy may move from the reference (IPO: tau)",
+        check=_positive_finite,
+    ),
+    Option(
+        "label_smoothing",
+        "--label-smoothing",
+        "training",
+        "label_smoothing",
+        float,
+        "--method dpo with --dpo-loss sigmoid: the assumed share of flipped preference "
+        "labels (conservative DPO), e.g. 0.1",
+        check=_half_probability,
+    ),
+    Option(
+        "orpo_lambda",
+        "--orpo-lambda",
+        "training",
+        "orpo_lambda",
+        float,
+        "--method orpo: the weight of the odds-ratio term beside the chosen answers' NLL",
+        check=_positive_finite,
+    ),
+    Option(
+        "precompute_reference",
+        "--precompute-reference",
+        "training",
+        "precompute_reference",
+        bool,
+        "--method dpo: compute every reference log-probability in one pass before training "
+        "and keep them in --output (a resumed run reuses them)",
+    ),
     Option(
         "eval_every",
         "--eval-every",

@@ -25,7 +25,7 @@ from torch import nn
 
 from moe_experts.finetune.data import IGNORE_INDEX, Batch
 
-__all__ = ["full_logits_reason", "head_weight", "token_loss_sum"]
+__all__ = ["final_hidden", "full_logits_reason", "head_weight", "token_loss_sum"]
 
 # Config fields of families whose logits are not plain ``lm_head(hidden)`` (Gemma's
 # soft-capping, Cohere's logit_scale, Granite's logits_scaling); 1.0 or None leaves them so.
@@ -113,6 +113,17 @@ def _without_head(model: nn.Module) -> Iterator[nn.Module]:
         model.lm_head = head
 
 
+def final_hidden(model: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """The last hidden states ``[B, L, H]`` of ``batch`` and the ``[V, H]`` head weight.
+
+    For a model that :func:`full_logits_reason` accepts: the head is taken out of the forward
+    (no ``[B, L, V]`` logits) and its weight read afterwards (FSDP2 has gathered it by then).
+    """
+    with _without_head(model) as head:
+        hidden = model(**batch.model_inputs()).logits
+    return hidden, head_weight(head)
+
+
 def token_loss_sum(model: nn.Module, batch: Batch, mode: str = "chunked") -> torch.Tensor:
     """Summed cross-entropy over the batch's target tokens (a 0-d float32 tensor).
 
@@ -135,11 +146,10 @@ def token_loss_sum(model: nn.Module, batch: Batch, mode: str = "chunked") -> tor
     if mode == "chunked" and full_logits_reason(model) is None:
         from moe_experts.losses import chunked_lm_cross_entropy
 
-        with _without_head(model) as head:
-            hidden = model(**batch.model_inputs()).logits
+        hidden, weight = final_hidden(model, batch)
         # num_targets=1: the sum, not the mean (the loop divides by the step's count).
         return chunked_lm_cross_entropy(
-            hidden, head_weight(head), batch.labels, num_targets=1, ignore_index=IGNORE_INDEX
+            hidden, weight, batch.labels, num_targets=1, ignore_index=IGNORE_INDEX
         )
     logits = model(**batch.model_inputs()).logits
     return nn.functional.cross_entropy(

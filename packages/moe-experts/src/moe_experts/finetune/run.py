@@ -55,9 +55,15 @@ def _hold_out(
 
 def _read_samples(args: FinetuneArgs) -> tuple[list[Sample], list[Sample]]:
     """Every training and evaluation record, read before the model loads."""
-    samples = load_samples(args.data or default_corpus_path(), args.data_format)
+    from moe_experts.finetune.preference_data import check_preference_samples
+
+    path = args.data or default_corpus_path()
+    samples = load_samples(path, args.data_format)
+    check_preference_samples(path, samples, args.method)  # pairs exactly for dpo/orpo
     if args.eval_data is not None:
-        return samples, load_samples(args.eval_data, args.data_format)
+        held = load_samples(args.eval_data, args.data_format)
+        check_preference_samples(args.eval_data, held, args.method)
+        return samples, held
     if args.eval_split is not None:
         return _hold_out(samples, args.eval_split, args.seed)
     return samples, []
@@ -159,13 +165,20 @@ def run_finetune(args: FinetuneArgs, stop: StopRequest | None = None) -> Finetun
         shard_dense(loaded.model, _expert_parameters(loaded.model))
         result = rebind_parameters(result, loaded.model)  # fully_shard made new Parameters
     optimizer = torch.optim.AdamW(result.parameters(), lr=args.lr, weight_decay=0.0)
-    batches, eval_batches = _datasets(args, loaded.tokenizer, samples, eval_samples)
-    if ranks.rank == 0:
-        print(
-            f"packed {batches.rows.shape[0]} rows of {args.seq_len + 1} tokens "
-            f"({batches.padding_fraction:.1%} padding)",
-            file=sys.stderr,
-        )
+    objective = None  # sft: token cross-entropy
+    if args.method != "sft":
+        from moe_experts.finetune.preference_setup import prepare_preference
+
+        pref = prepare_preference(args, loaded, samples, eval_samples, ranks)
+        batches, eval_batches, objective = pref.batches, pref.eval_batches, pref.objective
+    else:
+        batches, eval_batches = _datasets(args, loaded.tokenizer, samples, eval_samples)
+        if ranks.rank == 0:
+            print(
+                f"packed {batches.rows.shape[0]} rows of {args.seq_len + 1} tokens "
+                f"({batches.padding_fraction:.1%} padding)",
+                file=sys.stderr,
+            )
     job = TrainingJob(
         args=args,
         model=loaded.model,
@@ -176,6 +189,7 @@ def run_finetune(args: FinetuneArgs, stop: StopRequest | None = None) -> Finetun
         ranks=ranks,
         model_source=loaded.source,
         stop=stop,
+        objective=objective,
     )
     if args.resume is not None:
         job.first_step, job.last_eval = restore_checkpoint(
