@@ -74,6 +74,65 @@ def our_grads_in_peft_layout(result: AdaptationResult) -> dict[str, torch.Tensor
     return out
 
 
+def _one_step(
+    base: Any,
+    peft_config: Any,
+    load_values: Any,
+    tokenizer: Any,
+    records: list[dict[str, Any]],
+    out: Path,
+    method: str,
+    config: dict[str, Any],
+) -> tuple[float, dict[str, float], Any]:
+    from datasets import Dataset
+
+    common: dict[str, Any] = {
+        "output_dir": str(out),
+        "per_device_train_batch_size": len(records),
+        "report_to": [],
+        "use_cpu": True,
+        "max_length": None if method == "dpo" else 4096,
+        "logging_steps": 1,
+    }
+    if method == "dpo":
+        # No MoE load-balancing term: ours trains the preference loss alone (as SFT does).
+        common["router_aux_loss_coef"] = 0.0
+    data = Dataset.from_list(records)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        if method == "dpo":
+            from trl import DPOConfig, DPOTrainer
+
+            trainer: Any = DPOTrainer(
+                model=base,
+                args=DPOConfig(**common, **config),
+                train_dataset=data,
+                processing_class=tokenizer,
+                peft_config=peft_config,
+            )
+        else:
+            from trl.experimental.orpo import ORPOConfig, ORPOTrainer
+
+            trainer = ORPOTrainer(
+                model=base,
+                args=ORPOConfig(**common, **config),
+                train_dataset=data,
+                processing_class=tokenizer,
+                peft_config=peft_config,
+            )
+    model = trainer.model
+    load_values(model)
+    model.train()
+    batch = next(iter(trainer.get_train_dataloader()))
+    loss = trainer.compute_loss(model, batch)
+    loss.backward()
+    if method == "dpo":
+        metrics = {k: float(v[-1]) for k, v in trainer._metrics["train"].items()}
+    else:
+        metrics = {k: float(v[-1]) for k, v in trainer._stored_metrics["train"].items()}
+    return float(loss.detach()), metrics, model
+
+
 def trl_step(
     model_dir: Path,
     result: AdaptationResult,
@@ -96,50 +155,45 @@ def trl_step(
         ``(loss, metrics, our fqn -> PEFT Parameter)``: TRL's loss, its metrics (TRL's names)
         and the adapter parameters, whose ``.grad`` holds the gradient.
     """
-    from datasets import Dataset
+    pairs: dict[str, torch.nn.Parameter] = {}
+    loss, metrics, _ = _one_step(
+        _base(model_dir),
+        _peft_config(result),
+        lambda model: pairs.update(copy_ours(model, result)),
+        tokenizer,
+        records,
+        out,
+        method,
+        config,
+    )
+    return loss, metrics, pairs
 
-    common: dict[str, Any] = {
-        "output_dir": str(out),
-        "per_device_train_batch_size": len(records),
-        "report_to": [],
-        "use_cpu": True,
-        "max_length": None if method == "dpo" else 4096,
-        "logging_steps": 1,
-    }
-    if method == "dpo":
-        # No MoE load-balancing term: ours trains the preference loss alone (as SFT does).
-        common["router_aux_loss_coef"] = 0.0
-    data = Dataset.from_list(records)
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        if method == "dpo":
-            from trl import DPOConfig, DPOTrainer
 
-            trainer: Any = DPOTrainer(
-                model=_base(model_dir),
-                args=DPOConfig(**common, **config),
-                train_dataset=data,
-                processing_class=tokenizer,
-                peft_config=_peft_config(result),
-            )
-        else:
-            from trl.experimental.orpo import ORPOConfig, ORPOTrainer
+def trl_dpo_from_adapter(
+    base: Any,
+    peft_config: Any,
+    state: dict[str, torch.Tensor],
+    tokenizer: Any,
+    records: list[dict[str, Any]],
+    out: Path,
+    **config: Any,
+) -> tuple[float, dict[str, float], dict[str, torch.nn.Parameter]]:
+    """:func:`trl_step` (DPO) with the adapter values of a saved PEFT adapter ``state``.
 
-            trainer = ORPOTrainer(
-                model=_base(model_dir),
-                args=ORPOConfig(**common, **config),
-                train_dataset=data,
-                processing_class=tokenizer,
-                peft_config=_peft_config(result),
-            )
-    model = trainer.model
-    pairs = copy_ours(model, result)
-    model.train()
-    batch = next(iter(trainer.get_train_dataloader()))
-    loss = trainer.compute_loss(model, batch)
-    loss.backward()
-    if method == "dpo":
-        metrics = {k: float(v[-1]) for k, v in trainer._metrics["train"].items()}
-    else:
-        metrics = {k: float(v[-1]) for k, v in trainer._stored_metrics["train"].items()}
-    return float(loss.detach()), metrics, pairs
+    Returns:
+        ``(loss, metrics, PEFT parameter name -> Parameter)``.
+    """
+    from peft import set_peft_model_state_dict
+
+    # A saved adapter_config.json says inference_mode: true; TRL is to train this one.
+    peft_config.inference_mode = False
+
+    def load(model: Any) -> None:
+        outcome = set_peft_model_state_dict(model, state)
+        assert not outcome.unexpected_keys, outcome.unexpected_keys
+
+    loss, metrics, model = _one_step(
+        base, peft_config, load, tokenizer, records, out, "dpo", config
+    )
+    named = {n: p for n, p in model.named_parameters() if p.requires_grad}
+    return loss, metrics, named
