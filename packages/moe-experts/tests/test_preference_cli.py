@@ -103,8 +103,27 @@ def test_torchrun_two_ranks_grad_accum_equals_trl(tmp_path: Path) -> None:
         "--max-grad-norm", "inf", "--no-progress",
     ]  # fmt: skip
     first = tmp_path / "one"
+    held = tmp_path / "held.jsonl"
+    held.write_text("".join(data.read_text().splitlines(keepends=True)[:3]))
     # A checkpoint resumes under the world size that wrote it: step 1 runs on 2 ranks too.
-    _run([*common, "--steps", "1", "--grad-accum", "2", "--output", str(first)], env, nproc=2)
+    _run(
+        [
+            *common, "--steps", "1", "--grad-accum", "2", "--output", str(first),
+            "--eval-data", str(held), "--report-to", "tensorboard",
+        ],
+        env,
+        nproc=2,
+    )  # fmt: skip
+    # TensorBoard gets TRL's names too (train/..., eval/...), the values of train_log.jsonl.
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    record = _log(first)[1]
+    acc = EventAccumulator(str(first / "tensorboard"))
+    acc.Reload()
+    for name in METRICS:
+        for split, key in (("train", name), ("eval", f"eval_{name}")):
+            (event,) = acc.Scalars(f"{split}/{name}")
+            assert event.value == pytest.approx(record[key], rel=1e-6, abs=1e-7), name
     ckpt = first / "checkpoints" / "step-00000001"
     second = tmp_path / "two"
     grads_file = tmp_path / "grads.safetensors"
