@@ -39,7 +39,7 @@ _HINTS = {
 }
 
 
-def io_error(exc: OSError, path: Path | str, action: str) -> CheckpointIOError:
+def io_error(exc: OSError, path: str | os.PathLike[str], action: str) -> CheckpointIOError:
     """Return the :class:`CheckpointIOError` naming ``path`` for an ``OSError``, to raise."""
     code = errno.errorcode.get(exc.errno or 0, str(exc.errno))
     hint = _HINTS.get(exc.errno or 0, "check the file system")

@@ -33,10 +33,12 @@ from lora_checkpoint._fs import io_error
 from lora_checkpoint._st_header import (
     DTYPE_TO_CODE,
     NAME_TO_DTYPE,
-    dtype_name,
     header_length,
     match_manifest,
     parse_header,
+)
+from lora_checkpoint._st_header import (
+    dtype_name as dtype_name,  # re-exported: writer and reader name dtypes through here
 )
 from lora_checkpoint.errors import (
     CheckpointError,

@@ -8,6 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -39,6 +40,9 @@ from lora_checkpoint.manifest import FileEntry, Manifest, TensorEntry, TensorKin
 from lora_checkpoint.training_state import TrainingState
 from lora_checkpoint.writer import MANIFEST, training_state_files
 from lora_core.contracts import AdaptationResult
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 __all__ = [
     "CheckpointReport",
@@ -508,7 +512,7 @@ def inspect(
     return CheckpointReport(ckpt, manifest, tuple(found))
 
 
-def _local_part(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+def _local_part(full: torch.Tensor, param: DTensor) -> torch.Tensor:
     from torch.distributed.tensor import Replicate, Shard
 
     mesh = param.device_mesh

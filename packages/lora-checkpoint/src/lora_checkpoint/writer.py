@@ -117,7 +117,7 @@ def _adapter_config(
     result: AdaptationResult, base_model_name_or_path: str | None, task_type: str | None
 ) -> dict[str, Any]:
     cfg = result.lora_config
-    if cfg is None:
+    if cfg is None or cfg.rank is None:
         raise CheckpointError("adapter_config.json needs result.lora_config (rank and alpha)")
     rank = int(cfg.rank)
     alpha: float | int = rank if cfg.alpha is None else float(cfg.alpha)
@@ -548,7 +548,9 @@ def _build_manifest(
         name=name,
         created_at=datetime.now(UTC),
         components=_components(result),
-        lora_config=result.lora_config.model_dump(mode="json") if has_config else None,
+        lora_config=(
+            None if result.lora_config is None else result.lora_config.model_dump(mode="json")
+        ),
         base_model_name_or_path=base_model_name_or_path,
         peft_compatible=has_config and any(f["file"] == ADAPTER_MODEL for f in files),
         world_size=world,
