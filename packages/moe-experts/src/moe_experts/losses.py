@@ -219,5 +219,7 @@ def chunked_token_logprobs(
     _check(hidden, weight, labels, chunk_size)
     if hidden.dim() != 2:
         raise ChunkedLossError(f"hidden must be [N, H] rows, got {tuple(hidden.shape)}")
-    out: torch.Tensor = _ChunkedLogProbs.apply(hidden, weight, labels, chunk_size)
+    out: torch.Tensor = _ChunkedLogProbs.apply(  # type: ignore[no-untyped-call]
+        hidden, weight, labels, chunk_size
+    )
     return out

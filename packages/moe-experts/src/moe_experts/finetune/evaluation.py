@@ -34,11 +34,10 @@ def evaluate(
         ``(loss, metrics)``: the mean over the whole set (NaN when it has nothing to score)
         and the objective's metrics (TRL's ``rewards/chosen`` ... for preference methods).
     """
-    if isinstance(objective, str):
-        objective = TokenObjective(objective)
+    run: Objective = TokenObjective(objective) if isinstance(objective, str) else objective
     totals: dict[str, float] = {}
     for batch in batches:
-        totals = add_totals(totals, objective.totals(batch))
+        totals = add_totals(totals, run.totals(batch))
     if not batches or not any(totals.values()):
         return math.nan, {}
     was_training = model.training
@@ -47,7 +46,7 @@ def evaluate(
     metrics: dict[str, torch.Tensor] = {}
     try:
         for batch in batches:
-            parts = objective.loss(model, batch, totals)
+            parts = run.loss(model, batch, totals)
             loss += parts.loss.double()
             for key, value in parts.metrics.items():
                 metrics[key] = metrics.get(key, torch.zeros((), dtype=torch.float64)) + value

@@ -341,7 +341,11 @@ def train(job: TrainingJob) -> FinetuneSummary:
                         "train/lr": lr,
                         "eval/loss": record.get("eval_loss"),
                         **{f"train/{k}": v for k, v in result.metrics.items()},
-                        **{f"eval/{k}": record.get(f"eval_{k}") for k in job.eval_metrics},
+                        **{
+                            f"eval/{k}": v
+                            for k, v in job.eval_metrics.items()
+                            if "eval_loss" in record  # evaluated at this step
+                        },
                     },
                 )
                 if bar is not None:

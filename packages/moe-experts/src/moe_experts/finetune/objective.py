@@ -33,7 +33,10 @@ class LossParts:
 class Objective(Protocol):
     """A training objective over batches of one kind (token rows, preference pairs)."""
 
-    method: str
+    @property
+    def method(self) -> str:
+        """The ``--method`` it implements (``sft``, ``dpo``, ``orpo``)."""
+        ...
 
     def totals(self, batch: Any) -> dict[str, float]:
         """The normalisers of a whole batch (additive over its parts), e.g. target tokens."""

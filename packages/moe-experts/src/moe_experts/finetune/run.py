@@ -23,7 +23,13 @@ from moe_experts.finetune.distributed import Ranks, init_distributed, shard_dens
 from moe_experts.finetune.errors import FinetuneError
 from moe_experts.finetune.formats import Sample
 from moe_experts.finetune.interrupts import StopRequest
-from moe_experts.finetune.loop import FinetuneSummary, TrainingJob, restore_checkpoint, train
+from moe_experts.finetune.loop import (
+    BatchSource,
+    FinetuneSummary,
+    TrainingJob,
+    restore_checkpoint,
+    train,
+)
 from moe_experts.finetune.loss import full_logits_reason
 from moe_experts.finetune.models import (
     BUILTIN_MODELS,
@@ -31,6 +37,7 @@ from moe_experts.finetune.models import (
     builtin_model_dir,
     load_model,
 )
+from moe_experts.finetune.objective import Objective
 from moe_experts.finetune.targets import resolve_targets
 
 __all__ = ["run_finetune"]
@@ -165,18 +172,21 @@ def run_finetune(args: FinetuneArgs, stop: StopRequest | None = None) -> Finetun
         shard_dense(loaded.model, _expert_parameters(loaded.model))
         result = rebind_parameters(result, loaded.model)  # fully_shard made new Parameters
     optimizer = torch.optim.AdamW(result.parameters(), lr=args.lr, weight_decay=0.0)
-    objective = None  # sft: token cross-entropy
+    objective: Objective | None = None  # sft: token cross-entropy
+    batches: BatchSource
+    eval_batches: list[Any]
     if args.method != "sft":
         from moe_experts.finetune.preference_setup import prepare_preference
 
         pref = prepare_preference(args, loaded, samples, eval_samples, ranks)
         batches, eval_batches, objective = pref.batches, pref.eval_batches, pref.objective
     else:
-        batches, eval_batches = _datasets(args, loaded.tokenizer, samples, eval_samples)
+        packed, eval_batches = _datasets(args, loaded.tokenizer, samples, eval_samples)
+        batches = packed
         if ranks.rank == 0:
             print(
-                f"packed {batches.rows.shape[0]} rows of {args.seq_len + 1} tokens "
-                f"({batches.padding_fraction:.1%} padding)",
+                f"packed {packed.rows.shape[0]} rows of {args.seq_len + 1} tokens "
+                f"({packed.padding_fraction:.1%} padding)",
                 file=sys.stderr,
             )
     job = TrainingJob(
