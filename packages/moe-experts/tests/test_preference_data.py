@@ -80,7 +80,7 @@ def test_the_cli_prints_one_error_line_for_a_missing_side(tmp_path) -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "moe_experts.finetune", "--method", "dpo", "--data", str(path),
          "--output", str(tmp_path / "out"), "--no-progress"],
-        capture_output=True, text=True, timeout=120, check=False,
+        capture_output=True, text=True, timeout=300, check=False,
     )  # fmt: skip
     assert proc.returncode == 1, proc.stderr
     assert "Traceback" not in proc.stderr
@@ -117,7 +117,7 @@ def test_the_method_and_the_records_must_agree(tmp_path, method, records, why) -
 def test_method_settings_are_checked_before_the_model_loads(tmp_path, flags, why) -> None:
     proc = subprocess.run(
         [sys.executable, "-m", "moe_experts.finetune", *flags, "--output", str(tmp_path / "o")],
-        capture_output=True, text=True, timeout=60, check=False,
+        capture_output=True, text=True, timeout=300, check=False,
     )  # fmt: skip
     assert proc.returncode in (1, 2), proc.stderr
     assert why in proc.stderr
