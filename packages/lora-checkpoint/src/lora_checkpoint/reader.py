@@ -65,6 +65,9 @@ _SAFE_SUFFIXES = (".safetensors", ".json")
 MAX_LATEST_BYTES = 4096
 # A manifest lists every tensor and file; even 100k tensors stay well under this.
 MAX_MANIFEST_BYTES = 256 * 1024 * 1024
+# The JSON files beside the tensors (adapter config, training state) are read whole to be
+# parsed: a larger one is refused before it is read.
+MAX_JSON_FILE_BYTES = 256 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -240,7 +243,10 @@ def _read_json_file(ckpt: Path, entry: FileEntry, manifest: Manifest, verify: bo
         raise MissingFileError(f"{path}: listed in the manifest but missing")
     algorithm = manifest.digest_algorithm
     buf, digest = read_file_bytes(
-        path, expected_size=entry.size, algorithm=algorithm if verify else None
+        path,
+        expected_size=entry.size,
+        algorithm=algorithm if verify else None,
+        max_size=MAX_JSON_FILE_BYTES,
     )
     if verify and digest != entry.digest:
         raise DigestMismatchError(

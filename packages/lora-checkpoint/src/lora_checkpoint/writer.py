@@ -416,6 +416,7 @@ def save(
                     tmp = root / f"{_fs.TMP_PREFIX}{ckpt_name}-{uuid.uuid4().hex}"
                     tmp.mkdir()
                     claim = _fs.claim_dir(tmp)
+                _fs.crash_point("temp-created", ckpt_name)
                 setup = {"tmp": str(tmp)}
             except Exception as exc:
                 err = as_checkpoint_error(exc, root)
@@ -433,6 +434,7 @@ def save(
                 tmp, result, rank, state, shared, local, base_model_name_or_path, task_type
             )
             outcome["has_training_state"] = training_state is not None
+            _fs.crash_point("files-written", ckpt_name)
         except Exception as exc:
             err = as_checkpoint_error(exc, tmp)
             if not _dist.dist_active():
@@ -496,6 +498,7 @@ def _publish(
     )
     _fs.write_bytes_durable(tmp / MANIFEST, manifest.to_json().encode())
     _fs.fsync_dir(tmp)
+    _fs.crash_point("manifest-written", ckpt_name)
     # Publish and prune under the root's lock: no other writer renames, prunes or cleans up
     # meanwhile, and readers holding it shared never see a checkpoint vanish mid-read.
     with _fs.root_lock(root, exclusive=True, timeout=lock_timeout):
@@ -505,10 +508,16 @@ def _publish(
                 "one was writing; pass another name/step"
             )
         os.rename(tmp, root / ckpt_name)
+        _fs.crash_point("renamed", ckpt_name)
         _fs.fsync_dir(root)
-        _fs.replace_atomic(root / _fs.LATEST, (ckpt_name + "\n").encode())
+        # A crash from here until `latest` is replaced leaves it naming the previous
+        # checkpoint: readers that must not lose a step (resume) take the newest that verifies.
+        _fs.crash_point("published", ckpt_name)
+        _fs.replace_atomic(root / _fs.LATEST, (ckpt_name + "\n").encode(), crash_name=ckpt_name)
+        _fs.crash_point("latest-written", ckpt_name)
         if keep_last is not None:
             _prune(root, keep_last, ckpt_name)
+        _fs.crash_point("pruned", ckpt_name)
     return manifest
 
 
@@ -568,4 +577,4 @@ def _prune(root: Path, keep_last: int, newest: str) -> None:
     manifests = [m for m in list_checkpoints(root) if m.name != newest]
     doomed = manifests[: max(0, len(manifests) - (keep_last - 1))]
     for m in doomed:
-        _fs.remove_tree(root / m.name)
+        _fs.remove_tree(root / m.name, crash_name=newest)

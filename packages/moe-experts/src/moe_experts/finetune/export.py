@@ -7,9 +7,13 @@ is exported is what ``PeftModel.from_pretrained`` would run.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
+import re
 import shutil
 import sys
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -23,6 +27,7 @@ __all__ = [
     "build_parser",
     "export",
     "export_main",
+    "parse_shard_size",
     "vllm_tensors",
 ]
 
@@ -170,34 +175,135 @@ def vllm_tensors(peft_model: Any) -> tuple[dict[str, Any], list[str], dict[str, 
     return out, sorted(targets), skipped
 
 
+def parse_shard_size(value: str | int) -> int:
+    """``--max-shard-size`` in bytes: an int, or a number with TB/GB/MB/KB (``"2GB"``, ``"500MB"``).
+
+    Raises:
+        FinetuneError: the value is not such a size or is not positive.
+    """
+    if isinstance(value, int) and not isinstance(value, bool):
+        size = value
+    else:
+        m = _SHARD_SIZE.fullmatch(str(value).strip())
+        if m is None:
+            raise FinetuneError(
+                f"--max-shard-size {value!r}: expected a number of bytes or a number with "
+                "TB, GB, MB or KB, e.g. 2GB or 500MB"
+            )
+        size = int(float(m["num"]) * _SIZE_UNITS[(m["unit"] or "").upper()])
+    if size <= 0:
+        raise FinetuneError(f"--max-shard-size {value!r}: must be more than 0 bytes")
+    return size
+
+
+_SHARD_SIZE = re.compile(r"(?P<num>\d+(?:\.\d+)?)\s*(?P<unit>[KMGT]B)?", re.IGNORECASE)
+_SIZE_UNITS = {"": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+
+
+def _check_output(output: Path) -> None:
+    # Refused before anything is read or written: a file at or above --output, a used one.
+    for above in (output, *output.parents):
+        if above.exists() and not above.is_dir():
+            where = "is a file" if above == output else f"lies under {above}, which is a file"
+            raise FinetuneError(
+                f"--output {output}: {where}, not a directory; choose a directory path"
+            )
+    if output.is_dir() and any(output.iterdir()):
+        raise FinetuneError(f"--output {output}: exists and is not empty; choose a new directory")
+
+
+def _make_parents(parent: Path, output: Path) -> list[Path]:
+    # Creates the missing parents of --output; returns those it created, deepest first.
+    missing = [p for p in (parent, *parent.parents) if not p.exists()]
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise FinetuneError(f"--output {output}: cannot create {parent}: {exc.strerror}") from exc
+    return missing
+
+
+def _fsync_tree(root: Path) -> None:
+    # Every file and directory of the export reaches the disk before the rename publishes it.
+    for path in sorted(root.rglob("*"), reverse=True):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    fd = os.open(root, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
 def export(
     checkpoint: Path,
     fmt: str,
     output: Path,
     *,
     model: str | None = None,
-    max_shard_size: str = "2GB",
+    max_shard_size: str | int = "2GB",
 ) -> list[str]:
     """Write ``checkpoint`` to ``output`` in format ``fmt``; returns warnings for the user.
 
-    Raises:
-        FinetuneError: for an unknown format, an existing output, or a bad checkpoint.
-    """
-    import lora_checkpoint
-    from moe_experts.finetune.adapters import load_with_adapter, resolve_adapter
+    The checkpoint is verified first (digests, as ``lora-checkpoint verify`` does). Every
+    file goes into a temporary sibling directory, which one rename publishes as ``output``
+    at the end: a failure leaves nothing behind, and ``output`` is complete when it exists.
 
+    Raises:
+        FinetuneError: for an unknown format or shard size, an ``output`` that is a file,
+            under a file or not empty, a checkpoint that fails verification, or a write
+            that fails.
+    """
     if fmt not in EXPORT_FORMATS:
         raise FinetuneError(f"--format {fmt!r}: expected one of {', '.join(EXPORT_FORMATS)}")
-    if output.exists() and any(output.iterdir()):
-        raise FinetuneError(f"--output {output}: exists and is not empty; choose a new directory")
+    shard_bytes = parse_shard_size(max_shard_size)
+    output = Path(os.path.abspath(output))
+    _check_output(output)
+    from moe_experts.finetune.adapters import verified_adapter
+
+    src = verified_adapter(checkpoint)
+    created = _make_parents(output.parent, output)
+    tmp: Path | None = None
+    try:
+        tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.tmp-", dir=output.parent))
+        notes = _write(src, fmt, tmp, model=model, max_shard_size=shard_bytes)
+        _fsync_tree(tmp)
+        os.rename(tmp, output)  # replaces an empty directory; refuses a non-empty one
+        tmp = None
+        fd = os.open(output.parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        raise FinetuneError(
+            f"--output {output}: cannot write the export ({exc.strerror or exc}); nothing was "
+            "left behind"
+        ) from exc
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+            for parent in created:
+                with contextlib.suppress(OSError):
+                    parent.rmdir()
+    return notes
+
+
+def _write(
+    checkpoint: Path, fmt: str, output: Path, *, model: str | None, max_shard_size: int
+) -> list[str]:
+    """Write the verified checkpoint directory ``checkpoint`` into the directory ``output``."""
+    import lora_checkpoint
+    from moe_experts.finetune.adapters import load_with_adapter, read_adapter_config
+
     notes: list[str] = []
     if fmt == "peft":
-        src = resolve_adapter(checkpoint)
-        output.mkdir(parents=True, exist_ok=True)
         for name in (lora_checkpoint.ADAPTER_CONFIG, lora_checkpoint.ADAPTER_MODEL):
-            shutil.copy2(src / name, output / name)
+            shutil.copy2(checkpoint / name, output / name)
         return notes
-    loaded = load_with_adapter(model, checkpoint)
+    loaded = load_with_adapter(model, checkpoint, verify=False)
     if fmt == "merged":
         merged = loaded.model.merge_and_unload()
         merged.save_pretrained(output, max_shard_size=max_shard_size)
@@ -206,7 +312,7 @@ def export(
     from safetensors.torch import save_file
 
     tensors, targets, skipped = vllm_tensors(loaded.model)
-    cfg = json.loads((loaded.checkpoint / lora_checkpoint.ADAPTER_CONFIG).read_text())
+    cfg = read_adapter_config(loaded.checkpoint)
     cfg.update(
         {
             "target_modules": targets,
@@ -214,7 +320,6 @@ def export(
             "base_model_name_or_path": str(loaded.base),
         }
     )
-    output.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(output / "adapter_model.safetensors"), metadata={"format": "pt"})
     (output / "adapter_config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
     for reason, modules in skipped.items():

@@ -27,6 +27,7 @@ from moe_experts.finetune.loop import (
     BatchSource,
     FinetuneSummary,
     TrainingJob,
+    check_later_checkpoints,
     restore_checkpoint,
     train,
 )
@@ -203,6 +204,7 @@ def run_finetune(args: FinetuneArgs, stop: StopRequest | None = None) -> Finetun
     )
     if args.resume is not None:
         job.first_step, job.last_eval = restore_checkpoint(
-            args.resume, result, optimizer, args.steps
+            args.resume, result, optimizer, args.steps, ranks
         )
+        check_later_checkpoints(args.output / "checkpoints", job.first_step, args.steps)
     return train(job)
