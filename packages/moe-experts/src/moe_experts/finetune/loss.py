@@ -120,7 +120,7 @@ def final_hidden(model: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Te
     (no ``[B, L, V]`` logits) and its weight read afterwards (FSDP2 has gathered it by then).
     """
     with _without_head(model) as head:
-        hidden = model(**batch.model_inputs()).logits
+        hidden = model(**batch.model_inputs(model)).logits
     return hidden, head_weight(head)
 
 
@@ -151,7 +151,7 @@ def token_loss_sum(model: nn.Module, batch: Batch, mode: str = "chunked") -> tor
         return chunked_lm_cross_entropy(
             hidden, weight, batch.labels, num_targets=1, ignore_index=IGNORE_INDEX
         )
-    logits = model(**batch.model_inputs()).logits
+    logits = model(**batch.model_inputs(model)).logits
     return nn.functional.cross_entropy(
         logits.float().reshape(-1, logits.shape[-1]),
         batch.labels.reshape(-1),

@@ -68,7 +68,7 @@ def _scored_logps(
         hidden, weight = final_hidden(model, batch)
         logps = chunked_token_logprobs(hidden[mask], weight, labels)
     else:
-        logits = model(**batch.model_inputs()).logits
+        logits = model(**batch.model_inputs(model)).logits
         logps = logits[mask].float().log_softmax(-1).gather(1, labels[:, None]).squeeze(1)
     return logps, packed.segments[mask], packed.response[mask]
 

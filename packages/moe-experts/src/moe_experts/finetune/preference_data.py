@@ -10,8 +10,11 @@ An optimizer step takes ``--batch-size`` *pairs*; each micro-batch of each rank 
 whole pairs, so a pair's two sides always meet in the same forward. Its ``2P`` sequences
 (chosen ``0..P-1``, rejected ``P..2P-1``, TRL's order) are packed into rows with
 :func:`~moe_experts.finetune.packing.best_fit_decreasing`, ``position_ids`` restarting at 0
-for each: the same :class:`~moe_experts.finetune.data.Batch` as supervised fine-tuning, so the
-same isolation of packed examples holds. ``pack=False`` gives each sequence a row of its own.
+for each: the same :class:`~moe_experts.finetune.data.Batch` as supervised fine-tuning, whose
+``model_inputs(model)`` keeps them apart the way the family's
+:attr:`~moe_experts.MoEArchitecture.packing` says. ``one_per_row=True`` (a family that cannot
+keep them apart, as for :meth:`~moe_experts.finetune.data.PackedBatches.from_examples`) gives
+each sequence a row of its own.
 """
 
 from __future__ import annotations
@@ -206,16 +209,16 @@ class PackedPairs:
 
 
 def _pack_rows(
-    sequences: list[tuple[list[int], int]], width: int, pack: bool
+    sequences: list[tuple[list[int], int]], width: int, one_per_row: bool
 ) -> tuple[list[list[int]], list[list[int]]]:
     """Place ``(ids, prompt_len)`` sequences into rows: ``(rows of sequence indices, sizes)``."""
     from moe_experts.finetune.packing import best_fit_decreasing
 
     sizes = [len(ids) for ids, _ in sequences]
-    if pack:
-        bins = [sorted(b) for b in best_fit_decreasing(sizes, width)]
-    else:
+    if one_per_row:
         bins = [[i] for i in range(len(sequences))]
+    else:
+        bins = [sorted(b) for b in best_fit_decreasing(sizes, width)]
     return bins, [[sizes[i] for i in b] for b in bins]
 
 
@@ -225,7 +228,7 @@ class PairBatch:
 
     pairs: tuple[PairExample, ...]
     seq_len: int
-    pack: bool = True
+    one_per_row: bool = False  # the family cannot keep sequences sharing a row apart
     # [P, 2] fp32 reference log-probabilities (chosen, rejected), when precomputed.
     reference: torch.Tensor | None = None
     index: tuple[int, ...] = ()  # each pair's position in its file's pair list
@@ -257,7 +260,7 @@ class PairBatch:
         n = len(self.pairs)
         seqs = [(list(p.prompt) + list(p.chosen), len(p.prompt)) for p in self.pairs]
         seqs += [(list(p.prompt) + list(p.rejected), len(p.prompt)) for p in self.pairs]
-        bins, sizes = _pack_rows(seqs, self.seq_len + 1, self.pack)
+        bins, sizes = _pack_rows(seqs, self.seq_len + 1, self.one_per_row)
         width = max((sum(s) for s in sizes), default=2)
         shape = (len(bins), width)
         ids = torch.full(shape, pad_id, dtype=torch.long)
@@ -296,7 +299,7 @@ class PreferenceBatches:
     batch_size: int
     seed: int
     seq_len: int
-    pack: bool = True
+    one_per_row: bool = False  # as PairBatch.one_per_row
     reference: torch.Tensor | None = None  # [N, 2] fp32, when precomputed
 
     def _indices(self, step: int) -> list[int]:
@@ -315,7 +318,7 @@ class PreferenceBatches:
     def _take(self, idx: Sequence[int]) -> PairBatch:
         ref = None if self.reference is None else self.reference[list(idx)]
         return PairBatch(
-            tuple(self.pairs[i] for i in idx), self.seq_len, self.pack, ref, tuple(idx)
+            tuple(self.pairs[i] for i in idx), self.seq_len, self.one_per_row, ref, tuple(idx)
         )
 
     def model_batch(self, step: int) -> PairBatch:

@@ -27,6 +27,7 @@ from moe_experts.finetune.formats import Sample
 from moe_experts.finetune.objective import Objective
 from moe_experts.finetune.preference import DPOObjective, ORPOObjective, reference_logps
 from moe_experts.finetune.preference_data import PairBatch, PreferenceBatches, tokenize_pairs
+from moe_experts.isolation import Packing
 
 __all__ = ["REFERENCE_FILE", "PreferenceRun", "preference_objective", "prepare_preference"]
 
@@ -58,7 +59,12 @@ def preference_objective(args: FinetuneArgs) -> Objective:
 
 
 def _pairs(
-    args: FinetuneArgs, path: Path, samples: list[Sample], tokenizer: Any, batch_size: int
+    args: FinetuneArgs,
+    path: Path,
+    samples: list[Sample],
+    tokenizer: Any,
+    batch_size: int,
+    packing: Packing,
 ) -> PreferenceBatches:
     pairs, cut = tokenize_pairs(path, samples, tokenizer, max_tokens=args.seq_len + 1)
     if cut and int(os.environ.get("RANK", "0")) == 0:
@@ -67,8 +73,10 @@ def _pairs(
             f"{args.seq_len} + 1 tokens; their responses were cut at the end",
             file=sys.stderr,
         )
-    # A family that cannot keep packed examples apart gets one sequence per row instead.
-    return PreferenceBatches(tuple(pairs), batch_size, args.seed, args.seq_len, pack=True)
+    # A family that cannot keep packed sequences apart gets one sequence per row instead.
+    return PreferenceBatches(
+        tuple(pairs), batch_size, args.seed, args.seq_len, one_per_row=not packing.shares_rows
+    )
 
 
 def _key(args: FinetuneArgs, source: Path, train: PreferenceBatches, held: Any) -> dict[str, str]:
@@ -168,6 +176,7 @@ def prepare_preference(
     samples: list[Sample],
     eval_samples: list[Sample],
     ranks: Ranks,
+    packing: Packing,
 ) -> PreferenceRun:
     """Tokenise the pairs, choose the objective and, with ``--precompute-reference``, the
     reference log-probabilities (computed now, or reused from ``--output``).
@@ -178,6 +187,9 @@ def prepare_preference(
         samples: the training records (all preference pairs).
         eval_samples: the evaluation records (may be empty).
         ranks: this process's place under torchrun.
+        packing: how the model's family keeps sequences sharing a row apart
+            (``find_architecture(model).packing``); a pair's sequences share rows only where
+            it allows.
 
     Raises:
         DataError: a pair whose prompt leaves no room for a response.
@@ -186,19 +198,22 @@ def prepare_preference(
     from moe_experts.finetune.data import default_corpus_path
 
     path = args.data or default_corpus_path()
-    train = _pairs(args, path, samples, loaded.tokenizer, args.batch_size)
+    train = _pairs(args, path, samples, loaded.tokenizer, args.batch_size, packing)
     if not train.pairs:
         raise FinetuneError(f"--data {path}: holds no preference pair")
     micro = max(args.batch_size // args.grad_accum, 1)
     held = None
     if eval_samples:
-        held = _pairs(args, args.eval_data or path, eval_samples, loaded.tokenizer, micro)
+        held = _pairs(args, args.eval_data or path, eval_samples, loaded.tokenizer, micro, packing)
     run = PreferenceRun(
         train, held.chunks(micro) if held is not None else [], preference_objective(args)
     )
     if ranks.rank == 0:
         held_out = f", {len(held.pairs)} evaluation pairs" if held is not None else ""
-        print(f"--method {args.method}: {len(train.pairs)} pairs{held_out}", file=sys.stderr)
+        print(
+            f"--method {args.method}: {len(train.pairs)} pairs{held_out} ({packing.description})",
+            file=sys.stderr,
+        )
     if args.method == "dpo" and args.precompute_reference:
         run = _kept_reference(args, loaded.model, loaded.source, run, held, ranks)
     return run

@@ -78,13 +78,24 @@ def _read_samples(args: FinetuneArgs) -> tuple[list[Sample], list[Sample]]:
 
 
 def _datasets(
-    args: FinetuneArgs, tokenizer: Any, samples: list[Sample], eval_samples: list[Sample]
+    args: FinetuneArgs,
+    tokenizer: Any,
+    samples: list[Sample],
+    eval_samples: list[Sample],
+    one_per_row: bool = False,
 ) -> tuple[PackedBatches, list[Batch]]:
-    """Training batches by step, and the evaluation set in micro-batch sized chunks."""
+    """Training batches by step, and the evaluation set in micro-batch sized chunks.
+
+    ``one_per_row``: the model's family cannot keep examples apart within a row.
+    """
     path = args.data or default_corpus_path()
     examples = tokenize_samples(path, samples, tokenizer, train_on_prompt=args.train_on_prompt)
     train_batches = PackedBatches.from_examples(
-        examples, seq_len=args.seq_len, batch_size=args.batch_size, seed=args.seed
+        examples,
+        seq_len=args.seq_len,
+        batch_size=args.batch_size,
+        seed=args.seed,
+        one_per_row=one_per_row,
     )
     if not eval_samples:
         return train_batches, []
@@ -98,6 +109,7 @@ def _datasets(
             seq_len=args.seq_len,
             batch_size=1,
             seed=args.seed,
+            one_per_row=one_per_row,
         )
     except DataError:
         raise
@@ -176,18 +188,22 @@ def run_finetune(args: FinetuneArgs, stop: StopRequest | None = None) -> Finetun
     objective: Objective | None = None  # sft: token cross-entropy
     batches: BatchSource
     eval_batches: list[Any]
+    # The family decides whether sequences may share a row (SFT examples and DPO sides alike).
+    packing = moe_experts.find_architecture(loaded.model).packing
     if args.method != "sft":
         from moe_experts.finetune.preference_setup import prepare_preference
 
-        pref = prepare_preference(args, loaded, samples, eval_samples, ranks)
+        pref = prepare_preference(args, loaded, samples, eval_samples, ranks, packing)
         batches, eval_batches, objective = pref.batches, pref.eval_batches, pref.objective
     else:
-        packed, eval_batches = _datasets(args, loaded.tokenizer, samples, eval_samples)
+        packed, eval_batches = _datasets(
+            args, loaded.tokenizer, samples, eval_samples, one_per_row=not packing.shares_rows
+        )
         batches = packed
         if ranks.rank == 0:
             print(
                 f"packed {packed.rows.shape[0]} rows of {args.seq_len + 1} tokens "
-                f"({packed.padding_fraction:.1%} padding)",
+                f"({packed.padding_fraction:.1%} padding; {packing.description})",
                 file=sys.stderr,
             )
     job = TrainingJob(
