@@ -35,6 +35,7 @@ def test_all_is_curated() -> None:
             "__version__",
             "adapt",
             "adapt_model",
+            "adapters_disabled",
             "chunked_lm_cross_entropy",
             "experts_sites",
             "find_architecture",

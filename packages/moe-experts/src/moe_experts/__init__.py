@@ -63,6 +63,7 @@ if TYPE_CHECKING:
         make_placeholder,
         named_placeholders,
     )
+    from moe_experts.reference import adapters_disabled
     from moe_experts.self_check import BlockCheck
     from moe_experts.wrapping import WrapReport, experts_sites, wrap
 
@@ -99,6 +100,7 @@ _WHERE = {
     "WrapReport": "wrapping",
     "adapt": "adaptation",
     "adapt_model": "adaptation",
+    "adapters_disabled": "reference",
     "check_gradients": "coverage",
     "chunked_lm_cross_entropy": "losses",
     "coverage_report": "coverage",
@@ -148,6 +150,7 @@ __all__ = [
     "__version__",
     "adapt",
     "adapt_model",
+    "adapters_disabled",
     "check_gradients",
     "chunked_lm_cross_entropy",
     "coverage_report",

@@ -133,6 +133,9 @@ class KernelExperts(nn.Module):
         self.overlap = False
         self.shared_cache: Any = None  # hybrid._SharedCache of the block's shared experts
         self.hot: Any = None  # hot_experts.HotExperts
+        # False: the kernel runs without LoRA (no buffers passed) and the extra LoRA experts
+        # are skipped; moe_experts.adapters_disabled switches it for the reference model.
+        self.adapter_enabled = True
 
     @property
     def adopted_peft(self) -> bool:
@@ -268,7 +271,7 @@ class KernelExperts(nn.Module):
         Returns:
             ``[T, H]`` in ``hidden_states.dtype``.
         """
-        return self._run(hidden_states, top_k_index, top_k_weights, use_lora=True)
+        return self._run(hidden_states, top_k_index, top_k_weights, use_lora=self.adapter_enabled)
 
     def peft_forward(
         self,
@@ -288,7 +291,9 @@ class KernelExperts(nn.Module):
         if enabled and peft is not None:
             active = getattr(peft.wrappers[0], "active_adapters", [peft.adapter])
             enabled = peft.adapter in active
-        return self._run(hidden_states, top_k_index, top_k_weights, use_lora=enabled)
+        return self._run(
+            hidden_states, top_k_index, top_k_weights, use_lora=enabled and self.adapter_enabled
+        )
 
     def extra_repr(self) -> str:
         """Spec, storage dtype and policy."""

@@ -25,7 +25,23 @@ __all__ = [
 ]
 
 # What a run writes into --output; --overwrite removes exactly these, nothing else.
-OUTPUT_ARTIFACTS = ("checkpoints", "train_log.jsonl", "loss.png", "tensorboard", "wandb")
+OUTPUT_ARTIFACTS = (
+    "checkpoints",
+    "train_log.jsonl",
+    "loss.png",
+    "tensorboard",
+    "wandb",
+    "reference_logps.safetensors",
+)
+
+# Settings of one preference method: given with another --method they would do nothing.
+_METHOD_OF = {
+    "dpo_loss": "dpo",
+    "beta": "dpo",
+    "label_smoothing": "dpo",
+    "precompute_reference": "dpo",
+    "orpo_lambda": "orpo",
+}
 
 
 def _world_size() -> int:
@@ -59,6 +75,18 @@ def check_combination(args: FinetuneArgs, sources: dict[str, str], *, overwrite:
         raise FinetuneError(
             f"{sources['warmup_steps']} {args.warmup_steps} is not below --steps {args.steps}; "
             "the learning rate would never reach --lr"
+        )
+    defaults = FinetuneArgs()
+    for dest, method in _METHOD_OF.items():
+        if getattr(args, dest) != getattr(defaults, dest) and args.method != method:
+            raise FinetuneError(
+                f"{sources[dest]} applies to --method {method}, but this run is --method "
+                f"{args.method}; drop it or pass --method {method}"
+            )
+    if args.label_smoothing and args.dpo_loss != "sigmoid":
+        raise FinetuneError(
+            f"{sources['label_smoothing']} applies to --dpo-loss sigmoid, not "
+            f"{args.dpo_loss}; drop it or pass --dpo-loss sigmoid"
         )
     if overwrite and args.resume is not None:
         raise FinetuneError("--overwrite and --resume exclude each other; pass one of them")

@@ -1,4 +1,4 @@
-"""Every setting of a fine-tune run in one table: its flag, its YAML key, its check (no torch).
+"""A fine-tune run's settings: defaults, ``--config`` files and flags resolved (no torch).
 
 A run is described by :class:`FinetuneArgs`. Its values come, in rising priority, from the
 defaults here, one YAML file (``--config``) and the command-line flags. The YAML file has one
@@ -8,21 +8,21 @@ older form ``models.<role>.lora`` (a complete LoRA config) is still read. Unknow
 are errors that suggest the nearest known key. ``--print-config`` renders the resolved run in
 the same YAML shape, so its output is itself a valid ``--config`` file.
 
-Adding a setting is one row in :data:`OPTIONS` and one field in :class:`FinetuneArgs`; a row
-of section ``lora`` (``--lora-rank``) needs no field: it overrides that key of ``lora``.
+Adding a setting is one row in :data:`OPTIONS` (``finetune/options.py``) and one field in
+:class:`FinetuneArgs`; a row of section ``lora`` (``--lora-rank``) needs no field: it
+overrides that key of ``lora``.
 """
 
 from __future__ import annotations
 
 import difflib
-import math
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
 from moe_experts.finetune.errors import FinetuneError
-from moe_experts.finetune.formats import DATA_FORMATS
+from moe_experts.finetune.options import OPTIONS, Option
 
 __all__ = [
     "DEFAULT_LORA",
@@ -91,6 +91,14 @@ class FinetuneArgs:
     # the run (silently untrained experts or routers are the commonest MoE-LoRA failure).
     warn_missing_gradients: bool = False
     seed: int = 0
+    # sft: cross-entropy on the data; dpo/orpo: preference pairs (finetune/preference.py).
+    method: str = "sft"
+    dpo_loss: str = "sigmoid"  # a name in preference.DPO_LOSSES
+    beta: float = 0.1  # DPO's beta (IPO's tau)
+    label_smoothing: float = 0.0  # conservative DPO: the share of pairs assumed flipped
+    orpo_lambda: float = 0.1  # the weight of ORPO's odds-ratio term (TRL's ORPOConfig.beta)
+    # DPO: every reference log-probability in one pass before training, kept in --output.
+    precompute_reference: bool = False
     eval_every: int | None = None  # None: evaluate at the end only (when there is eval data)
     output: Path = Path("finetune-output")
     save_every: int | None = None  # None: save at the end (and on interrupt) only
@@ -101,352 +109,6 @@ class FinetuneArgs:
     progress: bool = True
 
 
-Check = Callable[[Any], str | None]
-
-
-def _positive_finite(v: float) -> str | None:
-    return None if math.isfinite(v) and v > 0 else "must be a finite number > 0"
-
-
-def _positive(v: float) -> str | None:
-    return None if v > 0 else "must be a number > 0 (inf: no clipping)"
-
-
-def _at_least(n: int) -> Check:
-    return lambda v: None if v >= n else f"must be >= {n}"
-
-
-def _fraction(v: float) -> str | None:
-    return None if 0 < v < 1 else "must be a fraction strictly between 0 and 1, e.g. 0.05"
-
-
-def _probability(v: float) -> str | None:
-    return None if 0 <= v < 1 else "must be a probability in [0, 1), e.g. 0.05 (0: no dropout)"
-
-
-@dataclass(frozen=True)
-class Option:
-    """One setting: the :class:`FinetuneArgs` field, its flag, its YAML place and its check."""
-
-    dest: str
-    flag: str
-    section: str
-    key: str
-    kind: type
-    help: str
-    check: Check | None = None
-    choices: tuple[str, ...] = ()
-    nullable: bool = False  # None (unset) is a valid value
-    aliases: tuple[str, ...] = ()  # the Hugging Face TrainingArguments spelling, where it fits
-    negation: str | None = None  # a bool's flag that sets False (the two exclude each other)
-
-
-OPTIONS: tuple[Option, ...] = (
-    Option(
-        "model",
-        "--model",
-        "model",
-        "name",
-        str,
-        "'tiny-qwen3-moe' (built in) or a local Hugging Face model directory",
-    ),
-    Option(
-        "weight_dtype",
-        "--weight-dtype",
-        "model",
-        "weight_dtype",
-        str,
-        "kernel storage of the frozen experts; fp8 keeps a FP8-block checkpoint's shipped "
-        "bytes (and quantises any other)",
-        choices=("fp32", "bf16", "int8", "int4", "fp8"),
-    ),
-    Option(
-        "share_experts",
-        "--share-experts",
-        "model",
-        "share_experts",
-        bool,
-        "under torchrun with several ranks per machine, keep one copy of the frozen experts "
-        "per machine in shared memory (--no-share-experts: one copy per rank; default: "
-        "share unless MOE_EXPERTS_SHARE_EXPERTS=0)",
-        nullable=True,
-        negation="--no-share-experts",
-    ),
-    Option(
-        "kernel_attention",
-        "--kernel-attention",
-        "model",
-        "kernel_attention",
-        bool,
-        "run plain causal attention of a CPU model on kt-kernel's causal attention op "
-        "instead of transformers' SDPA (other calls still use SDPA; "
-        "--no-kernel-attention: keep SDPA everywhere)",
-        negation="--no-kernel-attention",
-    ),
-    Option(
-        "device",
-        "--device",
-        "model",
-        "device",
-        str,
-        "where the dense layers, LoRA and optimizer state run: cuda (cuda:LOCAL_RANK, dense "
-        "weights in bf16), cpu, or auto (cuda when torch sees a GPU); the routed experts stay "
-        "in the host kernel either way",
-        choices=("auto", "cpu", "cuda"),
-    ),
-    Option(
-        "gpu_experts",
-        "--gpu-experts",
-        "model",
-        "gpu_experts",
-        int,
-        "keep each MoE layer's N most-routed experts (counted over the first steps, then "
-        "fixed and saved in the checkpoint) resident on the GPU in bf16; needs --device cuda",
-        check=_at_least(0),
-    ),
-    Option(
-        "overlap",
-        "--overlap",
-        "model",
-        "overlap",
-        bool,
-        "run the host experts asynchronously while the dense device computes what does not "
-        "depend on them (shared experts; --no-overlap: one after the other; default: on "
-        "with --device cuda, off on the CPU)",
-        nullable=True,
-        negation="--no-overlap",
-    ),
-    Option(
-        "data",
-        "--data",
-        "data",
-        "path",
-        Path,
-        "training data file; default: a small corpus shipped with the package",
-        nullable=True,
-    ),
-    Option(
-        "data_format",
-        "--data-format",
-        "data",
-        "format",
-        str,
-        "force the record format instead of detecting it per file",
-        choices=tuple(sorted(DATA_FORMATS)),
-        nullable=True,
-    ),
-    Option(
-        "train_on_prompt",
-        "--train-on-prompt",
-        "data",
-        "train_on_prompt",
-        bool,
-        "chat/instruction data: loss on every token, not only the replies",
-    ),
-    Option(
-        "eval_data",
-        "--eval-data",
-        "data",
-        "eval_data",
-        Path,
-        "evaluation data file (same formats as --data)",
-        nullable=True,
-    ),
-    Option(
-        "eval_split",
-        "--eval-split",
-        "data",
-        "eval_split",
-        float,
-        "hold out this fraction of --data's documents for evaluation, e.g. 0.05",
-        check=_fraction,
-        nullable=True,
-    ),
-    Option("seq_len", "--seq-len", "data", "seq_len", int, "tokens per row", check=_at_least(2)),
-    Option(
-        "steps",
-        "--steps",
-        "training",
-        "steps",
-        int,
-        "optimizer steps in total",
-        check=_at_least(1),
-        aliases=("--max-steps",),
-    ),
-    Option(
-        "lr",
-        "--lr",
-        "training",
-        "lr",
-        float,
-        "peak learning rate",
-        check=_positive_finite,
-        aliases=("--learning-rate",),
-    ),
-    Option(
-        "lr_schedule",
-        "--lr-schedule",
-        "training",
-        "lr_schedule",
-        str,
-        "learning-rate schedule after warm-up",
-        choices=("constant", "linear", "cosine"),
-        aliases=("--lr-scheduler-type",),
-    ),
-    Option(
-        "warmup_steps",
-        "--warmup-steps",
-        "training",
-        "warmup_steps",
-        int,
-        "linear warm-up from 0 to --lr over this many steps",
-        check=_at_least(0),
-    ),
-    Option(
-        "batch_size",
-        "--batch-size",
-        "training",
-        "batch_size",
-        int,
-        "global rows per optimizer step (split across torchrun ranks and --grad-accum)",
-        check=_at_least(1),
-    ),
-    Option(
-        "grad_accum",
-        "--grad-accum",
-        "training",
-        "grad_accum",
-        int,
-        "split each step's batch into N micro-batches (same result, less memory)",
-        check=_at_least(1),
-        aliases=("--gradient-accumulation-steps",),
-    ),
-    Option(
-        "max_grad_norm",
-        "--max-grad-norm",
-        "training",
-        "max_grad_norm",
-        float,
-        "clip the global gradient norm to this",
-        check=_positive,
-    ),
-    Option(
-        "loss",
-        "--loss",
-        "training",
-        "loss",
-        str,
-        "chunked: cross-entropy over the LM head in chunks, never the full fp32 logits "
-        "(falls back to full where the model transforms its logits); full: from the "
-        "model's logits",
-        choices=("chunked", "full"),
-    ),
-    Option(
-        "gradient_checkpointing",
-        "--gradient-checkpointing",
-        "training",
-        "gradient_checkpointing",
-        bool,
-        "recompute each decoder layer in backward instead of keeping its activations (the "
-        "host experts' output is kept, and the kernel keeps what its policy says)",
-    ),
-    Option(
-        "lora_dtype",
-        "--lora-dtype",
-        "training",
-        "lora_dtype",
-        str,
-        "dtype of the LoRA factors, their gradients and the AdamW state",
-        choices=("fp32", "bf16"),
-    ),
-    Option(
-        "warn_missing_gradients",
-        "--warn-missing-gradients",
-        "training",
-        "warn_missing_gradients",
-        bool,
-        "only warn (instead of stopping) when a trainable parameter gets no finite, "
-        "non-zero gradient in the first step",
-    ),
-    Option("seed", "--seed", "training", "seed", int, "data order and LoRA initialisation"),
-    Option(
-        "eval_every",
-        "--eval-every",
-        "training",
-        "eval_every",
-        int,
-        "evaluate every N steps (and at the end)",
-        check=_at_least(1),
-        nullable=True,
-        aliases=("--eval-steps",),
-    ),
-    Option(
-        "output",
-        "--output",
-        "output",
-        "dir",
-        Path,
-        "run directory: checkpoints/, train_log.jsonl, loss.png",
-    ),
-    Option(
-        "save_every",
-        "--save-every",
-        "output",
-        "save_every",
-        int,
-        "save a checkpoint every N steps (default: at the end and on interrupt only)",
-        check=_at_least(1),
-        nullable=True,
-        aliases=("--save-steps",),
-    ),
-    Option(
-        "keep_last",
-        "--keep-last",
-        "output",
-        "keep_last",
-        int,
-        "keep only the newest N checkpoints",
-        check=_at_least(1),
-        aliases=("--save-total-limit",),
-    ),
-    Option(
-        "report_to",
-        "--report-to",
-        "output",
-        "report_to",
-        str,
-        "also log scalars to TensorBoard (OUTPUT/tensorboard) or Weights & Biases (offline)",
-        choices=("none", "tensorboard", "wandb"),
-    ),
-    # Section lora: each overrides one key of the resolved lora mapping (FinetuneArgs.lora).
-    Option(
-        "lora_rank",
-        "--lora-rank",
-        "lora",
-        "rank",
-        int,
-        "LoRA rank r of every adapted module, router and expert",
-        check=_at_least(1),
-    ),
-    Option(
-        "lora_alpha",
-        "--lora-alpha",
-        "lora",
-        "alpha",
-        float,
-        "LoRA alpha: updates are scaled by alpha / rank",
-        check=_positive_finite,
-    ),
-    Option(
-        "lora_dropout",
-        "--lora-dropout",
-        "lora",
-        "dropout",
-        float,
-        "dropout probability on the LoRA input",
-        check=_probability,
-    ),
-)
 _BY_DEST = {o.dest: o for o in OPTIONS}
 _BY_PLACE = {(o.section, o.key): o for o in OPTIONS}
 

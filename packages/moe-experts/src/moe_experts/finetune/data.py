@@ -294,6 +294,11 @@ class Batch:
         """How many tokens carry loss."""
         return int((self.labels != IGNORE_INDEX).sum())
 
+    @property
+    def num_tokens(self) -> int:
+        """How many tokens the model reads (padding included)."""
+        return self.input_ids.numel()
+
 
 def causal_lm_loss(
     logits: torch.Tensor, labels: torch.Tensor, num_targets: float | None = None

@@ -31,6 +31,7 @@ from moe_experts.finetune.errors import FinetuneError
 from moe_experts.finetune.formats import Sample
 from moe_experts.finetune.interrupts import StopRequest
 from moe_experts.finetune.loop import (
+    BatchSource,
     FinetuneSummary,
     TrainingJob,
     check_later_checkpoints,
@@ -44,6 +45,7 @@ from moe_experts.finetune.models import (
     builtin_model_dir,
     load_model,
 )
+from moe_experts.finetune.objective import Objective
 from moe_experts.finetune.targets import resolve_targets
 
 __all__ = ["run_finetune"]
@@ -68,9 +70,15 @@ def _hold_out(
 
 def _read_samples(args: FinetuneArgs) -> tuple[list[Sample], list[Sample]]:
     """Every training and evaluation record, read before the model loads."""
-    samples = load_samples(args.data or default_corpus_path(), args.data_format)
+    from moe_experts.finetune.preference_data import check_preference_samples
+
+    path = args.data or default_corpus_path()
+    samples = load_samples(path, args.data_format)
+    check_preference_samples(path, samples, args.method)  # pairs exactly for dpo/orpo
     if args.eval_data is not None:
-        return samples, load_samples(args.eval_data, args.data_format)
+        held = load_samples(args.eval_data, args.data_format)
+        check_preference_samples(args.eval_data, held, args.method)
+        return samples, held
     if args.eval_split is not None:
         return _hold_out(samples, args.eval_split, args.seed)
     return samples, []
@@ -195,16 +203,27 @@ def run_finetune(args: FinetuneArgs, stop: StopRequest | None = None) -> Finetun
         shard_dense(loaded.model, _expert_parameters(loaded.model), placement.dense.type)
         result = rebind_parameters(result, loaded.model)  # fully_shard made new Parameters
     optimizer = torch.optim.AdamW(result.parameters(), lr=args.lr, weight_decay=0.0)
+    objective: Objective | None = None  # sft: token cross-entropy
+    batches: BatchSource
+    eval_batches: list[Any]
+    # The family decides whether sequences may share a row (SFT examples and DPO sides alike).
     packing = moe_experts.find_architecture(loaded.model).packing
-    batches, eval_batches = _datasets(
-        args, loaded.tokenizer, samples, eval_samples, one_per_row=not packing.shares_rows
-    )
-    if ranks.rank == 0:
-        print(
-            f"packed {batches.rows.shape[0]} rows of {args.seq_len + 1} tokens "
-            f"({batches.padding_fraction:.1%} padding; {packing.description})",
-            file=sys.stderr,
+    if args.method != "sft":
+        from moe_experts.finetune.preference_setup import prepare_preference
+
+        pref = prepare_preference(args, loaded, samples, eval_samples, ranks, packing)
+        batches, eval_batches, objective = pref.batches, pref.eval_batches, pref.objective
+    else:
+        packed, eval_batches = _datasets(
+            args, loaded.tokenizer, samples, eval_samples, one_per_row=not packing.shares_rows
         )
+        batches = packed
+        if ranks.rank == 0:
+            print(
+                f"packed {packed.rows.shape[0]} rows of {args.seq_len + 1} tokens "
+                f"({packed.padding_fraction:.1%} padding; {packing.description})",
+                file=sys.stderr,
+            )
     job = TrainingJob(
         args=args,
         model=loaded.model,
@@ -216,6 +235,7 @@ def run_finetune(args: FinetuneArgs, stop: StopRequest | None = None) -> Finetun
         model_source=loaded.source,
         stop=stop,
         position_extra=setup.position,
+        objective=objective,
     )
     if args.resume is not None:
         job.first_step, job.last_eval = restore_checkpoint(
