@@ -2,12 +2,17 @@
 
 from __future__ import annotations
 
+import atexit
+import gc
 import os
 import socket
+import sys
 import time
+import weakref
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
+from typing import NoReturn
 
 import torch
 import torch.distributed as dist
@@ -15,7 +20,15 @@ from torch import nn
 
 from moe_experts.finetune.errors import PeerLostError
 
-__all__ = ["Ranks", "clip_grad_norm", "diagnose_peer_loss", "init_distributed", "shard_dense"]
+__all__ = [
+    "Ranks",
+    "clip_grad_norm",
+    "diagnose_peer_loss",
+    "exit_without_finalizing",
+    "init_distributed",
+    "shard_dense",
+    "teardown_distributed",
+]
 
 # Words gloo and c10d use when the other side of a connection went away.
 _CONNECTION_WORDS = (
@@ -42,6 +55,11 @@ def init_distributed() -> Ranks:
     """Join the gloo process group when launched by torchrun (``WORLD_SIZE`` > 1)."""
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world > 1 and not dist.is_initialized():
+        # Its functions take ``group=group.WORLD`` as a default argument, evaluated on import:
+        # imported after init_process_group (transformers and FSDP import it), it would hold
+        # the default group for good, and teardown_distributed could not destroy it.
+        import torch.distributed.nn.functional  # noqa: F401
+
         dist.init_process_group("gloo", timeout=timedelta(seconds=120))
     if not dist.is_initialized():
         return Ranks(0, 1)
@@ -168,3 +186,45 @@ def diagnose_peer_loss(
             f"output for why [{cause}]"
         )
     return None
+
+
+def teardown_distributed() -> bool:
+    """Destroy every process group in order, so that no gloo thread outlives the interpreter.
+
+    Each gloo group has worker threads that release a finished collective's tensors after the
+    caller has seen the result; freeing a tensor whose Python object C++ now owns takes the
+    GIL. If that happens once the interpreter is finalising, Python ends the thread with
+    ``pthread_exit``, whose unwinding crosses a ``noexcept`` destructor: the process aborts
+    ("terminate called without an active exception"). Destroying a group joins its threads,
+    but only once nothing else holds it: so first collect the cycles (the FSDP-sharded model
+    holds groups), then the sharing gloo group, then the world. Idempotent.
+
+    Returns:
+        Whether every group was really freed (``False``: something still holds the world
+        group, and its threads live until the process ends); ``True`` without a process group.
+    """
+    from moe_experts.sharing import destroy_sharing_groups
+
+    if not (dist.is_available() and dist.is_initialized()):
+        return True
+    gc.collect()
+    destroy_sharing_groups()
+    world = weakref.ref(dist.group.WORLD)
+    dist.destroy_process_group()
+    gc.collect()
+    return world() is None
+
+
+def exit_without_finalizing(code: int) -> NoReturn:
+    """End the process now, skipping the interpreter's finalisation (after a failed teardown).
+
+    Where :func:`teardown_distributed` could not free a group (torch's DTensor caches hold
+    FSDP's device mesh, and with it the groups), its gloo threads live until the process ends,
+    and the interpreter's finalisation is the one moment at which they abort it. What
+    finalisation does that matters still runs: the atexit handlers (logging, reporters) and
+    flushing the output.
+    """
+    atexit._run_exitfuncs()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
