@@ -154,51 +154,13 @@ def _mechanism(mode: str, reps: int, python: str) -> dict:
     return {"mode": mode, "reps": reps, "aborted_runs": aborted}
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--reps", type=int, default=30)
-    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
-    p.add_argument("--label", default="fixed")
-    p.add_argument("--repo", type=Path, default=ROOT, help="the checkout whose tests run")
-    p.add_argument("--python", default=sys.executable)
-    p.add_argument("--load", type=int, default=len(os.sched_getaffinity(0)), help="busy loops")
-    p.add_argument("-k", dest="only", default="", help="run only tests containing this text")
-    p.add_argument(
-        "--mechanism", type=int, default=0, help="also run the bare mechanism this many times"
-    )
-    args = p.parse_args()
-    repo = args.repo.resolve()
-    env = {**os.environ, **ENV}
-    if repo != ROOT:
-        src = [str(s) for s in sorted((repo / "packages").glob("*/src"))]
-        env["PYTHONPATH"] = os.pathsep.join([*src, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
-    resource.setrlimit(resource.RLIMIT_CORE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
-    tests = [t for t in TESTS if args.only in t]
-    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.load)]
-    results: dict[str, list[dict]] = {t: [] for t in tests}
-    started = datetime.datetime.now(datetime.UTC)
-    try:
-        for rep in range(args.reps):
-            for test in tests:  # interleaved, so machine noise hits every test alike
-                r = _run_once(test, repo, args.python, env)
-                results[test].append(r)
-                aborted = r["cores"] or r["abort_text"]
-                print(
-                    f"rep {rep + 1}/{args.reps} rc={r['rc']} cores={r['cores']} "
-                    f"abort_text={r['abort_text']} {r['seconds']}s {test.split('::')[1][:70]}",
-                    flush=True,
-                )
-                if aborted and r["evidence"]:
-                    print("\n".join(r["evidence"][:20]), flush=True)
-        mechanism = [
-            _mechanism(mode, args.mechanism, args.python)
-            for mode in ("held", "freed")
-            if args.mechanism
-        ]
-    finally:
-        for b in busy:
-            b.kill()
-            b.wait()
+def _write(
+    args: argparse.Namespace,
+    results: dict[str, list[dict]],
+    mechanism: list[dict],
+    started: datetime.datetime,
+) -> list[str]:
+    """Write the JSON and the markdown table of what has run so far; returns the table."""
     with open("/proc/sys/kernel/core_pattern") as f:
         core_pattern = f.read().strip()
     rows = []
@@ -254,7 +216,57 @@ def main() -> None:
             *(f"| {m['mode']} | {m['reps']} | {m['aborted_runs']} |" for m in mechanism),
         ]
     (args.out / f"{name}.md").write_text("\n".join(lines) + "\n")
-    print("\n".join(lines))
+    return lines
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--reps", type=int, default=30)
+    p.add_argument("--out", type=Path, default=ROOT / "benchmarks" / "results")
+    p.add_argument("--label", default="fixed")
+    p.add_argument("--repo", type=Path, default=ROOT, help="the checkout whose tests run")
+    p.add_argument("--python", default=sys.executable)
+    p.add_argument("--load", type=int, default=len(os.sched_getaffinity(0)), help="busy loops")
+    p.add_argument("-k", dest="only", default="", help="run only tests containing this text")
+    p.add_argument(
+        "--mechanism", type=int, default=0, help="also run the bare mechanism this many times"
+    )
+    args = p.parse_args()
+    repo = args.repo.resolve()
+    env = {**os.environ, **ENV}
+    if repo != ROOT:
+        src = [str(s) for s in sorted((repo / "packages").glob("*/src"))]
+        env["PYTHONPATH"] = os.pathsep.join([*src, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    resource.setrlimit(resource.RLIMIT_CORE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+    tests = [t for t in TESTS if args.only in t]
+    busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.load)]
+    results: dict[str, list[dict]] = {t: [] for t in tests}
+    mechanism: list[dict] = []
+    started = datetime.datetime.now(datetime.UTC)
+    try:
+        for rep in range(args.reps):
+            for test in tests:  # interleaved, so machine noise hits every test alike
+                r = _run_once(test, repo, args.python, env)
+                results[test].append(r)
+                aborted = r["cores"] or r["abort_text"]
+                print(
+                    f"rep {rep + 1}/{args.reps} rc={r['rc']} cores={r['cores']} "
+                    f"abort_text={r['abort_text']} {r['seconds']}s {test.split('::')[1][:70]}",
+                    flush=True,
+                )
+                if aborted and r["evidence"]:
+                    print("\n".join(r["evidence"][:20]), flush=True)
+            _write(args, results, [], started)  # a run stopped early still leaves its figures
+        mechanism = [
+            _mechanism(mode, args.mechanism, args.python)
+            for mode in ("held", "freed")
+            if args.mechanism
+        ]
+    finally:
+        for b in busy:
+            b.kill()
+            b.wait()
+    print("\n".join(_write(args, results, mechanism, started)))
 
 
 if __name__ == "__main__":
