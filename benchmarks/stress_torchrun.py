@@ -234,9 +234,9 @@ def main() -> None:
     args = p.parse_args()
     repo = args.repo.resolve()
     env = {**os.environ, **ENV}
-    if repo != ROOT:
-        src = [str(s) for s in sorted((repo / "packages").glob("*/src"))]
-        env["PYTHONPATH"] = os.pathsep.join([*src, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
+    # The checkout's own sources first, whatever an editable install of the venv points at.
+    src = [str(s) for s in sorted((repo / "packages").glob("*/src"))]
+    env["PYTHONPATH"] = os.pathsep.join([*src, env.get("PYTHONPATH", "")]).rstrip(os.pathsep)
     resource.setrlimit(resource.RLIMIT_CORE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
     tests = [t for t in TESTS if args.only in t]
     busy = [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(args.load)]
