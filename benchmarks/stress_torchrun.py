@@ -244,6 +244,12 @@ def main() -> None:
     mechanism: list[dict] = []
     started = datetime.datetime.now(datetime.UTC)
     try:
+        # First, so that a run stopped early still has it.
+        mechanism = [
+            _mechanism(mode, args.mechanism, args.python)
+            for mode in ("held", "freed")
+            if args.mechanism
+        ]
         for rep in range(args.reps):
             for test in tests:  # interleaved, so machine noise hits every test alike
                 r = _run_once(test, repo, args.python, env)
@@ -256,12 +262,7 @@ def main() -> None:
                 )
                 if aborted and r["evidence"]:
                     print("\n".join(r["evidence"][:20]), flush=True)
-            _write(args, results, [], started)  # a run stopped early still leaves its figures
-        mechanism = [
-            _mechanism(mode, args.mechanism, args.python)
-            for mode in ("held", "freed")
-            if args.mechanism
-        ]
+            _write(args, results, mechanism, started)  # a run stopped early leaves its figures
     finally:
         for b in busy:
             b.kill()
