@@ -248,7 +248,6 @@ class ExpertSharing:
                     "finetune CLI's --no-share-experts) to keep one copy per rank"
                 )
             return None  # every rank of this platform decides alike: one copy per rank
-        group = _collective_group()
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         token = secrets.token_hex(8)
         # The writer listens before anyone can learn its address, so a connect never races.
@@ -256,7 +255,13 @@ class ExpertSharing:
         # The last field: why this local rank 0 has no socket ("" when it has one).
         me = (socket.gethostname(), _pid_namespace(), os.getpid(), token, local_rank, why)
         peers: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(peers, me, group=group)
+        try:
+            group = _collective_group()
+            dist.all_gather_object(peers, me, group=group)
+        except RuntimeError as exc:  # gloo: a peer died or closed its connection
+            if listener is not None:
+                listener.close()
+            raise _lost_contact("setting up expert sharing", exc) from exc
         # Every rank decides from the same table, so all ranks share or none does.
         writers = []
         for r, (host, ns, _, _, lr, _) in enumerate(peers):
@@ -373,10 +378,7 @@ class ExpertSharing:
         try:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
         except RuntimeError as exc:  # gloo: a peer died or closed its connection
-            raise WrapError(
-                f"lost contact with the other ranks while sharing the experts ({exc}); another "
-                "rank probably died, and its output or exit status says why"
-            ) from exc
+            raise _lost_contact("sharing the experts", exc) from exc
         worst = int(flag.item())
         self._settled = worst > 0
         return worst - 1 if worst else None
@@ -474,6 +476,14 @@ class ExpertSharing:
         finally:
             for fd in fds:
                 os.close(fd)
+
+
+def _lost_contact(doing: str, exc: BaseException) -> WrapError:
+    """The error of a sharing collective that failed because another rank went away."""
+    return WrapError(
+        f"lost contact with the other ranks while {doing} ({' '.join(str(exc).split())[:300]}); "
+        "another rank probably died, and its output or exit status says why"
+    )
 
 
 def _accept(listener: socket.socket | None, readers: set[int]) -> list[socket.socket]:

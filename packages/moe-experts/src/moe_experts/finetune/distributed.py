@@ -65,7 +65,14 @@ def init_distributed() -> Ranks:
         return Ranks(0, 1)
     me = (socket.gethostname(), os.getpid())
     peers: list[tuple[str, int]] = [me] * dist.get_world_size()
-    dist.all_gather_object(peers, me)
+    try:
+        dist.all_gather_object(peers, me)
+    except RuntimeError as exc:  # the pids are not known yet: no rank can be named
+        raise PeerLostError(
+            f"a peer rank closed its connection while the {dist.get_world_size()} ranks "
+            f"started, so rank {dist.get_rank()} cannot continue; look at the other ranks' "
+            f"output for why [{_first_line(exc)}]"
+        ) from exc
     return Ranks(dist.get_rank(), dist.get_world_size(), tuple(peers))
 
 
@@ -144,12 +151,21 @@ def _first_line(exc: BaseException) -> str:
 
 
 def diagnose_peer_loss(
-    exc: BaseException, ranks: Ranks, step: int, wait_s: float = 3.0
+    exc: BaseException,
+    ranks: Ranks,
+    step: int,
+    wait_s: float = 3.0,
+    *,
+    during: str | None = None,
+    lost_only: bool = False,
 ) -> PeerLostError | None:
     """If a peer rank is gone, say which and why, in place of a collective's error.
 
     A local peer's process is looked up by pid (every rank's pid was exchanged at start);
     the lookup is polled for up to ``wait_s`` because the peer may still be exiting.
+    ``during`` says when it happened (default: "during step ``step``"). With ``lost_only``
+    an error that does not read as a lost connection stands even if a peer is gone (every
+    rank may fail alike, e.g. on a bad setting, and exit in any order).
 
     Returns:
         The error to raise, or None when no peer is known to be gone and the error does not
@@ -160,6 +176,8 @@ def diagnose_peer_loss(
     host = socket.gethostname()
     text = " ".join(str(e) for e in _chain(exc)).lower()
     lost_connection = any(word in text for word in _CONNECTION_WORDS)
+    if lost_only and not lost_connection:
+        return None
     deadline = time.monotonic() + wait_s
     gone: list[int] = []
     while True:
@@ -172,16 +190,17 @@ def diagnose_peer_loss(
             break
         time.sleep(0.1)
     cause = _first_line(exc)
+    when = during or f"during step {step}"
     if gone:
         who = ", ".join(f"rank {r} (pid {ranks.peers[r][1]})" for r in gone)
         return PeerLostError(
-            f"{who} of {ranks.world} exited during step {step}, so its connection closed and "
+            f"{who} of {ranks.world} exited {when}, so its connection closed and "
             f"rank {ranks.rank} cannot continue; look at {who.split(' (')[0]}'s own output for "
             f"why it stopped [{cause}]"
         )
     if lost_connection:
         return PeerLostError(
-            f"a peer rank closed its connection during step {step} (it exited or its host "
+            f"a peer rank closed its connection {when} (it exited or its host "
             f"went away), so rank {ranks.rank} cannot continue; look at the other ranks' "
             f"output for why [{cause}]"
         )
