@@ -20,7 +20,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from moe_experts.finetune.config import OPTIONS, SECTIONS, FinetuneArgs, default_value
+from moe_experts.finetune.config import (
+    OPTIONS,
+    ROLE_DEFAULT,
+    SECTIONS,
+    FinetuneArgs,
+    default_value,
+)
 from moe_experts.finetune.errors import FinetuneError, TrainingInterrupted
 
 __all__ = ["COMMANDS", "Command", "build_parser", "finetune_main", "main", "report_error"]
@@ -157,8 +163,9 @@ def build_parser(prog: str = "moe-experts finetune") -> argparse.ArgumentParser:
     )
     run.add_argument(
         "--role",
-        default="moe",
-        help="the <role> of an older-style models.<role>.lora block in --config",
+        default=None,
+        help="the <role> of an older-style models.<role>.lora block in --config "
+        f"(default: {ROLE_DEFAULT})",
     )
     run.add_argument(
         "--resume",
