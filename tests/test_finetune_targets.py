@@ -89,6 +89,8 @@ def test_default_targets_train_router_and_attention(family: str, tmp_path: Path,
     assert shown["target_modules"] == [*attention, "lm_head"]
 
     assert finetune_main(args) == 0, capsys.readouterr().err  # first-step gradient check ran
+    # The run packed the way the family's registry row says (DeepSeek-V4: one per row).
+    assert f"padding; {ARCHITECTURES[family].packing.description})" in capsys.readouterr().err
     ckpt = resolve_checkpoint(out / "checkpoints")
     cfg = json.loads((ckpt / "adapter_config.json").read_text())
     assert router in cfg["target_parameters"]

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import re
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -270,3 +271,145 @@ def test_export_vllm_per_expert_equals_peft_merge_deltas(trained: dict) -> None:
                 checked += 1
     assert checked == n_layers * n_experts * 3
     assert any(float(tensors[k].abs().max()) > 0 for k in tensors if ".lora_B." in k)
+
+
+# -- damaged checkpoints and bad outputs: one error line, nothing used, nothing left behind --
+
+
+def _damaged_copy(trained: dict, tmp_path: Path, damage: str) -> Path:
+    """A copy of the trained checkpoint with ``damage`` done to its adapter."""
+    from blake3 import blake3
+
+    ckpt = tmp_path / "ckpts" / "step-00000020"
+    shutil.copytree(trained["root"] / "step-00000020", ckpt)
+    adapter, config = ckpt / "adapter_model.safetensors", ckpt / "adapter_config.json"
+
+    def rewrite(path: Path, data: bytes) -> None:
+        # The manifest records the new size and digest: only the content is bad.
+        path.write_bytes(data)
+        raw = json.loads((ckpt / "manifest.json").read_text())
+        for f in raw["files"]:
+            if f["file"] == path.name:
+                f["size"], f["digest"] = len(data), blake3(data).hexdigest()
+        (ckpt / "manifest.json").write_text(json.dumps(raw))
+
+    if damage == "truncated":
+        adapter.write_bytes(adapter.read_bytes()[:100])
+    elif damage == "truncated-in-manifest":
+        rewrite(adapter, adapter.read_bytes()[:100])
+    elif damage == "config-not-json":
+        rewrite(config, b"{not json")
+    elif damage == "config-a-list":
+        rewrite(config, b"[1, 2]")
+    elif damage == "flipped-byte":
+        data = bytearray(adapter.read_bytes())
+        data[-3] ^= 0xFF
+        adapter.write_bytes(bytes(data))
+    elif damage == "missing-adapter":
+        adapter.unlink()
+    else:
+        raise AssertionError(damage)
+    return ckpt
+
+
+def _command(command: str, ckpt: Path, out: Path, *extra: str) -> tuple[object, list[str]]:
+    from moe_experts.finetune.export import export_main
+    from moe_experts.finetune.generate import generate_main
+
+    if command == "generate":
+        return generate_main, ["--adapter", str(ckpt), "--prompt", "x", "--max-new-tokens", "2"]
+    return export_main, [str(ckpt), "--format", command, "--output", str(out), *extra]
+
+
+def _one_error(capsys: pytest.CaptureFixture[str], main, argv: list[str]) -> str:
+    code = main(argv)
+    err = capsys.readouterr().err
+    assert code == 1, err
+    assert "Traceback" not in err, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1, err
+    assert lines[0].startswith("error: "), err
+    return lines[0]
+
+
+def _nothing_written(out: Path) -> None:
+    assert not out.exists(), sorted(p.name for p in out.iterdir())
+    if out.parent.exists():
+        assert [p.name for p in out.parent.iterdir() if p.name.startswith(".")] == []
+
+
+DAMAGE = {
+    "truncated": "adapter_model.safetensors",
+    "truncated-in-manifest": "adapter_model.safetensors",
+    "flipped-byte": "adapter_model.safetensors",
+    "config-not-json": "adapter_config.json",
+    "config-a-list": "adapter_config.json",
+    "missing-adapter": "adapter_model.safetensors",
+}
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("command", ["generate", "peft", "vllm", "merged"])
+@pytest.mark.parametrize("damage", sorted(DAMAGE))
+def test_damaged_checkpoint_refused_before_use(
+    trained: dict, tmp_path: Path, capsys, monkeypatch, command: str, damage: str
+) -> None:
+    # Verified as `lora-checkpoint verify` does before anything is loaded or written.
+    monkeypatch.setenv("MOE_EXPERTS_CACHE", trained["env"]["MOE_EXPERTS_CACHE"])
+    ckpt = _damaged_copy(trained, tmp_path, damage)
+    out = tmp_path / "exports" / "out"
+    line = _one_error(capsys, *_command(command, ckpt, out))
+    assert DAMAGE[damage] in line, line
+    _nothing_written(out)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("command", ["peft", "vllm", "merged"])
+@pytest.mark.parametrize("where", ["at-a-file", "under-a-file"])
+def test_export_output_at_or_under_a_file(
+    trained: dict, tmp_path: Path, capsys, command: str, where: str
+) -> None:
+    blocker = tmp_path / "file.txt"
+    blocker.write_text("keep me")
+    out = blocker if where == "at-a-file" else blocker / "sub" / "out"
+    line = _one_error(capsys, *_command(command, trained["root"], out))
+    for needle in ("--output", "file.txt", "is a file"):
+        assert needle in line, line
+    assert blocker.read_text() == "keep me"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["file.txt"]
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("size", ["lots", "0", "-1GB", "1.5XB", "nan", ""])
+def test_export_bad_max_shard_size_refused_before_writing(
+    trained: dict, tmp_path: Path, capsys, size: str
+) -> None:
+    out = tmp_path / "exports" / "merged"
+    line = _one_error(capsys, *_command("merged", trained["root"], out, f"--max-shard-size={size}"))
+    assert "--max-shard-size" in line, line
+    assert not (tmp_path / "exports").exists()
+
+
+@pytest.mark.timeout(300)
+def test_failed_export_leaves_nothing_and_the_next_one_succeeds(
+    trained: dict, tmp_path: Path, capsys
+) -> None:
+    from moe_experts.finetune.export import export_main
+
+    ckpt = _damaged_copy(trained, tmp_path, "missing-adapter")
+    out = tmp_path / "exports" / "deep" / "peft"
+    line = _one_error(capsys, *_command("peft", ckpt, out))
+    assert "adapter_model.safetensors" in line, line
+    assert not (tmp_path / "exports").exists()  # the parents it made are gone too
+    good = trained["root"] / "step-00000020"
+    shutil.copy2(good / "adapter_model.safetensors", ckpt / "adapter_model.safetensors")
+    assert export_main([str(ckpt), "--format", "peft", "--output", str(out)]) == 0
+    assert sorted(p.name for p in out.parent.iterdir()) == ["peft"]  # no temp sibling left
+    for name in ("adapter_config.json", "adapter_model.safetensors"):
+        assert (out / name).read_bytes() == (good / name).read_bytes()
+    # A used output is refused, and left as it was.
+    line = _one_error(capsys, *_command("peft", ckpt, out))
+    assert "not empty" in line, line
+    assert (out / "adapter_model.safetensors").read_bytes() == (
+        good / "adapter_model.safetensors"
+    ).read_bytes()

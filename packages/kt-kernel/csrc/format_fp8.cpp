@@ -365,9 +365,10 @@ void check_fp8(const std::vector<at::Tensor>& parts, int64_t e, int64_t n, int64
                const char* what) {
   TORCH_CHECK_VALUE(parts.size() == 2, what, " (fp8) must be 2 tensors (weight, scale_inv), got ",
                     parts.size());
+  TORCH_CHECK_VALUE(n >= 0 && k >= 0, what, " (fp8): n and k must be >= 0, got ", n, " and ", k);
   check_part(parts[0], what, 0, "weight", at::kFloat8_e4m3fn, {e, n, k});
   check_part(parts[1], what, 1, "scale_inv", at::kFloat,
-             {e, (n + kBlock - 1) / kBlock, (k + kBlock - 1) / kBlock});
+             {e, ceil_div(n, kBlock), ceil_div(k, kBlock)});
 }
 
 }  // namespace

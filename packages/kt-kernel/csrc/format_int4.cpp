@@ -494,8 +494,10 @@ void check_int4(const std::vector<at::Tensor>& parts, int64_t e, int64_t n, int6
                 const char* what) {
   TORCH_CHECK_VALUE(parts.size() == 2, what, " (int4_g", G,
                     ") must be 2 tensors (packed, scale), got ", parts.size());
-  check_part(parts[0], what, 0, "packed", at::kByte, {e, (n + 1) / 2, k});
-  check_part(parts[1], what, 1, "scale", at::kBFloat16, {e, n, (k + G - 1) / G});
+  TORCH_CHECK_VALUE(n >= 0 && k >= 0, what, " (int4_g", G, "): n and k must be >= 0, got ", n,
+                    " and ", k);
+  check_part(parts[0], what, 0, "packed", at::kByte, {e, ceil_div(n, 2), k});
+  check_part(parts[1], what, 1, "scale", at::kBFloat16, {e, n, ceil_div(k, G)});
 }
 
 }  // namespace

@@ -21,12 +21,14 @@ at::Tensor dequantize_tile(const std::string& format, const std::vector<at::Tens
   const formats::Format& f = formats::find_format(format);
   TORCH_CHECK_VALUE(!parts.empty() && parts[0].defined() && parts[0].dim() >= 1,
                     "parts must be the format's tensors");
+  TORCH_CHECK_VALUE(n >= 0 && k >= 0, "n and k must be >= 0, got ", n, " and ", k);
   const int64_t e_count = parts[0].size(0);
   f.check(parts, e_count, n, k, "parts");
-  TORCH_CHECK_VALUE(row0 >= 0 && rows > 0 && row0 + rows <= n && col0 >= 0 && cols > 0 &&
-                        col0 + cols <= k,
-                    "tile [", row0, ":", row0 + rows, ", ", col0, ":", col0 + cols,
-                    "] out of range of [", n, ", ", k, "]");
+  // Never `row0 + rows <= n`: it wraps for row0 near INT64_MAX and passes.
+  TORCH_CHECK_VALUE(rows > 0 && cols > 0 && formats::range_within(row0, rows, n) &&
+                        formats::range_within(col0, cols, k),
+                    "tile of ", rows, " rows from row ", row0, " and ", cols,
+                    " columns from column ", col0, " out of range of [", n, ", ", k, "]");
   TORCH_CHECK_TYPE(dtype == at::kFloat || dtype == at::kBFloat16 ||
                        (f.load == nullptr && dtype == at::kDouble),
                    "dtype must be float32 or bfloat16, got ", dtype);
@@ -49,6 +51,7 @@ at::Tensor project(const std::string& format, const std::vector<at::Tensor>& par
   const formats::Format& f = formats::find_format(format);
   TORCH_CHECK_VALUE(!parts.empty() && parts[0].defined() && parts[0].dim() >= 1,
                     "parts must be the format's tensors");
+  TORCH_CHECK_VALUE(n >= 0 && k >= 0, "n and k must be >= 0, got ", n, " and ", k);
   const int64_t e_count = parts[0].size(0);
   f.check(parts, e_count, n, k, "parts");
   TORCH_CHECK_INDEX(expert >= 0 && expert < e_count, "expert must lie in [0, ", e_count,

@@ -112,6 +112,15 @@ const Format& find_format(const std::string& name);
 // Names of every registered format (for errors and tests).
 std::vector<std::string> format_names();
 
+// Overflow-safe index arithmetic for every entry's checks (the arguments come from Python
+// unchecked; `start + len` of two int64 can wrap and pass a naive `<= total`).
+// True when [start, start + len) lies within [0, total), len >= 0.
+inline bool range_within(int64_t start, int64_t len, int64_t total) {
+  return start >= 0 && len >= 0 && start <= total && len <= total - start;
+}
+// ceil(a / b) for a >= 0, b > 0, without the `a + b - 1` that wraps near INT64_MAX.
+inline int64_t ceil_div(int64_t a, int64_t b) { return a / b + (a % b != 0 ? 1 : 0); }
+
 // Helper for checkers: TORCH_CHECK that `t` is a contiguous `dtype` tensor of exactly `sizes`,
 // with a message naming `what`, the part index and `part_name`.
 void check_part(const at::Tensor& t, const char* what, int index, const char* part_name,

@@ -265,14 +265,22 @@ struct Task {
   int64_t expert, begin, end;
 };
 
+// End of the row tile that starts at `b` (< limit): min(b + tile_rows, limit) without forming
+// b + tile_rows, which wraps for a tile_rows near INT64_MAX (the op takes it from Python).
+inline int64_t tile_end(int64_t b, int64_t limit, int64_t tile_rows) {
+  return tile_rows >= limit - b ? limit : b + tile_rows;
+}
+
 // Tasks in descending size so dynamic scheduling balances the tail.
 inline std::vector<Task> make_tasks(const at::Tensor& offsets, int64_t tile_rows) {
   const int64_t* off = offsets.data_ptr<int64_t>();
   const int64_t e_count = offsets.numel() - 1;
   std::vector<Task> tasks;
   for (int64_t e = 0; e < e_count; ++e) {
-    for (int64_t b = off[e]; b < off[e + 1]; b += tile_rows) {
-      tasks.push_back({e, b, std::min(b + tile_rows, off[e + 1])});
+    for (int64_t b = off[e]; b < off[e + 1];) {
+      const int64_t end = tile_end(b, off[e + 1], tile_rows);
+      tasks.push_back({e, b, end});
+      b = end;
     }
   }
   std::stable_sort(tasks.begin(), tasks.end(), [](const Task& a, const Task& b) {
@@ -285,11 +293,12 @@ inline std::vector<Task> make_tasks(const at::Tensor& offsets, int64_t tile_rows
 // kt_kernel.set_num_threads), else KT_KERNEL_THREADS, else torch's intra-op count. The kernel's
 // count is its own so that several processes sharing a machine can each take a slice of the
 // cores without changing how many threads torch's own ops use.
+constexpr int64_t kMaxThreads = 1024;  // set_num_threads' bound (an int64 from Python)
 inline std::atomic<int>& thread_override() {
   static std::atomic<int> v{[] {
     const char* s = std::getenv("KT_KERNEL_THREADS");
-    const int n = s ? std::atoi(s) : 0;
-    return n > 0 ? n : 0;
+    const long long n = s ? std::atoll(s) : 0;
+    return n > 0 ? static_cast<int>(std::min<long long>(n, kMaxThreads)) : 0;
   }()};
   return v;
 }

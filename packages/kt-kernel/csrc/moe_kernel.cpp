@@ -20,6 +20,7 @@
 #include <atomic>
 #include <ctime>
 #include <exception>
+#include <limits>
 #include <mutex>
 #include <optional>
 #include <vector>
@@ -178,7 +179,10 @@ Call prepare(const at::Tensor& x, const at::Tensor& ids, const at::Tensor& w,
   TORCH_CHECK_TYPE(w.scalar_type() == w_dt, "topk_weights must be ", w_dt, " for x of ", c.dt,
                    ", got ", w.scalar_type());
   TORCH_CHECK_VALUE(num_experts > 0, "num_experts must be > 0, got ", num_experts);
-  TORCH_CHECK_VALUE(intermediate_size > 0, "intermediate_size must be > 0, got ",
+  // 2 * intermediate_size (gate_up's rows) must not wrap.
+  TORCH_CHECK_VALUE(intermediate_size > 0 &&
+                        intermediate_size <= std::numeric_limits<int64_t>::max() / 2,
+                    "intermediate_size must be > 0 and at most 2**62 - 1, got ",
                     intermediate_size);
   c.experts = num_experts;
   c.inter = intermediate_size;
@@ -381,10 +385,13 @@ std::tuple<at::Tensor, at::Tensor, std::vector<at::Tensor>> backward(
   const int64_t* perm = rt.perm.data_ptr<int64_t>();
   const int64_t np = rt.perm.numel();
   if (have_saved) {
-    TORCH_CHECK_VALUE(saved[3].sizes() == at::IntArrayRef({np, 2 * inter}) &&
-                          saved[3].scalar_type() == c.dt,
-                      "saved[3] (gate_up pre-activations) must be ", c.dt, " [", np, ", ",
-                      2 * inter, "]");
+    // saved[3] is read through raw row pointers (act_bwd): an expanded or strided view of
+    // the right shape would be read past its storage.
+    TORCH_CHECK_VALUE(saved[3].defined() && saved[3].sizes() == at::IntArrayRef({np, 2 * inter}) &&
+                          saved[3].scalar_type() == c.dt && saved[3].is_contiguous() &&
+                          saved[3].device().is_cpu(),
+                      "saved[3] (gate_up pre-activations) must be a contiguous CPU ", c.dt,
+                      " [", np, ", ", 2 * inter, "] tensor");
     if (l.on) {
       TORCH_CHECK_VALUE(saved[4].sizes() == at::IntArrayRef({np, ra}) &&
                             saved[5].sizes() == at::IntArrayRef({np, r}) &&
@@ -496,8 +503,8 @@ std::tuple<at::Tensor, at::Tensor, std::vector<at::Tensor>> backward(
       at::Tensor d_bbd_e = fused ? d_bbd[e] : at::Tensor();
       at::Tensor d_bg_e = fused ? at::Tensor() : d_bg[e];
       at::Tensor d_bu_e = fused ? at::Tensor() : d_bu[e];
-      for (int64_t b = off[e]; b < off[e + 1]; b += tile_rows) {
-        const int64_t m = std::min(tile_rows, off[e + 1] - b);
+      for (int64_t b = off[e]; b < off[e + 1]; b = common::tile_end(b, off[e + 1], tile_rows)) {
+        const int64_t m = common::tile_end(b, off[e + 1], tile_rows) - b;
         at::Tensor dgu_t = dgu.narrow(0, b, m), z_t = z.narrow(0, b, m);
         d_bd_e.addmm_(dys.narrow(0, b, m).t(), zdw.narrow(0, b, m), 1.0, l.s);
         d_ad_e.addmm_(qw.narrow(0, b, m).t(), h.narrow(0, b, m), 1.0, l.s);
@@ -568,14 +575,18 @@ TORCH_LIBRARY(kt_kernel, m) {
   m.def("set_gemv_rows", [](int64_t n) {
     kt_kernel::common::gemv_rows_setting().store(n >= 0 ? n : kt_kernel::common::kDefaultGemvRows);
   });
+  // An int64 count narrowed to the int OpenMP takes would wrap; more threads than this is a
+  // mistake (libgomp aborts the process when it cannot create them).
+  m.def("set_num_threads", [](int64_t n) {
+    TORCH_CHECK_VALUE(n <= kt_kernel::common::kMaxThreads, "set_num_threads: at most ",
+                      kt_kernel::common::kMaxThreads, " threads, got ", n);
+    kt_kernel::common::thread_override().store(n > 0 ? static_cast<int>(n) : 0);
+  });
   m.def("gemv_rows", []() { return kt_kernel::common::gemv_rows(); });
   m.def("isa", []() { return std::string(kt_kernel::isa_name(kt_kernel::isa_level())); });
   m.def("int8_isa", []() { return kt_kernel::formats::int8_isa(); });
   m.def("formats", []() { return kt_kernel::formats::format_names(); });
   m.def("cpu_features", []() { return kt_kernel::cpu_features(); });
-  m.def("set_num_threads", [](int64_t n) {
-    kt_kernel::common::thread_override().store(n > 0 ? static_cast<int>(n) : 0);
-  });
   m.def("get_num_threads", []() { return static_cast<int64_t>(kt_kernel::common::kernel_threads()); });
   m.def("release_scratch", []() { kt_kernel::common::pool().clear(); });
   m.def("profile", [](bool reset) {

@@ -96,8 +96,88 @@ CASES = [
         "tile_range",
         "ops.dequantize_tile('int8', [q8, s8], 64, 64, 60, 0, 8, 64, torch.float32)",
         "ValueError",
-        "tile [60:68",
+        "out of range of [64, 64]",
     ),
+    # Index arithmetic that wraps int64: `col0 + cols` or `row0 + rows` near 2**63 once passed
+    # the bounds check (a segfault for columns, a tile read from outside the storage for rows).
+    *[
+        (
+            f"tile_{axis}_overflow_{fmt}",
+            f"ops.dequantize_tile('{fmt}', parts['{fmt}'], 64, 64, {start}, torch.float32)",
+            "ValueError",
+            "out of range of [64, 64]",
+        )
+        for fmt in ("int8", "int4_g32", "fp8", "dense")
+        for axis, start in (
+            ("col", "0, 2**63 - 1, 1, 1"),
+            ("row", "2**63 - 1, 0, 1, 64"),
+            ("row_len", "1, 0, 2**63 - 1, 64"),
+            ("col_len", "0, 8, 1, 2**63 - 8"),
+        )
+    ],
+    *[
+        (
+            f"tile_shape_overflow_{fmt}",
+            f"ops.dequantize_tile('{fmt}', parts['{fmt}'], {n}, 0, 1, 1, torch.float32)",
+            "ValueError",
+            "",
+        )
+        for fmt in ("int4_g32", "fp8")
+        for n in ("2**63 - 1, 64, 0", "64, 2**63 - 1, 0", "-64, 64, 0")
+    ],
+    (
+        "project_n_negative",
+        "ops.project('int8', [q8, s8], -64, 64, 0, x, False)",
+        "ValueError",
+        "n and k must be >= 0",
+    ),
+    (
+        "project_k_huge",
+        "ops.project('int4_g32', parts['int4_g32'], 64, 2**63 - 1, 0, x, False)",
+        "ValueError",
+        "parts part 0 (packed)",
+    ),
+    (
+        "project_expert_huge",
+        "ops.project('int8', [q8, s8], 64, 64, 2**63 - 1, x, False)",
+        "IndexError",
+        "expert must lie in",
+    ),
+    # tile_rows near INT64_MAX: `b + tile_rows` wrapped (segfault); it is one task per expert.
+    ("tile_rows_huge_forward", "same(call(tile=2**63 - 16)[0], call()[0])", "no error", ""),
+    ("tile_rows_huge_backward", "same(bwd(dy=dy, tile=2**63 - 16), bwd(dy=dy))", "no error", ""),
+    (
+        "tile_rows_huge_int8",
+        "same(call(fmt='int8', gu=[q8, s8], dn=dn8, tile=2**63 - 8)[0],"
+        " call(fmt='int8', gu=[q8, s8], dn=dn8)[0])",
+        "no error",
+        "",
+    ),
+    ("inter_overflow", "call(I=2**62 + 16)", "ValueError", "intermediate_size must be > 0 and"),
+    # saved[3] is read through raw row pointers: an expanded view of the right shape was read
+    # past its one-row storage.
+    (
+        "saved_gu_expanded",
+        "bwd(saved=saved_full[:3] + [saved_full[3][:1].expand_as(saved_full[3])] + saved_full[4:])",
+        "ValueError",
+        "saved[3] (gate_up pre-activations) must be a contiguous",
+    ),
+    ("num_threads_wraps", "ops.set_num_threads(2**32 + 1)", "ValueError", "at most 1024"),
+    ("num_threads_huge", "ops.set_num_threads(2**63 - 1)", "ValueError", "at most 1024"),
+    (
+        "gemv_rows_huge",
+        "(ops.set_gemv_rows(2**63 - 1), project_all(), ops.set_gemv_rows(-1))",
+        "no error",
+        "",
+    ),
+    (
+        "attention_lse_rows",
+        "ops.attention_backward(ao, aq, ake, ake, ao, alse[:, :, :3], 0.5)",
+        "ValueError",
+        "lse must be",
+    ),
+    # Stride-0 (expanded) heads are read in place, never past their storage.
+    ("attention_expanded_kv", "same(attn(ake), attn(ake.contiguous()))", "no error", ""),
 ]
 
 CHILD = r"""
@@ -125,14 +205,42 @@ _, saved = call()
 _, saved_full = ops.forward(x, ids, w, "dense", [gu], [dn], None, None, 8, 32, "swiglu", [],
                             lora, 0.5, False, True, 256)
 
-def bwd(dy=None, saved=saved):
+def bwd(dy=None, saved=saved, tile=256):
     dy = torch.randn(37, 64) if dy is None else dy
     return ops.backward(dy, x, ids, w, "dense", [gu], [dn], None, None, 8, 32, "swiglu", [],
-                        lora, 0.5, False, saved, True, 256)
+                        lora, 0.5, False, saved, True, tile)
+
+def same(a, b):
+    a, b = (a, b) if isinstance(a, (tuple, list)) else ([a], [b])
+    for u, v in zip(a, b):
+        u, v = (u, v) if isinstance(u, (tuple, list)) else ([u], [v])
+        for s, t in zip(u, v):
+            if not torch.allclose(s, t, rtol=1e-5, atol=1e-5):
+                raise AssertionError("results differ")
+
+dy = torch.randn(37, 64)
+parts = {"int8": [q8, s8], "dense": [gu]}
+for name, fmt in (("int4_g32", kk.Int4Grouped(torch.float32, group_size=32)),
+                  ("fp8", kk.Fp8Block(torch.float32))):
+    parts[name] = list(fmt.native_args(fmt.quantize(gu)))
+
+def project_all():
+    for name, p in parts.items():
+        for nn in (False, True):
+            ops.project(name, p, 64, 64, 3, x[:5] if name != "dense" else x[:5], nn)
+
+aq = torch.randn(2, 4, 9, 8)
+ake = torch.randn(1, 1, 9, 8).expand(2, 2, 9, 8)
+ao, alse = ops.attention_forward(aq, ake, ake, 0.5)
+
+def attn(kv):
+    out, lse = ops.attention_forward(aq, kv, kv, 0.5)
+    return [out, lse, *ops.attention_backward(out, aq, kv, kv, out, lse, 0.5)]
 
 bwd()  # the good arguments work
 results = {}
 for name, expr in json.loads(sys.argv[1]):
+    print("case", name, file=sys.stderr, flush=True)  # names the case a crash died in
     try:
         eval(expr)
         results[name] = ["no error", ""]
@@ -149,11 +257,15 @@ def test_native_ops_reject_inconsistent_inputs_without_crashing() -> None:
     out = subprocess.run(
         [sys.executable, "-c", CHILD, cases], capture_output=True, text=True, env=env, timeout=120
     )
-    assert out.returncode == 0, f"child died with {out.returncode}: {out.stderr[-2000:]}"
+    started = [line for line in out.stderr.splitlines() if line.startswith("case ")]
+    assert out.returncode == 0, f"child died with {out.returncode} in {started[-1:]}: " + "\n".join(
+        line for line in out.stderr.splitlines()[-40:] if not line.startswith("case ")
+    )
     results = json.loads(out.stdout.strip().splitlines()[-1])
     for name, _, exc_type, needle in CASES:
         got_type, msg = results[name]
         assert got_type == exc_type, (name, got_type, msg)
+        # An empty needle: the type alone is the claim (the checker's message names the part).
         assert needle in msg, (name, msg)
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import signal
 import subprocess
 import sys
 from pathlib import Path
@@ -10,6 +12,7 @@ import pytest
 import torch
 
 import lora_checkpoint as lc
+from lora_checkpoint._fs import CRASH_POINTS, KILL_AT_ENV
 
 SCRIPT = Path(__file__).parent / "scripts" / "crash_writer.py"
 ROUNDS = 25
@@ -73,3 +76,40 @@ def test_sigkill_during_save_never_leaves_partial_checkpoint(tmp_path):
         proc.wait(timeout=30)
     published = [p for p in root.iterdir() if p.name.startswith("step-")]
     assert len(published) <= 3 + 1  # keep_last=3, plus at most one not yet pruned
+
+
+# Saves step 1 (keep_last=1) then step 2, which the hook kills at one point of its save.
+_KILL_CHILD = r"""
+import sys, torch
+import lora_checkpoint as lc
+from lora_core.contracts import AdaptationResult, ComponentVersion
+
+p = torch.nn.Parameter(torch.zeros(4, 8))
+result = AdaptationResult.create(
+    adapted_layers=["x"], named_optimizer_parameters=[("p", p)], ownership={"p": "replicated"},
+    producer=ComponentVersion("lora-core", "0.1.0"),
+)
+for step in (1, 2):
+    p.data.fill_(step)
+    lc.save(sys.argv[1], result, training_state=lc.TrainingState(step=step), keep_last=1)
+"""
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("point", CRASH_POINTS)
+def test_every_crash_point_is_reached_and_leaves_only_complete_checkpoints(tmp_path, point):
+    root = tmp_path / "root"
+    env = {**os.environ, KILL_AT_ENV: f"{point}:step-00000002"}
+    proc = subprocess.run(
+        [sys.executable, "-c", _KILL_CHILD, str(root)], env=env, capture_output=True, timeout=100
+    )
+    assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
+    # Every checkpoint under its real name is complete; `latest` names one of them (it may
+    # lag one behind: that is why resuming takes the newest that verifies).
+    names = sorted(m.name for m in lc.list_checkpoints(root))
+    assert names, point
+    for name in names:
+        lc.verify(root / name)
+    assert lc.load(root).manifest.name in names
+    published = CRASH_POINTS.index(point) >= CRASH_POINTS.index("renamed")
+    assert ("step-00000002" in names) == published, (point, names)

@@ -12,6 +12,7 @@ import pytest
 import torch
 
 import lora_checkpoint as lc
+from lora_core.contracts import AdaptationResult, ComponentVersion
 
 SCRIPT = Path(__file__).parent / "scripts" / "dist_worker.py"
 
@@ -72,3 +73,23 @@ def test_two_gloo_ranks_save_load_restore(tmp_path):
     assert next(p for p in m.parameters if p.name == "dense.lora_B.weight").shape == (7, 4)
     with pytest.raises(lc.CheckpointError, match=r"world_size 2"):
         lc.load(root, rank=2)
+    # AdamW state is stored whole on every rank (the sharded parameter's too, gathered), so
+    # a run saved by two ranks continues in one process from rank 0's files.
+    for r in (0, 1):
+        state = lc.load(root, rank=r).training_state.optimizer.state
+        assert state["dense.lora_B.weight"]["exp_avg"].shape == (7, 4)
+    params = [(n, torch.nn.Parameter(t.clone())) for n, t in zero.tensors.items()]
+    single = AdaptationResult.create(
+        adapted_layers=["dense", "experts"],
+        named_optimizer_parameters=params,
+        ownership={n: "replicated" for n, _ in params},
+        producer=ComponentVersion("lora-core", "0.1.0"),
+    )
+    opt = torch.optim.AdamW(single.parameters(), lr=0.1, foreach=False)
+    zero.training_state.apply(opt, single)
+    sharded = dict(params)["dense.lora_B.weight"]
+    # one step with gradient 1 on every element: exp_avg = (1 - beta1) * 1 everywhere
+    assert torch.allclose(opt.state[sharded]["exp_avg"], torch.full((7, 4), 0.1))
+    for p in single.parameters():
+        p.grad = torch.ones_like(p)
+    opt.step()  # the shapes agree (shard state raised a size mismatch here)

@@ -253,6 +253,93 @@ def test_header_asking_for_a_terabyte_refused_before_allocating(ckpt):
         lc.load(ckpt, verify=False)
 
 
+# Verifies a checkpoint in a fresh process and reports the error and how much the peak RSS
+# grew during verify (ru_maxrss is the process's peak, so the growth bounds every buffer).
+_RSS_CHILD = r"""
+import json, resource, sys
+import lora_checkpoint as lc
+
+def peak():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+lc.verify(sys.argv[2])  # a good checkpoint first: warms the pools, imports and allocator
+base = peak()
+try:
+    lc.verify(sys.argv[1])
+    got = "no error"
+except lc.CheckpointError as exc:
+    got = f"{type(exc).__name__}: {exc}"
+print(json.dumps({"error": got, "grew": peak() - base}))
+"""
+
+
+def _verify_rss(ckpt: Path, good: Path) -> tuple[str, int]:
+    out = subprocess.run(
+        [sys.executable, "-c", _RSS_CHILD, str(ckpt), str(good)],
+        capture_output=True,
+        text=True,
+        timeout=300,
+    )
+    assert out.returncode == 0, out.stderr[-2000:]
+    res = json.loads(out.stdout.strip().splitlines()[-1])
+    return res["error"], res["grew"]
+
+
+def _sparse(path: Path, head: bytes, size: int, ckpt: Path | None = None) -> None:
+    # ``head`` then zeros up to ``size`` bytes, without writing (or storing) the zeros; with
+    # ``ckpt`` the manifest records the new size, so only the content disagrees with it.
+    with open(path, "wb") as f:
+        f.write(head)
+        f.truncate(size)
+    if ckpt is not None:
+        raw = json.loads((ckpt / "manifest.json").read_text())
+        for f in raw["files"]:
+            if f["file"] == path.name:
+                f["size"] = size
+        (ckpt / "manifest.json").write_text(json.dumps(raw))
+
+
+_BOUND = 96 << 20  # RSS growth allowed while verifying a hostile file (chunks are 4 MiB)
+
+
+def test_garbled_header_of_a_512mib_file_is_hashed_in_bounded_memory(tmp_path, ckpt):
+    # The header matches nothing in the manifest, so the whole file is hashed (to tell a
+    # corrupted file from a malformed one): in chunks, never in buffers as large as the file.
+    good = shutil.copytree(ckpt.parent, tmp_path / "good") / ckpt.name
+    _sparse(
+        ckpt / "fused_expert_lora.safetensors",
+        b"\x10" + b"\0" * 7 + b"{garbage}" * 2,
+        512 << 20,
+        ckpt,
+    )
+    error, grew = _verify_rss(ckpt, good)
+    assert error.startswith("DigestMismatchError"), error
+    assert "fused_expert_lora.safetensors" in error, error
+    assert "safetensors header" in error, error
+    assert grew < _BOUND, f"verify grew the peak RSS by {grew / 2**20:.0f} MiB"
+
+
+def test_64gib_file_the_manifest_does_not_expect_is_refused_before_reading(tmp_path, ckpt):
+    good = shutil.copytree(ckpt.parent, tmp_path / "good") / ckpt.name
+    path = ckpt / "fused_expert_lora.safetensors"
+    _sparse(path, path.read_bytes(), 64 << 30)
+    error, grew = _verify_rss(ckpt, good)
+    assert error.startswith("DigestMismatchError"), error
+    assert f"file has {64 << 30} bytes, the manifest expects" in error, error
+    assert grew < _BOUND, f"verify grew the peak RSS by {grew / 2**20:.0f} MiB"
+
+
+def test_oversized_json_file_refused_before_reading(tmp_path, ckpt):
+    # A JSON file is read whole to be parsed: one larger than any we write is refused by its
+    # size (the manifest agreeing with it), not read into memory first.
+    good = shutil.copytree(ckpt.parent, tmp_path / "good") / ckpt.name
+    _sparse(ckpt / "adapter_config.json", b"{", 300 << 20, ckpt)
+    error, grew = _verify_rss(ckpt, good)
+    assert error.startswith("CheckpointError"), error
+    assert "adapter_config.json: file has 314572800 bytes, more than" in error, error
+    assert grew < _BOUND, f"verify grew the peak RSS by {grew / 2**20:.0f} MiB"
+
+
 def test_oversized_latest_read_bounded(ckpt, capsys):
     (ckpt.parent / "latest").write_bytes(b"x" * (8 << 20))
     with pytest.raises(lc.UnsafeFileError, match=r"latest is larger than") as info:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import shutil
@@ -12,6 +13,7 @@ import torch
 from safetensors.torch import load_file
 
 import lora_checkpoint as lc
+from lora_core import LoraConfig
 from lora_core.contracts import AdaptationResult, PeftTensorLayout
 
 GOLDEN = Path(__file__).parent / "golden"
@@ -139,6 +141,15 @@ def test_without_lora_config_no_adapter_config(tmp_path, result_factory):
     assert m.lora_config is None
     loaded = lc.load(tmp_path / m.name)
     assert set(loaded.tensors) == set(res.parameter_names)
+
+
+def test_rankless_lora_config_with_peft_exports_is_a_checkpoint_error(tmp_path, result):
+    # A disabled config has no rank, so adapter_config.json cannot say r; int(None) raised a
+    # bare TypeError before.
+    res = dataclasses.replace(result, lora_config=LoraConfig(enable=False))
+    with pytest.raises(lc.CheckpointError, match=r"needs result.lora_config \(rank and alpha\)"):
+        lc.save(tmp_path, res, step=1)
+    assert lc.list_checkpoints(tmp_path) == []
 
 
 def test_keep_last_prunes_after_publish(tmp_path, result):

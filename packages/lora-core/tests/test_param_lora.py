@@ -280,6 +280,15 @@ def test_layer_arguments_are_checked() -> None:
         LoRAParameter(Router(), "weight", 0, 2)
 
 
+def test_base_weight_set_to_none_after_wrapping_is_named() -> None:
+    # Before, base_weight returned None and the failure came later from whatever used it.
+    router = Router()
+    layer = LoRAParameter(router, "weight", 2, 2, fqn="gate")
+    router.register_parameter("weight", None)
+    with pytest.raises(TypeError, match=r"'gate': the wrapped Router no longer has parameter"):
+        layer.base_weight
+
+
 def test_a_router_shared_by_two_blocks_is_refused() -> None:
     model = Model()
     model.layers[1].gate = model.layers[0].gate

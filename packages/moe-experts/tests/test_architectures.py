@@ -1,18 +1,30 @@
-"""Architecture registry: every family resolves, unknown and refused models fail by name."""
+"""Architecture registry: every family resolves, unknown and refused models fail by name, and
+packed rows keep their examples apart."""
 
 import dataclasses
+import itertools
+import re
+from pathlib import Path
 
 import pytest
 import torch
+import transformers
 from transformers import LlamaConfig, LlamaForCausalLM
 
+import kt_kernel
 from moe_experts import (
     ARCHITECTURES,
     UNSUPPORTED_FAMILIES,
+    Packing,
+    PackingError,
     UnsupportedModelError,
     find_architecture,
     iter_moe_blocks,
+    use_kernel_attention,
+    wrap,
 )
+from moe_experts.finetune.data import IGNORE_INDEX, Example, PackedBatches
+from moe_experts.finetune.loss import token_loss_sum
 from moe_experts.testing import TINY_CONFIGS
 
 from .conftest import FAMILIES
@@ -40,6 +52,16 @@ def test_registry_rows_have_tiny_configs_and_are_frozen() -> None:
         "phimoe",
         "granitemoe",
         "gpt_oss",
+        "glm_moe_dsa",
+        "kimi_linear",
+        "jamba",
+        "granitemoehybrid",
+        "mistral4",
+        "mistral_large4",
+        "axk1",
+        "axk2",
+        "lara_mini",
+        "dots3_note",
     }
     assert required <= set(ARCHITECTURES)
     assert set(TINY_CONFIGS) == set(ARCHITECTURES) == set(FAMILIES)
@@ -96,13 +118,47 @@ def test_unsupported_model_lists_families() -> None:
         assert family in msg
 
 
-@pytest.mark.parametrize("model_type", ["llama4", "longcat_flash", "muse_spark"])
+@pytest.mark.parametrize(
+    "model_type", ["llama4", "llama4_text", "longcat_flash", "muse_spark", "minimax_m3_vl_text"]
+)
 def test_refused_families_say_why(model_type: str) -> None:
     model = torch.nn.Module()
     model.config = type("Cfg", (), {"model_type": model_type})()
     with pytest.raises(UnsupportedModelError, match=model_type) as info:
         find_architecture(model)
     assert UNSUPPORTED_FAMILIES[model_type] in str(info.value)
+
+
+def _pinned_transformers() -> str:
+    constraints = Path(__file__).parents[3] / "constraints" / "current.txt"
+    lines = constraints.read_text().splitlines()
+    return next(line.split("==")[1] for line in lines if line.startswith("transformers=="))
+
+
+def test_every_name_is_a_model_type_and_text_models_go_with_their_family() -> None:
+    from transformers.models.auto.configuration_auto import CONFIG_MAPPING_NAMES
+
+    if transformers.__version__ != _pinned_transformers():
+        pytest.skip("model types are checked against the pinned transformers only")
+    for arch in ARCHITECTURES.values():
+        for model_type in arch.model_types:
+            assert model_type in CONFIG_MAPPING_NAMES, (arch.family, model_type)
+            text = f"{model_type}_text"
+            assert text not in CONFIG_MAPPING_NAMES or text in arch.model_types, text
+    for model_type in UNSUPPORTED_FAMILIES:
+        assert model_type in CONFIG_MAPPING_NAMES, model_type
+        text = f"{model_type}_text"
+        assert text not in CONFIG_MAPPING_NAMES or text in UNSUPPORTED_FAMILIES, text
+
+
+def test_refusals_name_only_kernel_activations_that_exist() -> None:
+    # A reason that says what kt-kernel computes must name a class it has (no stale claims
+    # such as "no clamped_swiglu yet" once ClampedSwiGLU exists).
+    for model_type, why in UNSUPPORTED_FAMILIES.items():
+        for name in re.findall(r"kt_kernel\.(\w+)", why):
+            assert hasattr(kt_kernel, name), (model_type, name)
+        assert "clamped_swiglu yet" not in why, model_type
+    assert "kt_kernel.ClampedSwiGLU" in UNSUPPORTED_FAMILIES["minimax_m3_vl"]
 
 
 @pytest.mark.parametrize("transposed", [False, True])
@@ -134,3 +190,102 @@ def test_layout_fields_convert_to_kernel_layout(transposed: bool, interleaved: b
     assert torch.equal(
         arch.kernel_rows(rows.transpose(0, 1), dim=0), torch.cat([gate, up], 1).transpose(0, 1)
     )
+
+
+# Rows of 32 tokens hold two or three of these; the longest exceed the tiny configs' sliding
+# windows (Gemma-4: 8, DeepSeek-V4: 4) and compression windows.
+PACKED_LENGTHS = (13, 9, 6, 12, 4, 10)
+
+
+def _packing_examples(vocab: int) -> list[Example]:
+    """Conversation-like examples: two prompt tokens, the rest trained."""
+    gen = torch.Generator().manual_seed(21)
+    out = []
+    for n in PACKED_LENGTHS:
+        ids = tuple(int(t) for t in torch.randint(2, vocab, (n,), generator=gen))
+        out.append(Example(ids, (False, False) + (True,) * (n - 2), ()))
+    return out
+
+
+def _placements(packed: PackedBatches, examples: list[Example]) -> dict[int, tuple[int, int]]:
+    """Example index -> (row, first column), found from the restarting positions."""
+    by_ids = {ex.ids: i for i, ex in enumerate(examples)}
+    found = {}
+    rows = zip(packed.rows.tolist(), packed.positions.tolist(), strict=True)
+    for r, (row, pos) in enumerate(rows):
+        starts = [t for t, p in enumerate(pos) if p == 0] + [len(pos)]
+        for a, b in itertools.pairwise(starts):
+            if tuple(row[a:b]) in by_ids:
+                found[by_ids[tuple(row[a:b])]] = (r, a)
+    assert len(found) == len(examples)
+    return found
+
+
+def _alone(model, ex: Example) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logits ``[n, V]`` and summed loss of one example run by itself (its own row)."""
+    logits = model(input_ids=torch.tensor([ex.ids]), use_cache=False).logits[0]
+    labels = [ex.ids[k + 1] if ex.train[k + 1] else IGNORE_INDEX for k in range(len(ex.ids) - 1)]
+    loss = torch.nn.functional.cross_entropy(
+        logits[:-1].float(), torch.tensor(labels), ignore_index=IGNORE_INDEX, reduction="sum"
+    )
+    return logits, loss
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_packed_rows_equal_each_example_alone(fresh, family: str) -> None:
+    """The CLI's packing and forward arguments: a packed row's logits and loss are each of its
+    examples' run alone (fp32, 1e-5), in every family, on kt-kernel experts and attention."""
+    model = fresh(family)
+    arch = find_architecture(model)
+    wrap(model, weight_dtype="fp32")
+    use_kernel_attention(model)
+    examples = _packing_examples(min(model.config.get_text_config().vocab_size, 96))
+    shares = arch.packing.shares_rows
+    packed = PackedBatches.from_examples(
+        examples, seq_len=31, batch_size=1, seed=0, one_per_row=not shares
+    )
+    n_rows = packed.rows.shape[0]
+    assert n_rows == (2 if shares else len(examples))
+    order = dataclasses.replace(packed, batch_size=n_rows)
+    batch = order.model_batch(0)
+    where = {row: i for i, row in enumerate(order._indices(0))}
+    placed = _placements(packed, examples)
+    with torch.no_grad():
+        logits = model(**batch.model_inputs(model)).logits
+        row_loss = torch.zeros(n_rows, dtype=torch.float64)
+        for i, ex in enumerate(examples):
+            r, a = placed[i]
+            alone_logits, alone_loss = _alone(model, ex)
+            got = logits[where[r], a : a + len(ex.ids)]
+            torch.testing.assert_close(got, alone_logits, rtol=1e-5, atol=1e-5, msg=f"ex {i}")
+            row_loss[where[r]] += alone_loss.double()
+        for i in range(n_rows):
+            loss = token_loss_sum(model, batch.select(i, i + 1))
+            torch.testing.assert_close(loss.double(), row_loss[i], rtol=1e-5, atol=1e-5)
+        if shares:
+            # The check can fail: the same rows without boundaries give other logits.
+            plain = model(input_ids=batch.input_ids, use_cache=False).logits
+            assert (plain - logits).abs().max() > 1e-2
+        else:
+            # Rows packed for a family that shares them are refused, not silently mixed.
+            crowded = PackedBatches.from_examples(examples, seq_len=31, batch_size=2, seed=0)
+            with pytest.raises(PackingError, match=family):
+                crowded.model_batch(0).model_inputs(model)
+
+
+def test_packing_choices_say_why() -> None:
+    for arch in ARCHITECTURES.values():
+        assert isinstance(arch.packing, Packing)
+        assert arch.packing_reason
+    # The recurrent, linear-attention and convolution families the issue names.
+    assert {f for f, a in ARCHITECTURES.items() if not a.packing.shares_rows} >= {
+        "qwen3_next",
+        "qwen3_5_moe",
+        "minimax",
+        "lfm2_moe",
+        "deepseek_v4",
+        "kimi_linear",
+        "jamba",
+        "granitemoehybrid",
+    }

@@ -6,6 +6,7 @@ import torch
 from lora_core import LoraConfig
 from moe_experts import (
     GradientCheckError,
+    Packing,
     adapt_model,
     check_gradients,
     coverage_report,
@@ -45,6 +46,18 @@ def test_full_coverage_is_reported(fresh) -> None:
     text = coverage_summary(model, result)
     assert "every block's routed experts are trained" in text
     assert len(text.splitlines()) <= 24
+    assert report.packing is Packing.POSITIONS
+    assert "packing: several examples per row: transformers builds block-diagonal" in text
+
+
+def test_a_family_packed_one_example_per_row_says_why_and_what_it_costs(fresh) -> None:
+    model, result = _adapted(fresh, "qwen3_next", [])
+    report = coverage_report(model, result)
+    assert report.packing is Packing.ONE_PER_ROW
+    text = coverage_summary(model, result)
+    line = next(t for t in text.splitlines() if "packing:" in t)
+    assert "packing: one example per row: linear-attention (gated delta net)" in line
+    assert "on the chat demo that is 39 rows at 40.1% padding instead of 30 at 22.1%" in line
 
 
 def test_excluded_block_is_reported_and_summary_warns(fresh) -> None:

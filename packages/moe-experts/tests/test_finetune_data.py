@@ -325,7 +325,7 @@ def test_packed_rows_keep_examples_apart_and_masked_tokens_carry_no_gradient() -
 
     model = _tiny_model()
     with torch.no_grad():
-        logits = model(**batch.model_inputs()).logits
+        logits = model(**batch.model_inputs(model)).logits
         crossing = model(input_ids=batch.input_ids).logits  # one causal sequence: no boundaries
         start = 0
         for n in lengths:
@@ -350,7 +350,7 @@ def test_packed_rows_keep_examples_apart_and_masked_tokens_carry_no_gradient() -
 
     # The loss gradient at every masked position is exactly zero, and the parameter gradient
     # equals the one from the targets alone (per example, summed), so masked tokens add nothing.
-    logits = model(**batch.model_inputs()).logits
+    logits = model(**batch.model_inputs(model)).logits
     logits.retain_grad()
     loss = causal_lm_loss(logits, batch.labels)
     loss.backward()

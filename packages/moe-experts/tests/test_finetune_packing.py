@@ -9,10 +9,19 @@ import torch
 from transformers import AutoConfig, AutoModelForCausalLM
 
 from moe_experts.finetune.chat import render_turns
-from moe_experts.finetune.data import IGNORE_INDEX, Example, PackedBatches
+from moe_experts.finetune.config import FinetuneArgs
+from moe_experts.finetune.data import (
+    IGNORE_INDEX,
+    Example,
+    PackedBatches,
+    chat_demo_path,
+    tokenize_samples,
+)
 from moe_experts.finetune.models import BUILTIN_MODELS
 from moe_experts.finetune.packing import best_fit_decreasing, split_at_turns
+from moe_experts.finetune.run import _read_samples
 from moe_experts.finetune.tokenizer import build_byte_tokenizer
+from moe_experts.isolation import DEMO_PADDING_COST
 
 # In data order, the old greedy packing (a conversation that does not fit the rest of the row
 # starts a new one) needs 5 rows of 10: [6] [5 4] [5 3] [7] [8 2]. 40 tokens fit exactly 4.
@@ -144,7 +153,7 @@ def test_loss_of_a_packed_row_is_the_sum_of_its_conversations_alone() -> None:
     by_first = {ex.ids[0]: ex for ex in examples}
     model = _tiny_model()
     with torch.no_grad():
-        packed_logits = model(**batch.model_inputs()).logits
+        packed_logits = model(**batch.model_inputs(model)).logits
         plain_logits = model(input_ids=batch.input_ids).logits  # no boundaries
         crossing = 0.0
         for i, r in enumerate(order):
@@ -269,3 +278,40 @@ def test_turn_boundaries_agree_without_offsets(train_on_prompt: bool) -> None:
     fast = render_turns(tok, messages, train_on_prompt=train_on_prompt)
     assert render_turns(_SlowTokenizer(tok), messages, train_on_prompt=train_on_prompt) == fast
     assert len(fast[2]) == 2
+
+
+def test_one_example_per_row_gives_each_piece_its_own_row() -> None:
+    examples = _conversations(LENGTHS)
+    text = Example(tuple(range(200, 223)), (True,) * 23)  # plain text: 3 pieces of <= 10
+    packed = PackedBatches.from_examples(
+        [*examples, text], seq_len=9, batch_size=2, seed=0, one_per_row=True
+    )
+    assert packed.rows.shape == (len(LENGTHS) + 3, 10)
+    assert packed.pad_tokens == packed.rows.numel() - sum(LENGTHS) - 23
+    rows = zip(packed.rows.tolist()[:-3], packed.positions.tolist()[:-3], examples, strict=True)
+    for row, pos, ex in rows:
+        n = len(ex.ids)
+        assert tuple(row[:n]) == ex.ids
+        assert pos == [*range(n), *[0] * (10 - n)]
+        assert row[n:] == [0] * (10 - n)
+    assert [r[:8] for r in packed.rows[-3:].tolist()] == [
+        list(range(200, 208)),
+        list(range(210, 218)),
+        list(range(220, 223)) + [0] * 5,
+    ]
+
+
+def test_the_demo_padding_cost_is_measured_from_the_demo_data() -> None:
+    """What the coverage report and README say one example per row costs on the chat demo."""
+    args = FinetuneArgs(data=chat_demo_path(), seq_len=128, eval_split=0.1)  # the demo's
+    samples, _ = _read_samples(args)
+    examples = tokenize_samples(chat_demo_path(), samples, build_byte_tokenizer())
+    for one_per_row, rows, padding in (
+        (False, DEMO_PADDING_COST.shared_rows, DEMO_PADDING_COST.shared_padding),
+        (True, DEMO_PADDING_COST.own_rows, DEMO_PADDING_COST.own_padding),
+    ):
+        packed = PackedBatches.from_examples(
+            examples, seq_len=128, batch_size=8, seed=0, one_per_row=one_per_row
+        )
+        assert packed.rows.shape[0] == rows
+        assert packed.padding_fraction == pytest.approx(padding, abs=5e-4)

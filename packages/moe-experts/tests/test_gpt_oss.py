@@ -3,7 +3,8 @@
 The shared suites (test_wrap, test_adapt, test_loading, test_architectures) run the gpt_oss
 row like every family; this file proves what only this layout has: the exported adapter is
 exactly PEFT's (keys, shapes, values) and PEFT loads it with equal logits, the vLLM export
-refuses it, and the self-check catches a spec that gets the layout or the biases wrong.
+keeps those 3-D tensors (the layout vLLM's GPT-OSS reads), and the self-check catches a spec
+that gets the layout or the biases wrong.
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ from moe_experts import (
     router_targets,
     wrap,
 )
-from moe_experts.finetune.errors import FinetuneError
 from moe_experts.finetune.export import export, vllm_tensors
 
 from .conftest import token_batch
@@ -115,8 +115,14 @@ def test_peft_export_is_peft_layout_and_loads_with_equal_logits(saved_models, tm
     assert (plain - ours).abs().max() > 1e-2  # the adapters matter
     torch.testing.assert_close(theirs, ours, rtol=1e-5, atol=1e-5)
 
-    with pytest.raises(FinetuneError, match="--format peft"):
-        vllm_tensors(loaded)
+    # vLLM's GPT-OSS reads expert LoRA in this same 3-D layout (is_3d_moe_weight): the vLLM
+    # export keeps PEFT's tensors, gate_up under `.base_layer`, down on the wrapper itself.
+    tensors, _, _ = vllm_tensors(loaded, fused_experts=True)
+    experts = "base_model.model.model.layers.0.mlp.experts"
+    for key in ("base_layer.lora_A", "base_layer.lora_B", "lora_A", "lora_B"):
+        torch.testing.assert_close(
+            tensors[f"{experts}.{key}.weight"], saved[f"{experts}.{key}.weight"], rtol=0, atol=0
+        )
 
 
 @pytest.mark.timeout(60)

@@ -15,6 +15,8 @@ import moe_experts
 from lora_core import LoraConfig
 from moe_experts.testing import tiny_model
 
+from .conftest import FAMILIES
+
 CFG = LoraConfig(
     enable=True,
     rank=4,
@@ -124,3 +126,17 @@ def test_only_cpu_sdpa_models_are_switched() -> None:
     assert moe_experts.use_kernel_attention(model)
     assert moe_experts.use_kernel_attention(model)  # idempotent
     assert not moe_experts.use_kernel_attention(torch.nn.Linear(2, 2))
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_every_family_gives_sdpa_logits_on_kernel_attention(fresh, family: str) -> None:
+    """ "kt_causal" (the CLI's default on the CPU) changes no family's logits: calls it cannot
+    run go to SDPA whole, DSA's top-k ``indices`` included (16 of up to 24 keys in the tiny
+    configs)."""
+    model = fresh(family)
+    ids = torch.randint(2, 96, (2, 24), generator=torch.Generator().manual_seed(1))
+    with torch.no_grad():
+        want = model(input_ids=ids).logits
+        moe_experts.use_kernel_attention(model)
+        got = model(input_ids=ids).logits
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)

@@ -11,16 +11,25 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from moe_experts import KernelExperts, LoadError, is_placeholder, load_pretrained, wrap
 from moe_experts.architectures import checkpoint_model_type
-from moe_experts.testing import tiny_model
+from moe_experts.testing import tiny_config, tiny_model
 
 from .conftest import FAMILIES, token_batch
 
 LAYOUTS = ("per_expert", "fused")
-# load_pretrained builds AutoModelForCausalLM; the vision-language families are not loadable so.
-CAUSAL_FAMILIES = tuple(f for f in FAMILIES if f not in ("qwen3_vl_moe", "glm4v_moe"))
+# load_pretrained builds AutoModelForCausalLM; the vision-language families (and Mistral 4,
+# which transformers maps only as an image-text-to-text model) are not loadable so.
+CAUSAL_FAMILIES = tuple(
+    f for f in FAMILIES if tiny_config(f).model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+)
+
+# Hub-layout checkpoints whose *dense* weights transformers converts on load (Kimi-Linear's
+# q/k/v_conv1d concatenated into conv1d, Lara-Mini's fused in_proj split in four);
+# load_pretrained converts expert weights only, so it refuses them (key named in the error).
+DENSE_CONVERSIONS = {"kimi_linear": "q_conv1d", "lara_mini": "linear_attn.in_proj.weight"}
 
 
 @pytest.fixture(scope="module")
@@ -79,6 +88,11 @@ def test_bitwise_equal_to_from_pretrained_and_wrap(
     checkpoints, family: str, layout: str, dtype: torch.dtype, weight_dtype: str
 ) -> None:
     path = checkpoints[(family, layout)]
+    if layout == "per_expert" and family in DENSE_CONVERSIONS:
+        # Not streamed yet: refused loudly, naming the keys, never loaded wrong.
+        with pytest.raises(LoadError, match=DENSE_CONVERSIONS[family]):
+            load_pretrained(path, weight_dtype=weight_dtype, dtype=dtype)  # type: ignore[arg-type]
+        return
     ref = _reference(path, dtype, weight_dtype)
     got = load_pretrained(path, weight_dtype=weight_dtype, dtype=dtype)  # type: ignore[arg-type]
     ref_sd, got_sd = ref.state_dict(), got.state_dict()

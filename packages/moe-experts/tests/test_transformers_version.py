@@ -1,6 +1,6 @@
 """Each family's minimum transformers: an older release is refused with one clear error.
 
-The check reads ``transformers.__version__`` through ``architectures._installed_transformers``;
+The check reads ``transformers.__version__`` through ``moe_experts.spec._installed_transformers``;
 the tests make that report an older release (only the version string changes, the installed
 modeling code stays the current one), so what is tested is that the refusal happens first, in
 every entry point, naming family, versions and the fix.
@@ -20,11 +20,11 @@ from moe_experts import (
     ARCHITECTURES,
     TransformersVersionError,
     UnsupportedModelError,
-    architectures,
     find_architecture,
     load_pretrained,
     wrap,
 )
+from moe_experts import spec as spec_module
 from moe_experts.architectures import TRANSFORMERS_FLOOR
 from moe_experts.finetune.cli import finetune_main
 from moe_experts.finetune.data import ByteTokenizer
@@ -35,7 +35,7 @@ PYPROJECT = Path(__file__).parents[1] / "pyproject.toml"
 
 
 def _pretend(monkeypatch: pytest.MonkeyPatch, version: str) -> None:
-    monkeypatch.setattr(architectures, "_installed_transformers", lambda: version)
+    monkeypatch.setattr(spec_module, "_installed_transformers", lambda: version)
 
 
 def _expect(message: str, family: str, installed: str, needed: str) -> None:
@@ -52,7 +52,7 @@ def test_floor_matches_the_declared_dependency_and_every_minimum_parses() -> Non
     for spec in ARCHITECTURES.values():
         assert Version(spec.min_transformers) >= Version(TRANSFORMERS_FLOOR), spec.family
         # The running (pinned) transformers satisfies every family the suite tests.
-        installed = Version(architectures._installed_transformers())
+        installed = Version(spec_module._installed_transformers())
         assert installed >= Version(spec.min_transformers), spec.family
     assert ARCHITECTURES["qwen3_moe"].min_transformers == TRANSFORMERS_FLOOR
     assert ARCHITECTURES["granitemoe"].min_transformers == "5.17"

@@ -22,6 +22,8 @@ __all__ = [
 REQUIRE_NATIVE_ENV = "KT_KERNEL_REQUIRE_NATIVE"
 # Read once by the extension: the kernel's thread count unless set_num_threads overrides it.
 THREADS_ENV = "KT_KERNEL_THREADS"
+# The native bound on set_num_threads (moe_common.h kMaxThreads): OpenMP takes an int.
+MAX_THREADS = 1024
 
 
 def _load() -> tuple[ModuleType | None, str | None]:
@@ -109,14 +111,16 @@ def set_num_threads(n: int | None) -> None:
     the compiled extension the reference runs on torch's threads and this has no effect.
 
     Raises:
-        KernelInputError: ``n`` is not a non-negative int.
+        KernelInputError: ``n`` is not an int in [0, 1024].
     """
     from kt_kernel.errors import KernelInputError
 
     if n is None:
         n = 0
-    if isinstance(n, bool) or not isinstance(n, int) or n < 0:
-        raise KernelInputError(f"set_num_threads needs an int >= 0 or None, got {n!r}")
+    if isinstance(n, bool) or not isinstance(n, int) or not 0 <= n <= MAX_THREADS:
+        raise KernelInputError(
+            f"set_num_threads needs an int in [0, {MAX_THREADS}] or None, got {n!r}"
+        )
     if _MODULE is not None:
         import torch
 

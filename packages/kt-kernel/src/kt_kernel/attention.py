@@ -9,6 +9,7 @@ probabilities in backward; :func:`causal_attention_reference` is plain PyTorch.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any, Literal, cast
 
 import torch
@@ -64,6 +65,7 @@ class _NativeCausalAttention(torch.autograd.Function):
     def forward(
         ctx: Any, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float
     ) -> torch.Tensor:
+        out: torch.Tensor
         out, lse = torch.ops.kt_kernel.attention_forward(q, k, v, scale)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.scale = scale
@@ -74,6 +76,10 @@ class _NativeCausalAttention(torch.autograd.Function):
         q, k, v, out, lse = ctx.saved_tensors
         dq, dk, dv = torch.ops.kt_kernel.attention_backward(grad_out, q, k, v, out, lse, ctx.scale)
         return dq, dk, dv, None
+
+
+# torch's Function.apply is unannotated (returns Any); this is its typed view for our Function.
+_native_causal_attention: Callable[..., torch.Tensor] = _NativeCausalAttention.apply
 
 
 def causal_attention_reference(
@@ -135,4 +141,4 @@ def causal_attention(
         )
     if backend == "reference" or not native_ok:
         return causal_attention_reference(q, k, v, s)
-    return _NativeCausalAttention.apply(q, k, v, s)
+    return _native_causal_attention(q, k, v, s)

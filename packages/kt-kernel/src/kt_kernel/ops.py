@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any, Literal
 
 import torch
@@ -111,7 +112,7 @@ class _NativeExperts(torch.autograd.Function):
     """Autograd wrapper over ``torch.ops.kt_kernel.forward``/``backward``, for every format."""
 
     @staticmethod
-    def forward(  # type: ignore[override]
+    def forward(
         ctx: Any,
         x: torch.Tensor,
         w: torch.Tensor,
@@ -125,6 +126,7 @@ class _NativeExperts(torch.autograd.Function):
         """Run the native forward; keeps routing (and with ``save`` the pre-activations)."""
         tile_rows = weights.format.tile_rows
         args = weights.native_args()
+        y: torch.Tensor
         y, saved = _native_ops().forward(
             x, ids, w, *args, list(lora), scaling, fused, save, tile_rows
         )
@@ -136,7 +138,7 @@ class _NativeExperts(torch.autograd.Function):
         return y
 
     @staticmethod
-    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:  # type: ignore[override]
+    def backward(ctx: Any, dy: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         """dx through the base (any format), d topk_weights and the LoRA gradients."""
         x, w, ids, *rest = ctx.saved_tensors
         lora, saved = rest[: ctx.n_lora], rest[ctx.n_lora :]
@@ -156,6 +158,10 @@ class _NativeExperts(torch.autograd.Function):
             weights.format.tile_rows,
         )
         return (dx if need_dx else None, dw, None, None, None, None, None, *grads)
+
+
+# torch's Function.apply is unannotated (returns Any); this is its typed view for our Function.
+_native_experts: Callable[..., torch.Tensor] = _NativeExperts.apply
 
 
 def moe_experts_forward(
@@ -220,6 +226,7 @@ def moe_experts_forward(
         xc.requires_grad or w.requires_grad or any(f.requires_grad for f in factors)
     )
     if not needs_graph:  # inference: nothing is kept for a backward
+        y: torch.Tensor
         y, _ = _native_ops().forward(
             xc,
             ids,
@@ -232,7 +239,7 @@ def moe_experts_forward(
             weights.format.tile_rows,
         )
         return y
-    return _NativeExperts.apply(xc, w, ids, weights, scaling, fused, policy == "save", *factors)
+    return _native_experts(xc, w, ids, weights, scaling, fused, policy == "save", *factors)
 
 
 def activation_memory_bytes(

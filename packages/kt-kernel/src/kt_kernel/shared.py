@@ -234,7 +234,7 @@ def _read_segment(fd: int, what: str, size: int | None = None) -> dict[str, Any]
         raise SharedMemoryError(f"{what} is not kt-kernel shared expert storage (bad magic)")
     hlen = int.from_bytes(m[8:16], "little")
     try:
-        header = json.loads(m[16 : 16 + hlen])
+        header: dict[str, Any] = json.loads(m[16 : 16 + hlen])
     except ValueError as exc:
         raise SharedMemoryError(f"{what} has a corrupt header: {exc}") from exc
     data_start = _round_up(16 + hlen)

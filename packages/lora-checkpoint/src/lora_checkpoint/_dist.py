@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeGuard
 
 import torch
+
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
 
 
 def dist_active() -> bool:
@@ -19,7 +22,7 @@ def rank_and_world() -> tuple[int, int]:
     return 0, 1
 
 
-def is_dtensor(t: torch.Tensor) -> bool:
+def is_dtensor(t: torch.Tensor) -> TypeGuard[DTensor]:
     """Return True if ``t`` is a ``torch.distributed.tensor.DTensor``."""
     if not torch.distributed.is_available():
         return False

@@ -7,6 +7,7 @@ import errno
 import fcntl
 import os
 import shutil
+import signal
 import time
 import uuid
 from collections.abc import Iterator
@@ -26,6 +27,21 @@ LOCK_FILE = ".lock"
 # means the holder is stuck.
 DEFAULT_LOCK_TIMEOUT = 60.0
 _POLL_MAX_S = 0.05
+# Test hook for crash-safety tests: "<point>:<checkpoint name>" kills this process with
+# SIGKILL when the save of that checkpoint reaches that point (see crash_point).
+KILL_AT_ENV = "LORA_CHECKPOINT_KILL_AT"
+# The points of a save, in order (writer.save, _publish, replace_atomic, remove_tree).
+CRASH_POINTS = (
+    "temp-created",
+    "files-written",
+    "manifest-written",
+    "renamed",
+    "published",
+    "latest-temp-written",
+    "latest-written",
+    "trash-renamed",
+    "pruned",
+)
 _O_CLOEXEC = getattr(os, "O_CLOEXEC", 0)
 _O_NOFOLLOW = getattr(os, "O_NOFOLLOW", 0)
 
@@ -39,7 +55,18 @@ _HINTS = {
 }
 
 
-def io_error(exc: OSError, path: Path | str, action: str) -> CheckpointIOError:
+def crash_point(point: str, name: str) -> None:
+    """SIGKILL this process here when ``LORA_CHECKPOINT_KILL_AT`` is ``<point>:<name>``.
+
+    Only crash-safety tests set the variable: it lets them stop a save at each of its
+    ``CRASH_POINTS`` exactly as a power cut or the OOM killer would.
+    """
+    spec = os.environ.get(KILL_AT_ENV)
+    if spec and spec == f"{point}:{name}":
+        os.kill(os.getpid(), signal.SIGKILL)
+
+
+def io_error(exc: OSError, path: str | os.PathLike[str], action: str) -> CheckpointIOError:
     """Return the :class:`CheckpointIOError` naming ``path`` for an ``OSError``, to raise."""
     code = errno.errorcode.get(exc.errno or 0, str(exc.errno))
     hint = _HINTS.get(exc.errno or 0, "check the file system")
@@ -68,11 +95,15 @@ def write_bytes_durable(path: Path, data: bytes) -> None:
         os.close(fd)
 
 
-def replace_atomic(path: Path, data: bytes) -> None:
-    """Replace ``path`` with ``data`` atomically: temp file, fsync, ``os.replace``, dir fsync."""
+def replace_atomic(path: Path, data: bytes, *, crash_name: str = "") -> None:
+    """Replace ``path`` with ``data`` atomically: temp file, fsync, ``os.replace``, dir fsync.
+
+    ``crash_name`` names the checkpoint being saved, for :func:`crash_point`.
+    """
     tmp = path.with_name(f"{TMP_PREFIX}{path.name}-{uuid.uuid4().hex}")
     try:
         write_bytes_durable(tmp, data)
+        crash_point("latest-temp-written", crash_name)
         os.replace(tmp, path)
     except BaseException:
         with suppress(OSError):
@@ -81,11 +112,15 @@ def replace_atomic(path: Path, data: bytes) -> None:
     fsync_dir(path.parent)
 
 
-def remove_tree(path: Path) -> None:
-    """Delete a directory so that no crash can leave a partial one under its real name."""
+def remove_tree(path: Path, *, crash_name: str = "") -> None:
+    """Delete a directory so that no crash can leave a partial one under its real name.
+
+    ``crash_name`` names the checkpoint being saved, for :func:`crash_point`.
+    """
     trash = path.with_name(f"{TRASH_PREFIX}{path.name}-{uuid.uuid4().hex}")
     os.rename(path, trash)
     fsync_dir(path.parent)
+    crash_point("trash-renamed", crash_name)
     shutil.rmtree(trash, ignore_errors=True)
 
 

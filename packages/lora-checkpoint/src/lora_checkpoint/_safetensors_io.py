@@ -33,10 +33,12 @@ from lora_checkpoint._fs import io_error
 from lora_checkpoint._st_header import (
     DTYPE_TO_CODE,
     NAME_TO_DTYPE,
-    dtype_name,
     header_length,
     match_manifest,
     parse_header,
+)
+from lora_checkpoint._st_header import (
+    dtype_name as dtype_name,  # re-exported: writer and reader name dtypes through here
 )
 from lora_checkpoint.errors import (
     CheckpointError,
@@ -242,7 +244,11 @@ def _pread_into(fd: int, views: list[memoryview], offset: int, name: str, size: 
 
 
 def read_file_bytes(
-    path: Path, *, expected_size: int | None = None, algorithm: DigestAlgorithm | None = None
+    path: Path,
+    *,
+    expected_size: int | None = None,
+    algorithm: DigestAlgorithm | None = None,
+    max_size: int | None = None,
 ) -> tuple[bytes, str]:
     """Read a whole (small) file and hash it.
 
@@ -250,6 +256,7 @@ def read_file_bytes(
         path: the file.
         expected_size: refuse a file of another size (``TruncatedFileError`` if shorter).
         algorithm: hash the bytes with it; None: do not hash.
+        max_size: refuse a larger file before reading any of it (``CheckpointError``).
 
     Returns:
         ``(bytes, hex digest)`` of the same bytes; the digest is ``""`` when ``algorithm`` is
@@ -258,10 +265,16 @@ def read_file_bytes(
     Raises:
         TruncatedFileError: the file is shorter than expected or shrank while being read.
         DigestMismatchError: the file is longer than expected.
+        CheckpointError: the file is larger than ``max_size``.
     """
     fd = os.open(path, os.O_RDONLY)
     try:
         size = _checked_size(fd, path, expected_size)
+        if max_size is not None and size > max_size:
+            raise CheckpointError(
+                f"{path.name}: file has {size} bytes, more than the {max_size} a file of this "
+                "kind may hold; it is corrupted or was not written by lora-checkpoint"
+            )
         buf = bytearray(size)
         _pread_into(fd, [memoryview(buf)], 0, path.name, size)
     finally:
@@ -304,6 +317,20 @@ def _wait_then_hash(
     if h is not None:
         for v in views:
             h.update(v)
+
+
+def _read_and_hash_range(
+    fd: int, h: Hasher | None, start: int, end: int, name: str, size: int
+) -> None:
+    # Reads [start, end) through one CHUNK_BYTES buffer, hashing each piece as it arrives.
+    buf = memoryview(bytearray(min(CHUNK_BYTES, end - start)))
+    pos = start
+    while pos < end:
+        part = buf[: min(len(buf), end - pos)]
+        _pread_into(fd, [part], pos, name, size)
+        if h is not None:
+            h.update(part)
+        pos += len(part)
 
 
 def _close_when_done(fd: int, h: Hasher | None, steps: list[Future[None]]) -> str:
@@ -403,10 +430,12 @@ def read_safetensors(
 
         def add_scratch(end: int, pos: int) -> None:
             # Bytes no tensor owns: gaps, trailing bytes, or the rest behind a bad header.
-            while pos < end:
-                scratch = bytearray(min(CHUNK_BYTES, end - pos))
-                add(memoryview(scratch), scratch, pos)
-                pos += len(scratch)
+            # One task reads and hashes them through one reused chunk, in file order: the
+            # memory is bounded whatever the header claims (a scratch buffer per chunk, all
+            # queued at once, once held the whole of a hostile file).
+            if pos < end:
+                flush()
+                steps.append(file_worker.submit(_read_and_hash_range, fd, h, pos, end, name, size))
 
         def done(
             tensors: dict[str, torch.Tensor], error: CheckpointError | None

@@ -8,6 +8,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import ExitStack, contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -40,6 +41,9 @@ from lora_checkpoint.training_state import TrainingState
 from lora_checkpoint.writer import MANIFEST, training_state_files
 from lora_core.contracts import AdaptationResult
 
+if TYPE_CHECKING:
+    from torch.distributed.tensor import DTensor
+
 __all__ = [
     "CheckpointReport",
     "LoadedCheckpoint",
@@ -61,6 +65,9 @@ _SAFE_SUFFIXES = (".safetensors", ".json")
 MAX_LATEST_BYTES = 4096
 # A manifest lists every tensor and file; even 100k tensors stay well under this.
 MAX_MANIFEST_BYTES = 256 * 1024 * 1024
+# The JSON files beside the tensors (adapter config, training state) are read whole to be
+# parsed: a larger one is refused before it is read.
+MAX_JSON_FILE_BYTES = 256 * 1024 * 1024
 
 
 @dataclass(frozen=True)
@@ -236,7 +243,10 @@ def _read_json_file(ckpt: Path, entry: FileEntry, manifest: Manifest, verify: bo
         raise MissingFileError(f"{path}: listed in the manifest but missing")
     algorithm = manifest.digest_algorithm
     buf, digest = read_file_bytes(
-        path, expected_size=entry.size, algorithm=algorithm if verify else None
+        path,
+        expected_size=entry.size,
+        algorithm=algorithm if verify else None,
+        max_size=MAX_JSON_FILE_BYTES,
     )
     if verify and digest != entry.digest:
         raise DigestMismatchError(
@@ -508,7 +518,7 @@ def inspect(
     return CheckpointReport(ckpt, manifest, tuple(found))
 
 
-def _local_part(full: torch.Tensor, param: torch.Tensor) -> torch.Tensor:
+def _local_part(full: torch.Tensor, param: DTensor) -> torch.Tensor:
     from torch.distributed.tensor import Replicate, Shard
 
     mesh = param.device_mesh

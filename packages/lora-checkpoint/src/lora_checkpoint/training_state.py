@@ -51,10 +51,12 @@ def _jsonable(value: Any, where: str, depth: int = 0) -> Any:
     )
 
 
-def _local(t: torch.Tensor) -> torch.Tensor:
-    # A DTensor's optimizer state is saved as this rank's shard; the file is per rank.
+def _global(t: torch.Tensor) -> torch.Tensor:
+    # A DTensor's optimizer state is saved whole (a collective for sharded ones: every rank
+    # calls this in one order), so a run may resume at another world size; the parameters
+    # themselves are stored whole too.
     if is_dtensor(t):
-        t = t.to_local()
+        t = t.full_tensor()
     return t.detach().to("cpu").clone()
 
 
@@ -185,10 +187,11 @@ class TrainingState:
                 hyper["params"] = [names[i] for i in g["params"]]
                 groups.append(hyper)
             state: dict[str, dict[str, Any]] = {}
-            for idx, s in sd["state"].items():
+            # Index order: the same on every rank, which the gathers of _global need.
+            for idx, s in sorted(sd["state"].items()):
                 state[names[idx]] = {
                     k: (
-                        _local(v)
+                        _global(v)
                         if isinstance(v, torch.Tensor)
                         else _jsonable(v, f"optimizer state[{names[idx]!r}][{k!r}]")
                     )
@@ -247,7 +250,9 @@ class TrainingState:
             params = dict(result.named_optimizer_parameters)
             state = {}
             for n, s in self.optimizer.state.items():
-                state[index[n]] = {k: _as_param_like(v, params[n]) for k, v in s.items()}
+                state[index[n]] = {
+                    k: _as_param_like(v, params[n], f"{n}/{k}") for k, v in s.items()
+                }
             optimizer.load_state_dict({"state": state, "param_groups": groups})
         if self.rng is not None:
             self.rng.apply()
@@ -340,14 +345,30 @@ class TrainingState:
             raise ManifestError(f"{file}: malformed training state: {exc!r}") from exc
 
 
-def _as_param_like(value: Any, param: torch.Tensor) -> Any:
-    # A DTensor parameter needs DTensor state; the file holds this rank's shard.
-    if isinstance(value, torch.Tensor) and is_dtensor(param):
-        from torch.distributed.tensor import DTensor
+def _as_param_like(value: Any, param: torch.Tensor, what: str) -> Any:
+    """Optimizer state ``value`` laid out like ``param`` (this rank's part of a DTensor).
 
-        if value.shape == param.to_local().shape and value.dim() > 0:
-            # Pass the global shape: FSDP shards unevenly (e.g. 259 rows as 130 + 129), and
-            # from_local would otherwise infer local_rows * world_size.
+    Raises:
+        CheckpointError: a tensor of ``param``'s rank fits neither its whole shape nor (a file
+            written before whole state was saved) this rank's shard.
+    """
+    if not isinstance(value, torch.Tensor) or value.dim() == 0 or value.dim() != param.dim():
+        return value
+    if is_dtensor(param):
+        from torch.distributed.tensor import DTensor, distribute_tensor
+
+        if value.shape == param.shape:
+            # Whole state: this rank takes its part (every rank holds the whole; no traffic).
+            return distribute_tensor(
+                value.to(param.to_local().device),
+                param.device_mesh,
+                param.placements,
+                src_data_rank=None,
+            )
+        if value.shape == param.to_local().shape:
+            # A shard saved by an older version at this very world size. Pass the global
+            # shape: FSDP shards unevenly (e.g. 259 rows as 130 + 129), and from_local would
+            # otherwise infer local_rows * world_size.
             return DTensor.from_local(
                 value,
                 param.device_mesh,
@@ -356,4 +377,10 @@ def _as_param_like(value: Any, param: torch.Tensor) -> Any:
                 shape=param.shape,
                 stride=param.stride(),
             )
-    return value
+    elif value.shape == param.shape:
+        return value
+    raise CheckpointError(
+        f"optimizer state {what} has shape {list(value.shape)}, but the parameter is "
+        f"{list(param.shape)}: it was saved as one rank's shard (by lora-checkpoint < 0.3) at "
+        "another world size; resume with the world size that saved it"
+    )

@@ -117,7 +117,7 @@ def _adapter_config(
     result: AdaptationResult, base_model_name_or_path: str | None, task_type: str | None
 ) -> dict[str, Any]:
     cfg = result.lora_config
-    if cfg is None:
+    if cfg is None or cfg.rank is None:
         raise CheckpointError("adapter_config.json needs result.lora_config (rank and alpha)")
     rank = int(cfg.rank)
     alpha: float | int = rank if cfg.alpha is None else float(cfg.alpha)
@@ -416,6 +416,7 @@ def save(
                     tmp = root / f"{_fs.TMP_PREFIX}{ckpt_name}-{uuid.uuid4().hex}"
                     tmp.mkdir()
                     claim = _fs.claim_dir(tmp)
+                _fs.crash_point("temp-created", ckpt_name)
                 setup = {"tmp": str(tmp)}
             except Exception as exc:
                 err = as_checkpoint_error(exc, root)
@@ -433,6 +434,7 @@ def save(
                 tmp, result, rank, state, shared, local, base_model_name_or_path, task_type
             )
             outcome["has_training_state"] = training_state is not None
+            _fs.crash_point("files-written", ckpt_name)
         except Exception as exc:
             err = as_checkpoint_error(exc, tmp)
             if not _dist.dist_active():
@@ -496,6 +498,7 @@ def _publish(
     )
     _fs.write_bytes_durable(tmp / MANIFEST, manifest.to_json().encode())
     _fs.fsync_dir(tmp)
+    _fs.crash_point("manifest-written", ckpt_name)
     # Publish and prune under the root's lock: no other writer renames, prunes or cleans up
     # meanwhile, and readers holding it shared never see a checkpoint vanish mid-read.
     with _fs.root_lock(root, exclusive=True, timeout=lock_timeout):
@@ -505,10 +508,16 @@ def _publish(
                 "one was writing; pass another name/step"
             )
         os.rename(tmp, root / ckpt_name)
+        _fs.crash_point("renamed", ckpt_name)
         _fs.fsync_dir(root)
-        _fs.replace_atomic(root / _fs.LATEST, (ckpt_name + "\n").encode())
+        # A crash from here until `latest` is replaced leaves it naming the previous
+        # checkpoint: readers that must not lose a step (resume) take the newest that verifies.
+        _fs.crash_point("published", ckpt_name)
+        _fs.replace_atomic(root / _fs.LATEST, (ckpt_name + "\n").encode(), crash_name=ckpt_name)
+        _fs.crash_point("latest-written", ckpt_name)
         if keep_last is not None:
             _prune(root, keep_last, ckpt_name)
+        _fs.crash_point("pruned", ckpt_name)
     return manifest
 
 
@@ -548,7 +557,9 @@ def _build_manifest(
         name=name,
         created_at=datetime.now(UTC),
         components=_components(result),
-        lora_config=result.lora_config.model_dump(mode="json") if has_config else None,
+        lora_config=(
+            None if result.lora_config is None else result.lora_config.model_dump(mode="json")
+        ),
         base_model_name_or_path=base_model_name_or_path,
         peft_compatible=has_config and any(f["file"] == ADAPTER_MODEL for f in files),
         world_size=world,
@@ -566,4 +577,4 @@ def _prune(root: Path, keep_last: int, newest: str) -> None:
     manifests = [m for m in list_checkpoints(root) if m.name != newest]
     doomed = manifests[: max(0, len(manifests) - (keep_last - 1))]
     for m in doomed:
-        _fs.remove_tree(root / m.name)
+        _fs.remove_tree(root / m.name, crash_name=newest)

@@ -167,6 +167,7 @@ def _mesh_status(mesh: DeviceMesh, placements: tuple[Any, ...]) -> _MeshStatus:
 def _named_inputs(
     model_or_params: nn.Module | AdaptationResult | NamedTensors,
 ) -> list[tuple[str, torch.Tensor]]:
+    pairs: list[tuple[str, torch.Tensor]]
     if isinstance(model_or_params, nn.Module):
         pairs = [(n, p) for n, p in model_or_params.named_parameters() if p.requires_grad]
     elif isinstance(model_or_params, AdaptationResult):
@@ -212,7 +213,10 @@ def _collect(
     errors: list[tuple[str, str]] = []
     skipped = 0
     meshes: dict[tuple[int, tuple[Any, ...]], _MeshStatus] = {}
-    plain_groups = (group if group is not None else dist.group.WORLD,)
+    plain_group = group if group is not None else dist.group.WORLD
+    if plain_group is None:  # unreachable: the caller returns before this without a group
+        raise FsdpLayoutError("sync_replicated_lora_gradients needs an initialised process group")
+    plain_groups = (plain_group,)
     for name, p in pairs:
         if p.is_meta:
             errors.append(

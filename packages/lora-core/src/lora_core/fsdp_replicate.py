@@ -102,21 +102,28 @@ def replicate_lora_parameters(
     if not (dist.is_available() and dist.is_initialized()):
         return 0
     layers = _lora_layers(model)
-    sharded = [(n, m) for n, m in layers if isinstance(m.base_weight, DTensor)]
+    # Each sharded layer with its base weight, narrowed to DTensor once.
+    sharded: list[tuple[str, _LoRAFactors, DTensor]] = []
+    plain: list[str] = []
+    for n, m in layers:
+        base = m.base_weight
+        if isinstance(base, DTensor):
+            sharded.append((n, m, base))
+        else:
+            plain.append(n)
     if not sharded:
         return 0
-    plain = [n for n, m in layers if not isinstance(m.base_weight, DTensor)]
     if plain:
         raise FsdpLayoutError(
             f"LoRA layer {plain[0]!r} has a plain base weight while {sharded[0][0]!r} is "
             "FSDP-sharded; apply fully_shard so that every adapted layer is covered "
             "(e.g. fully_shard(model) on the root) before replicate_lora_parameters"
         )
-    mesh = sharded[0][1].base_weight.device_mesh
-    for n, m in sharded:
-        if m.base_weight.device_mesh != mesh:
+    mesh = sharded[0][2].device_mesh
+    for n, _m, base in sharded:
+        if base.device_mesh != mesh:
             raise FsdpLayoutError(
-                f"LoRA layer {n!r} is sharded on mesh {m.base_weight.device_mesh} but "
+                f"LoRA layer {n!r} is sharded on mesh {base.device_mesh} but "
                 f"{sharded[0][0]!r} on {mesh}; replicate_lora_parameters reuses one FSDP mesh"
             )
     if mesh.size() != dist.get_world_size():
@@ -129,7 +136,7 @@ def replicate_lora_parameters(
     todo: list[tuple[str, nn.Linear]] = []
     descriptors: list[str] = []
     errors: list[tuple[str, str]] = []
-    for n, m in sharded:
+    for n, m, _base in sharded:
         for leaf in ("lora_A", "lora_B"):
             lin: nn.Linear = getattr(m, leaf)
             w = lin.weight
@@ -160,7 +167,7 @@ def replicate_lora_parameters(
             )
             distribute_module(lin, mesh, input_fn=_replicated_input, output_fn=_local_output)
         lin.weight.requires_grad_(True)
-    for _n, m in sharded:
+    for _n, m, _base in sharded:
         for p in m.base_layer.parameters():
             p.requires_grad_(False)
     logger.info("replicated %d LoRA parameters on mesh %s", len(todo), tuple(mesh.shape))

@@ -15,7 +15,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from collections.abc import Iterable, Mapping
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -289,7 +289,8 @@ def enable_lora_training(
             layers.append((name, module))
             continue
         weight_name = param_name or "weight"
-        if module._parameters[weight_name].is_meta and not prepare_for_fsdp:
+        weight = module._parameters[weight_name]
+        if weight is not None and weight.is_meta and not prepare_for_fsdp:
             raise ValueError(
                 f"{name}.{weight_name} is on the meta device, so adapter values cannot be built "
                 "eagerly; pass prepare_for_fsdp=True and call "
@@ -297,7 +298,8 @@ def enable_lora_training(
             )
         common: dict[str, Any] = {"fqn": name, "init_seed": config.init_seed, "device": device}
         wrapped: _LoRAFactors = (
-            LoRALinear(module, config.rank, config.alpha, config.dropout, **common)  # type: ignore[arg-type]
+            # _select yields only nn.Linear here: the LoRALinear it matches went to `repeated`.
+            LoRALinear(cast(nn.Linear, module), config.rank, config.alpha, config.dropout, **common)
             if param_name is None
             else LoRAParameter(module, param_name, config.rank, config.alpha, **common)
         )

@@ -161,6 +161,9 @@ class LoRALinear(_LoRAFactors):
         ValueError: if ``rank``, ``alpha`` or ``dropout`` is out of range.
     """
 
+    # Narrows the base class's nn.Module: the constructor accepts only an nn.Linear.
+    base_layer: nn.Linear
+
     def __init__(
         self,
         base_layer: nn.Linear,
@@ -209,12 +212,12 @@ class LoRALinear(_LoRAFactors):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Apply the layer to ``x`` of shape ``[..., in]``; returns ``[..., out]``."""
-        result = self.base_layer(x)
+        result: torch.Tensor = self.base_layer(x)
         if self.merged:
             return result
         lora_dtype = self.lora_A.weight.dtype
         h = self.dropout(x if x.dtype == lora_dtype else x.to(lora_dtype))
-        update = self.lora_B(self.lora_A(h)) * self.scaling
+        update: torch.Tensor = self.lora_B(self.lora_A(h)) * self.scaling
         return result + update.to(result.dtype)
 
 
@@ -284,7 +287,13 @@ class LoRAParameter(_LoRAFactors):
     @property
     def base_weight(self) -> torch.Tensor:
         """The wrapped module's frozen parameter, ``[out, in]``."""
-        return self.base_layer._parameters[self.parameter_name]
+        weight = self.base_layer._parameters[self.parameter_name]
+        if weight is None:
+            raise TypeError(
+                f"LoRAParameter {self.fqn!r}: the wrapped {type(self.base_layer).__name__} no "
+                f"longer has parameter {self.parameter_name!r}; do not reassign it to None"
+            )
+        return weight
 
     def adapted_weight(self) -> torch.Tensor:
         """``W + scaling * B @ A`` in ``W``'s dtype, differentiable in ``lora_A``/``lora_B``."""

@@ -43,12 +43,14 @@ if TYPE_CHECKING:
         AdaptError,
         GradientCheckError,
         LoadError,
+        PackingError,
         PlaceholderAccessError,
         SelfCheckError,
         TransformersVersionError,
         UnsupportedModelError,
         WrapError,
     )
+    from moe_experts.isolation import Packing, packed_model_inputs
     from moe_experts.kernel_experts import KernelExperts
     from moe_experts.loading import load_pretrained
     from moe_experts.losses import ChunkedLossError, chunked_lm_cross_entropy
@@ -76,6 +78,8 @@ _WHERE = {
     "MoEArchitecture": "architectures",
     "MoEBlockSite": "architectures",
     "MoECoverage": "coverage",
+    "Packing": "isolation",
+    "PackingError": "errors",
     "PlaceholderAccessError": "errors",
     "SelfCheckError": "errors",
     "TransformersVersionError": "errors",
@@ -97,6 +101,7 @@ _WHERE = {
     "load_pretrained": "loading",
     "make_placeholder": "placeholders",
     "named_placeholders": "placeholders",
+    "packed_model_inputs": "isolation",
     "peft_key_prefix": "adaptation",
     "register_kernel_attention": "attention",
     "router_targets": "adaptation",
@@ -119,6 +124,8 @@ __all__ = [
     "MoEArchitecture",
     "MoEBlockSite",
     "MoECoverage",
+    "Packing",
+    "PackingError",
     "PlaceholderAccessError",
     "SelfCheckError",
     "TransformersVersionError",
@@ -140,6 +147,7 @@ __all__ = [
     "load_pretrained",
     "make_placeholder",
     "named_placeholders",
+    "packed_model_inputs",
     "peft_key_prefix",
     "register_kernel_attention",
     "router_targets",

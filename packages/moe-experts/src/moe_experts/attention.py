@@ -3,8 +3,13 @@
 ``"kt_causal"`` (:data:`KERNEL_ATTENTION`) runs :func:`kt_kernel.causal_attention` when the call
 is plain causal self-attention on the CPU (no mask beyond causal, no dropout, no sliding
 window, soft-capping, sinks or position bias, queries as long as keys) and hands every other
-call to transformers' SDPA implementation unchanged. Its mask function is SDPA's, so a model
-whose only mask is the causal one gets none and takes the fast path.
+call to transformers' SDPA implementation. Its mask function is SDPA's, so a model whose only
+mask is the causal one gets none and takes the fast path.
+
+DeepSeek sparse attention (DSA: DeepSeek-V3.2, GLM-5, Mistral Large 4, ...) folds its indexer's
+top-k keys into the mask only for ``"eager"``/``"sdpa"``; for any other implementation it passes
+them as ``indices`` (for FlashMLA). Here they are folded into the mask the same way before SDPA
+runs, so the sparse selection is never dropped.
 """
 
 from __future__ import annotations
@@ -52,6 +57,26 @@ def _plain_causal(
     )
 
 
+def _keep_indexed_keys(
+    attention_mask: torch.Tensor | None, indices: torch.Tensor, key_len: int
+) -> torch.Tensor:
+    """The mask with only each query's ``indices`` ``[B, T, k]`` of the keys left visible.
+
+    As the DSA models do for SDPA: a boolean mask is and-ed, an additive one gets the dtype's
+    minimum; with no mask (plain causal) the causal mask is built first.
+    """
+    batch, q_len, _ = indices.shape
+    keep = torch.zeros((batch, q_len, key_len), dtype=torch.bool, device=indices.device)
+    keep = keep.scatter(-1, indices.long(), True).unsqueeze(1)  # [B, 1, T, S]
+    if attention_mask is None:
+        # Queries are the last q_len positions of the keys.
+        causal = torch.ones((q_len, key_len), dtype=torch.bool, device=indices.device)
+        attention_mask = causal.tril(key_len - q_len)[None, None]
+    if attention_mask.dtype == torch.bool:
+        return attention_mask & keep
+    return attention_mask.masked_fill(~keep, torch.finfo(attention_mask.dtype).min)
+
+
 def kernel_attention_forward(
     module: torch.nn.Module,
     query: torch.Tensor,
@@ -74,11 +99,15 @@ def kernel_attention_forward(
         dropout: attention dropout probability.
         scaling: softmax scale (``None``: ``1 / sqrt(D)``).
         is_causal: whether the call is causal (``None``: the module's attribute).
-        **kwargs: the model's other attention arguments (sliding window, soft-cap, sinks...).
+        **kwargs: the model's other attention arguments (sliding window, soft-cap, sinks,
+            DSA's top-k ``indices`` ``[B, T, k]``, folded into the mask).
 
     Returns:
         ``([B, T, Hq, D]`` output, ``None``), as transformers' implementations return.
     """
+    indices = kwargs.pop("indices", None)
+    if indices is not None:
+        attention_mask = _keep_indexed_keys(attention_mask, indices, key.shape[2])
     if not _plain_causal(module, query, key, value, attention_mask, dropout, is_causal, kwargs):
         from transformers.integrations.sdpa_attention import sdpa_attention_forward
 

@@ -2,8 +2,9 @@
 
 Users' most common MoE-LoRA complaint is an expert bank or router that silently gets no LoRA
 or no gradient. :func:`coverage_report` says, per MoE block, what an
-:class:`~lora_core.contracts.AdaptationResult` trains; :func:`check_gradients` runs after the
-first backward and refuses parameters whose gradient is missing, non-finite or all zeros.
+:class:`~lora_core.contracts.AdaptationResult` trains, and how packed examples are kept apart
+in the family; :func:`check_gradients` runs after the first backward and refuses parameters
+whose gradient is missing, non-finite or all zeros.
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ from torch import nn
 from lora_core.contracts import AdaptationResult
 from moe_experts.architectures import find_architecture, iter_moe_blocks
 from moe_experts.errors import GradientCheckError
+from moe_experts.isolation import DEMO_PADDING_COST, Packing
 from moe_experts.kernel_experts import KernelExperts
 from moe_experts.wrapping import _unwrap_peft
 
@@ -67,10 +69,27 @@ class BlockCoverage:
 
 @dataclass(frozen=True)
 class MoECoverage:
-    """Per-block coverage of one model (see :func:`coverage_report`)."""
+    """Per-block coverage of one model (see :func:`coverage_report`).
+
+    Attributes:
+        family: the registry key of the model's family.
+        blocks: one entry per MoE block, in module order.
+        packing: how the fine-tune CLI keeps packed examples apart in this family.
+        packing_reason: why the family needs that way.
+    """
 
     family: str
     blocks: tuple[BlockCoverage, ...]
+    packing: Packing = Packing.POSITIONS
+    packing_reason: str = ""
+
+    @property
+    def packing_line(self) -> str:
+        """The packing method, why, and what a fallback to one example per row costs."""
+        line = f"packing: {self.packing.description}: {self.packing_reason}"
+        if not self.packing.shares_rows:
+            line += f"; on the chat demo that is {DEMO_PADDING_COST}"
+        return line
 
     @property
     def untrained_experts(self) -> tuple[str, ...]:
@@ -148,7 +167,12 @@ def coverage_report(model: nn.Module, result: AdaptationResult) -> MoECoverage:
                 lora_experts=extra.num_experts if extra is not None else 0,
             )
         )
-    return MoECoverage(family=arch.family, blocks=tuple(blocks))
+    return MoECoverage(
+        family=arch.family,
+        blocks=tuple(blocks),
+        packing=arch.packing,
+        packing_reason=arch.packing_reason,
+    )
 
 
 def _yes(value: bool | None) -> str:
@@ -200,6 +224,7 @@ def coverage_summary(model: nn.Module, result: AdaptationResult, *, max_rows: in
     lines += ["  " + "  ".join(c.ljust(w) for c, w in zip(r, widths, strict=True)) for r in table]
     if len(rows) > max_rows:
         lines.append(f"  ... {len(rows) - max_rows} more row groups")
+    lines.append(f"  {report.packing_line}")
     missing = report.untrained_experts
     lines.append(
         f"  WARNING routed experts without LoRA: {', '.join(missing)}"

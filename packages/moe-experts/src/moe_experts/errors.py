@@ -6,6 +6,7 @@ __all__ = [
     "AdaptError",
     "GradientCheckError",
     "LoadError",
+    "PackingError",
     "PlaceholderAccessError",
     "SelfCheckError",
     "TransformersVersionError",
@@ -44,3 +45,7 @@ class PlaceholderAccessError(RuntimeError):
 
 class LoadError(ValueError):
     """A checkpoint cannot be streamed (missing file or key, mis-shaped tensor); names them."""
+
+
+class PackingError(ValueError):
+    """A packed batch does not keep its examples apart the way the model's family needs."""

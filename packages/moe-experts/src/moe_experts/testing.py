@@ -70,6 +70,11 @@ _GROUPED: dict[str, Any] = {
     "num_hidden_layers": 3,
     "routed_scaling_factor": 2.5,
 }
+# DeepSeek sparse attention: an indexer picks each query's top-16 keys, so the selection bites
+# past 16 tokens. Not fewer: the indexer's ReLU'd scores tie at exactly 0 on tiny random
+# weights, and torch.topk breaks ties differently at other lengths, so an example alone and
+# packed (the shared suite's examples are up to 13 tokens) would pick different tied keys.
+_DSA: dict[str, Any] = {"index_topk": 16, "index_head_dim": 8, "index_n_heads": 2}
 _QWEN_LINEAR: dict[str, Any] = {
     # One linear-attention (gated delta net) and one full-attention layer.
     "layer_types": ["linear_attention", "full_attention"],
@@ -149,7 +154,7 @@ TINY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
         },
     ),
     "deepseek_v3": ("deepseek_v3", {**_GROUPED, **_MLA, "head_dim": None, "rope_interleave": True}),
-    "deepseek_v32": ("deepseek_v32", {**_GROUPED, **_MLA, "head_dim": None}),
+    "deepseek_v32": ("deepseek_v32", {**_GROUPED, **_MLA, **_DSA, "head_dim": None}),
     "glm4_moe": ("glm4_moe", _GROUPED),
     "glm4_moe_lite": ("glm4_moe_lite", {**_GROUPED, **_MLA}),
     "glm4v_moe": (
@@ -276,6 +281,110 @@ TINY_CONFIGS: dict[str, tuple[str, dict[str, Any]]] = {
             "rope_parameters": {"rope_type": "default", "rope_theta": 10000.0},
         },
     ),
+    # DeepSeek-style MLA with a DSA indexer (top-4 keys) in every layer.
+    "glm_moe_dsa": ("glm_moe_dsa", {**_GROUPED, **_MLA, **_DSA}),
+    # One KDA (linear attention + short conv) and one MLA layer, both with routed experts.
+    "kimi_linear": (
+        "kimi_linear",
+        {
+            **_MLA,
+            "head_dim": None,
+            "q_lora_rank": None,
+            "intermediate_size": 48,
+            "moe_intermediate_size": 16,
+            "num_local_experts": 8,
+            "n_shared_experts": 1,
+            "n_group": 2,
+            "topk_group": 1,
+            "layer_types": ["linear_attention", "full_attention"],
+            "mlp_layer_types": ["sparse", "sparse"],
+            "linear_head_dim": 8,
+            "linear_num_heads": 4,
+            "linear_conv_kernel_dim": 2,
+        },
+    ),
+    # A Mamba layer, then an attention layer; experts in both.
+    "jamba": (
+        "jamba",
+        {
+            "intermediate_size": 16,
+            "num_experts": 4,
+            "expert_layer_period": 1,
+            "expert_layer_offset": 0,
+            "attn_layer_period": 2,
+            "attn_layer_offset": 1,
+            "mamba_d_state": 8,
+            "mamba_d_conv": 2,
+            "mamba_dt_rank": 4,
+        },
+    ),
+    # A Mamba-2 layer, then an attention layer; experts and a shared MLP in both.
+    "granitemoehybrid": (
+        "granitemoehybrid",
+        {
+            "intermediate_size": 16,
+            "num_local_experts": 4,
+            "shared_intermediate_size": 24,
+            "layer_types": ["mamba", "attention"],
+            "mamba_n_heads": 4,
+            "mamba_d_head": 16,
+            "mamba_d_state": 8,
+            "mamba_d_conv": 2,
+            "mamba_chunk_size": 8,
+        },
+    ),
+    # The released YaRN context (factor x original length): a shorter one only makes
+    # transformers warn that the two disagree.
+    "mistral4": (
+        "mistral4",
+        {**_GROUPED, **_MLA, "head_dim": None, "n_group": 2, "max_position_embeddings": 2**20},
+    ),
+    # The text model of the multimodal model (its only class), with a minimal Pixtral tower;
+    # logits soft-capped at 30 as released.
+    "mistral_large4": (
+        "mistral_large4",
+        {
+            **_GROUPED,
+            **_MLA,
+            **_DSA,
+            "max_position_embeddings": 2**20,  # the released YaRN context, as for mistral4
+            "vision_config": {
+                "hidden_size": 16,
+                "intermediate_size": 16,
+                "num_hidden_layers": 1,
+                "num_attention_heads": 2,
+                "head_dim": 8,
+                "patch_size": 4,
+                "image_size": 16,
+            },
+        },
+    ),
+    "axk1": ("axk1", {**_GROUPED, **_MLA, "head_dim": None}),
+    "axk2": ("axk2", {**_GROUPED, **_MLA, **_DSA, "gated_norm_rank": 4}),
+    # One gated-delta-net and one sliding-window attention layer (window 8).
+    "lara_mini": (
+        "lara_mini",
+        {**_QWEN_LINEAR, "sliding_window": 8},
+    ),
+    # Two DSA layers, then a sliding-window MLA layer (its own per-layer sizes: swa_*).
+    "dots3_note": (
+        "dots3_note_text",
+        {
+            **_GROUPED,
+            **_MLA,
+            **_DSA,
+            "head_dim": 8,
+            "shared_experts_intermediate_size": 16,
+            "sliding_window": 4,
+            "swa_num_attention_heads": 4,
+            "swa_num_key_value_heads": 4,
+            "swa_q_lora_rank": 16,
+            "swa_kv_lora_rank": 16,
+            "swa_head_dim": 8,
+            "swa_qk_nope_head_dim": 4,
+            "swa_v_head_dim": 8,
+        },
+    ),
 }
 
 
@@ -338,12 +447,15 @@ def tiny_model(family: str, **overrides: Any) -> PreTrainedModel:
         UnsupportedModelError: unknown ``family``.
     """
     from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
     config = tiny_config(family, **overrides)
-    if hasattr(config, "vision_config"):
-        model = AutoModelForImageTextToText.from_config(config)
-    else:
+    # As the CLI picks (finetune.models.pretrained_class): Mistral 4's causal LM is mapped
+    # only as an image-text-to-text model.
+    if config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         model = AutoModelForCausalLM.from_config(config)
+    else:
+        model = AutoModelForImageTextToText.from_config(config)
     if family in _AFTER_INIT:
         with torch.no_grad():
             _AFTER_INIT[family](model)

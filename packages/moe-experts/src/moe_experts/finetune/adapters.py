@@ -9,7 +9,13 @@ from typing import Any
 
 from moe_experts.finetune.errors import FinetuneError
 
-__all__ = ["LoadedAdapter", "load_with_adapter", "resolve_adapter"]
+__all__ = [
+    "LoadedAdapter",
+    "load_with_adapter",
+    "read_adapter_config",
+    "resolve_adapter",
+    "verified_adapter",
+]
 
 
 def resolve_adapter(ckpt: Path) -> Path:
@@ -24,11 +30,56 @@ def resolve_adapter(ckpt: Path) -> Path:
         resolved = lora_checkpoint.resolve_checkpoint(ckpt)
     except (lora_checkpoint.CheckpointError, OSError) as exc:
         raise FinetuneError(f"{ckpt}: not a checkpoint or checkpoint root ({exc})") from exc
-    if not (resolved / lora_checkpoint.ADAPTER_CONFIG).is_file():
+    for name in (lora_checkpoint.ADAPTER_CONFIG, lora_checkpoint.ADAPTER_MODEL):
+        if not (resolved / name).is_file():
+            raise FinetuneError(
+                f"{resolved}: no {name}; not a checkpoint written by moe-experts finetune "
+                "(or a file of it was deleted; restore it or use another checkpoint)"
+            )
+    return resolved
+
+
+def read_adapter_config(ckpt: Path) -> dict[str, Any]:
+    """The parsed ``adapter_config.json`` of checkpoint directory ``ckpt``.
+
+    Raises:
+        FinetuneError: the file cannot be read or is not a JSON object.
+    """
+    path = ckpt / "adapter_config.json"
+    try:
+        config = json.loads(path.read_bytes())
+    except (OSError, ValueError, RecursionError) as exc:  # JSONDecodeError, bad UTF-8
         raise FinetuneError(
-            f"{resolved}: no {lora_checkpoint.ADAPTER_CONFIG}; not a checkpoint "
-            "written by moe-experts finetune"
-        )
+            f"{path}: cannot be read as JSON ({exc}); the adapter is damaged"
+        ) from exc
+    if not isinstance(config, dict):
+        raise FinetuneError(f"{path}: holds a JSON {type(config).__name__}, not an object")
+    return config
+
+
+def verified_adapter(ckpt: Path) -> Path:
+    """Resolve ``ckpt`` and verify it as ``lora-checkpoint verify`` does, before any use.
+
+    Every file's size and digest is checked against the manifest (a truncated or altered
+    adapter fails here), and the adapter config must parse.
+
+    Returns:
+        The checkpoint directory.
+
+    Raises:
+        FinetuneError: ``ckpt`` is no checkpoint, or it fails verification.
+    """
+    import lora_checkpoint
+
+    resolved = resolve_adapter(ckpt)
+    try:
+        lora_checkpoint.verify(resolved)
+    except (lora_checkpoint.CheckpointError, OSError) as exc:
+        raise FinetuneError(
+            f"checkpoint {resolved} fails verification: {exc}; use another checkpoint "
+            f"(`lora-checkpoint verify {resolved}` shows the same)"
+        ) from exc
+    read_adapter_config(resolved)
     return resolved
 
 
@@ -36,7 +87,7 @@ def _base_source(model: str | None, ckpt: Path) -> Path:
     from moe_experts.finetune.models import BUILTIN_MODELS, builtin_model_dir
 
     if model is None:
-        config = json.loads((ckpt / "adapter_config.json").read_text())
+        config = read_adapter_config(ckpt)
         model = config.get("base_model_name_or_path")
         if not model:
             raise FinetuneError(f"{ckpt}: adapter_config.json names no base model; pass --model")
@@ -61,7 +112,7 @@ class LoadedAdapter:
     checkpoint: Path
 
 
-def load_with_adapter(model: str | None, ckpt: Path) -> LoadedAdapter:
+def load_with_adapter(model: str | None, ckpt: Path, *, verify: bool = True) -> LoadedAdapter:
     """``AutoModelForCausalLM.from_pretrained(base)`` + ``PeftModel.from_pretrained(..., ckpt)``.
 
     A multimodal base loads with the class :func:`~moe_experts.finetune.models.pretrained_class`
@@ -70,25 +121,29 @@ def load_with_adapter(model: str | None, ckpt: Path) -> LoadedAdapter:
     Args:
         model: built-in model name or local directory; None: the base the adapter names.
         ckpt: checkpoint root or one checkpoint directory.
+        verify: check the checkpoint first (:func:`verified_adapter`); False only where the
+            caller just verified this very directory.
 
     Raises:
-        FinetuneError: if peft is missing or the base or adapter cannot be loaded.
+        FinetuneError: if peft is missing, the checkpoint fails verification, or the base or
+            adapter cannot be loaded.
     """
     try:
         from peft import PeftModel
     except ImportError as exc:
         raise FinetuneError("peft is not installed; install moe-experts[train]") from exc
+    from safetensors import SafetensorError
     from transformers import AutoTokenizer
 
     from moe_experts.finetune.models import pretrained_class
 
-    resolved = resolve_adapter(ckpt)
+    resolved = verified_adapter(ckpt) if verify else resolve_adapter(ckpt)
     base_dir = _base_source(model, resolved)
     try:
         base = pretrained_class(Path(base_dir)).from_pretrained(base_dir)
         tokenizer = AutoTokenizer.from_pretrained(base_dir)
         peft_model = PeftModel.from_pretrained(base, resolved)
-    except (OSError, ValueError, KeyError, RuntimeError) as exc:
+    except (OSError, ValueError, KeyError, RuntimeError, SafetensorError) as exc:
         raise FinetuneError(
             f"could not load {base_dir} with the adapter {resolved}: {exc}"
         ) from exc

@@ -2,10 +2,11 @@
 
 Batches are *packed with attention boundaries*: examples share rows of ``seq_len + 1`` tokens
 (conversations whole, best-fit; see :class:`PackedBatches`), ``position_ids`` restart at 0
-where an example starts, and transformers turns restarting positions into a block-diagonal
-causal mask, so no token attends to another example. Labels are ``-100`` (no loss, no
-gradient) on prompt tokens of chat and instruction data, and where the next token belongs to
-another example.
+where an example starts, and :meth:`Batch.model_inputs` gives the model what its family needs
+to keep them apart (block-diagonal masks; :mod:`moe_experts.isolation`), so no token sees
+another example. A family that carries state across tokens other than attention gets one
+example per row (``one_per_row``). Labels are ``-100`` (no loss, no gradient) on prompt
+tokens of chat and instruction data, and where the next token belongs to another example.
 """
 
 from __future__ import annotations
@@ -287,13 +288,18 @@ class Batch:
             self.input_ids[start:stop], self.labels[start:stop], self.position_ids[start:stop]
         )
 
-    def model_inputs(self) -> dict[str, Any]:
-        """Keyword arguments for a Hugging Face causal LM's forward.
+    def model_inputs(self, model: torch.nn.Module) -> dict[str, Any]:
+        """Keyword arguments for ``model``'s forward that keep each row's examples apart.
 
-        ``use_cache=False`` matters: transformers derives the block-diagonal mask from
-        restarting ``position_ids`` only when no KV cache is in play.
+        The way depends on the model's family (:func:`moe_experts.isolation.packed_model_inputs`):
+        restarting ``position_ids``, or explicit block-diagonal masks as well.
+
+        Raises:
+            moe_experts.PackingError: the family needs one example per row and a row holds two.
         """
-        return {"input_ids": self.input_ids, "position_ids": self.position_ids, "use_cache": False}
+        from moe_experts.isolation import packed_model_inputs
+
+        return packed_model_inputs(model, self.input_ids, self.position_ids)
 
     @property
     def num_targets(self) -> int:
@@ -329,7 +335,8 @@ def causal_lm_loss(
 class PackedBatches:
     """Examples packed into rows of ``seq_len + 1`` tokens.
 
-    Conversations (examples with turn boundaries or untrained prompt tokens) are kept whole:
+    With ``one_per_row`` every example (or piece of one) has a row of its own. Otherwise
+    conversations (examples with turn boundaries or untrained prompt tokens) are kept whole:
     one longer than a row is first split at its exchange boundaries (a single turn longer than
     a row is cut at the row's length), then the pieces are placed by best-fit decreasing
     (:func:`packing.best_fit_decreasing`), each row's pieces in data order, and the rest of
@@ -355,9 +362,25 @@ class PackedBatches:
 
     @classmethod
     def from_examples(
-        cls, examples: Sequence[Example], *, seq_len: int, batch_size: int, seed: int
+        cls,
+        examples: Sequence[Example],
+        *,
+        seq_len: int,
+        batch_size: int,
+        seed: int,
+        one_per_row: bool = False,
     ) -> PackedBatches:
-        """Pack tokenised examples; refuses data too small for one row or without any target."""
+        """Pack tokenised examples; refuses data too small for one row or without any target.
+
+        Args:
+            examples: the tokenised data, in data order.
+            seq_len: tokens a row feeds the model (rows hold ``seq_len + 1``).
+            batch_size: rows per optimizer step.
+            seed: seeds the order of rows per epoch.
+            one_per_row: give every example (every piece of one longer than a row, plain text
+                included) a row of its own, the rest padding: for a family that cannot keep
+                examples apart within a row (``not arch.packing.shares_rows``).
+        """
         from moe_experts.finetune.packing import best_fit_decreasing, split_at_turns
 
         width = seq_len + 1
@@ -366,7 +389,7 @@ class PackedBatches:
         for ex in examples:
             if not ex.ids:
                 continue
-            if ex.cuts is None and all(ex.train):
+            if ex.cuts is None and all(ex.train) and not one_per_row:
                 stream.append(ex)
                 continue
             # A reply packed away from its prompt would be learned without its question, so a
@@ -375,7 +398,12 @@ class PackedBatches:
         ids: list[int] = []
         train: list[bool] = []
         pos: list[int] = []
-        for members in best_fit_decreasing([b - a for _, a, b in pieces], width):
+        sizes = [b - a for _, a, b in pieces]
+        if one_per_row:
+            bins = [[j] for j in range(len(pieces))]
+        else:
+            bins = best_fit_decreasing(sizes, width)
+        for members in bins:
             for j in sorted(members):
                 ex, a, b = pieces[j]
                 ids.extend(ex.ids[a:b])

@@ -7,9 +7,13 @@ is exported is what ``PeftModel.from_pretrained`` would run.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
+import os
+import re
 import shutil
 import sys
+import tempfile
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -23,6 +27,7 @@ __all__ = [
     "build_parser",
     "export",
     "export_main",
+    "parse_shard_size",
     "vllm_tensors",
 ]
 
@@ -91,44 +96,49 @@ def _owner(name: str) -> str:
     return name.removeprefix("base_model.model.")
 
 
-def vllm_tensors(peft_model: Any) -> tuple[dict[str, Any], list[str], dict[str, list[str]]]:
-    """Per-module 2-D LoRA tensors from a loaded PEFT model, experts split per expert.
+def vllm_tensors(
+    peft_model: Any, *, fused_experts: bool = False
+) -> tuple[dict[str, Any], list[str], dict[str, list[str]]]:
+    """LoRA tensors from a loaded PEFT model in the layout vLLM reads for the served model.
 
-    Fused experts ``gate_up_proj [E, 2I, H]`` / ``down_proj [E, H, I]`` become
-    ``<experts>.{e}.{gate_proj,up_proj,down_proj}.lora_{A,B}.weight`` with A ``[r, in]`` and
-    B ``[out, r]``; gate and up share A and take the first and second ``I`` rows of B. B carries
-    any scaling that differs from the adapter config's ``lora_alpha / r``.
+    Modules are named as the base checkpoint names their weights (transformers' reversed
+    load-time conversion, :func:`~moe_experts.finetune.vllm_serving.checkpoint_rows`), since
+    vLLM loads LoRA by those names: Mixtral's experts become
+    ``block_sparse_moe.experts.{e}.w1/w3/w2``. With ``fused_experts`` (a vLLM model class with
+    ``is_3d_moe_weight``, e.g. GPT-OSS) the fused experts keep PEFT's ``target_parameters``
+    tensors: ``<experts>.base_layer`` holds gate_up_proj (``lora_A [E*r, H]``,
+    ``lora_B [2I, r*E]``, rows in the stored order, gate/up interleaved for GPT-OSS) and
+    ``<experts>`` holds down_proj, whatever order PEFT nested them in. Otherwise each expert
+    gets 2-D keys with A ``[r, in]`` and B ``[out, r]``: gate and up share A and take their
+    rows of B (``<experts>.{e}.{gate_proj,up_proj,down_proj}``, the runtime module path, where
+    the checkpoint keeps the experts fused). B carries any scaling that differs from the
+    config's ``lora_alpha / r``.
 
     Returns:
         ``(tensors, target_modules, skipped)``: keys under ``base_model.model.``, the module
         names for ``target_modules``, and the adapted modules left out (routers, ``lm_head``,
         MLA's ``kv_b_proj``, attention of families without a verified vLLM mapping), keyed
         by the reason.
-
-    Raises:
-        FinetuneError: the family stores its experts in another layout (GPT-OSS).
     """
     import torch
     from peft.tuners.lora.layer import LoraLayer, ParamWrapper
 
     from moe_experts.architectures import find_architecture
     from moe_experts.errors import UnsupportedModelError
+    from moe_experts.finetune.vllm_serving import (
+        checkpoint_module,
+        checkpoint_rows,
+        conversion_twin,
+    )
     from moe_experts.peft_mapping import unstack_lora_a, unstack_lora_b
 
     try:
         arch = find_architecture(peft_model)
     except UnsupportedModelError:  # no MoE family: only dense LoRA to export
         arch = None
-    if arch is not None and (arch.transposed or arch.interleaved):
-        # vLLM's GPT-OSS model declares is_3d_moe_weight: its LoRA loader reads the fused
-        # expert LoRA in PEFT's own target_parameters layout, not per-expert 2-D keys.
-        raise FinetuneError(
-            f"--format vllm: {arch.family} stores its experts transposed ([E, H, 2I]) with "
-            "gate and up interleaved, and vLLM loads its expert LoRA in PEFT's fused "
-            "target_parameters layout, not as the per-expert gate/up/down keys this export "
-            "writes; use --format peft (the adapter vLLM loads for this family) or --format "
-            "merged"
-        )
+    interleaved = arch is not None and arch.interleaved
+    transposed = arch is not None and arch.transposed
+    base_model = conversion_twin(peft_model.get_base_model())
 
     cfg = peft_model.peft_config["default"]
     default_scale = (cfg.lora_alpha / cfg.r**0.5) if cfg.use_rslora else cfg.lora_alpha / cfg.r
@@ -137,6 +147,11 @@ def vllm_tensors(peft_model: Any) -> tuple[dict[str, Any], list[str], dict[str, 
     out: dict[str, torch.Tensor] = {}
     targets: set[str] = set()
     skipped: dict[str, list[str]] = {}
+
+    def put(module: str, a: torch.Tensor, b: torch.Tensor) -> None:
+        out[f"base_model.model.{module}.lora_A.weight"] = a.contiguous().clone()
+        out[f"base_model.model.{module}.lora_B.weight"] = b.contiguous().clone()
+
     for name, module in peft_model.named_modules():
         if not isinstance(module, LoraLayer) or "default" not in module.lora_A:
             continue
@@ -148,26 +163,126 @@ def vllm_tensors(peft_model: Any) -> tuple[dict[str, Any], list[str], dict[str, 
             if param.ndim != 3 or module.parameter_name not in _FUSED:
                 skipped.setdefault(_NOT_VERIFIED, []).append(f"{owner}.{module.parameter_name}")
                 continue
-            n_exp = param.shape[0]
-            a_e, b_e = unstack_lora_a(a, n_exp), unstack_lora_b(b, n_exp)
-            projections = _FUSED[module.parameter_name]
-            rows = b_e.shape[1] // len(projections)
-            for e in range(n_exp):
-                for k, proj in enumerate(projections):
-                    key = f"base_model.model.{owner}.{e}.{proj}"
-                    out[f"{key}.lora_A.weight"] = a_e[e].contiguous().clone()
-                    out[f"{key}.lora_B.weight"] = b_e[e, k * rows : (k + 1) * rows].contiguous()
-                    targets.add(proj)
+            if fused_experts:
+                # vLLM's _stack_moe_lora_weights: `.base_layer` is gate_up, the bare key down.
+                stored = checkpoint_module(base_model, owner)
+                gate_up = module.parameter_name == "gate_up_proj"
+                put(stored + (".base_layer" if gate_up else ""), a, b)
+                targets.add(stored.rsplit(".", 1)[-1])
+                continue
+            where = checkpoint_rows(
+                base_model,
+                f"{owner}.{module.parameter_name}",
+                tuple(param.shape),
+                out_dim=2 if transposed else 1,
+            )
+            if where[0].rows is None:  # the checkpoint keeps the experts fused
+                # vLLM's per-expert names then hang off the runtime module path.
+                projections = _FUSED[module.parameter_name]
+                stored = checkpoint_module(base_model, owner)
+                where = [
+                    _generic_rows(stored, e, proj, k, len(projections), param, transposed)
+                    for e in range(param.shape[0])
+                    for k, proj in enumerate(projections)
+                ]
+                if interleaved:
+                    where = [w._replace(rows=_interleave(w.rows, len(projections))) for w in where]
+            a_e, b_e = unstack_lora_a(a, param.shape[0]), unstack_lora_b(b, param.shape[0])
+            for w in where:
+                put(w.key, a_e[w.expert], b_e[w.expert][w.rows])
+                targets.add(w.key.rsplit(".", 1)[-1])
         else:
             owner = name.removeprefix("base_model.model.")
             leaf = owner.rsplit(".", 1)[-1]
             if leaf not in allowed:
                 skipped.setdefault(_VLLM_NOT_APPLIED.get(leaf, _NOT_VERIFIED), []).append(owner)
                 continue
-            out[f"base_model.model.{owner}.lora_A.weight"] = a.contiguous().clone()
-            out[f"base_model.model.{owner}.lora_B.weight"] = b.contiguous().clone()
-            targets.add(owner.rsplit(".", 1)[-1])
+            weight = module.get_base_layer().get_parameter("weight")
+            for w in checkpoint_rows(base_model, f"{owner}.weight", tuple(weight.shape), out_dim=0):
+                put(w.key, a, b if w.rows is None else b[w.rows])
+                targets.add(w.key.rsplit(".", 1)[-1])
     return out, sorted(targets), skipped
+
+
+def _generic_rows(
+    experts: str, e: int, proj: str, k: int, parts: int, param: Any, transposed: bool
+) -> Any:
+    """``<experts>.{e}.{proj}`` with block ``k`` of ``parts`` of the expert's output rows."""
+    import torch
+
+    from moe_experts.finetune.vllm_serving import CheckpointRows
+
+    n_out = param.shape[2 if transposed else 1] // parts
+    return CheckpointRows(f"{experts}.{e}.{proj}", e, torch.arange(k * n_out, (k + 1) * n_out))
+
+
+def _interleave(rows: Any, parts: int) -> Any:
+    """Block ``k`` of ``parts`` (``[k*n, (k+1)*n)``) as every parts-th row from ``k`` instead."""
+    n = len(rows)
+    k = int(rows[0]) // n
+    return rows.new_tensor(range(k, n * parts, parts))
+
+
+def parse_shard_size(value: str | int) -> int:
+    """``--max-shard-size`` in bytes: an int, or a number with TB/GB/MB/KB (``"2GB"``, ``"500MB"``).
+
+    Raises:
+        FinetuneError: the value is not such a size or is not positive.
+    """
+    if isinstance(value, int) and not isinstance(value, bool):
+        size = value
+    else:
+        m = _SHARD_SIZE.fullmatch(str(value).strip())
+        if m is None:
+            raise FinetuneError(
+                f"--max-shard-size {value!r}: expected a number of bytes or a number with "
+                "TB, GB, MB or KB, e.g. 2GB or 500MB"
+            )
+        size = int(float(m["num"]) * _SIZE_UNITS[(m["unit"] or "").upper()])
+    if size <= 0:
+        raise FinetuneError(f"--max-shard-size {value!r}: must be more than 0 bytes")
+    return size
+
+
+_SHARD_SIZE = re.compile(r"(?P<num>\d+(?:\.\d+)?)\s*(?P<unit>[KMGT]B)?", re.IGNORECASE)
+_SIZE_UNITS = {"": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "TB": 10**12}
+
+
+def _check_output(output: Path) -> None:
+    # Refused before anything is read or written: a file at or above --output, a used one.
+    for above in (output, *output.parents):
+        if above.exists() and not above.is_dir():
+            where = "is a file" if above == output else f"lies under {above}, which is a file"
+            raise FinetuneError(
+                f"--output {output}: {where}, not a directory; choose a directory path"
+            )
+    if output.is_dir() and any(output.iterdir()):
+        raise FinetuneError(f"--output {output}: exists and is not empty; choose a new directory")
+
+
+def _make_parents(parent: Path, output: Path) -> list[Path]:
+    # Creates the missing parents of --output; returns those it created, deepest first.
+    missing = [p for p in (parent, *parent.parents) if not p.exists()]
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:
+        raise FinetuneError(f"--output {output}: cannot create {parent}: {exc.strerror}") from exc
+    return missing
+
+
+def _fsync_tree(root: Path) -> None:
+    # Every file and directory of the export reaches the disk before the rename publishes it.
+    for path in sorted(root.rglob("*"), reverse=True):
+        fd = os.open(path, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    fd = os.open(root, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
 
 
 def export(
@@ -176,28 +291,76 @@ def export(
     output: Path,
     *,
     model: str | None = None,
-    max_shard_size: str = "2GB",
+    max_shard_size: str | int = "2GB",
 ) -> list[str]:
     """Write ``checkpoint`` to ``output`` in format ``fmt``; returns warnings for the user.
 
-    Raises:
-        FinetuneError: for an unknown format, an existing output, or a bad checkpoint.
-    """
-    import lora_checkpoint
-    from moe_experts.finetune.adapters import load_with_adapter, resolve_adapter
+    The checkpoint is verified first (digests, as ``lora-checkpoint verify`` does). Every
+    file goes into a temporary sibling directory, which one rename publishes as ``output``
+    at the end: a failure leaves nothing behind, and ``output`` is complete when it exists.
 
+    Raises:
+        FinetuneError: for an unknown format or shard size, an ``output`` that is a file,
+            under a file or not empty, a checkpoint that fails verification, or a write
+            that fails.
+    """
     if fmt not in EXPORT_FORMATS:
         raise FinetuneError(f"--format {fmt!r}: expected one of {', '.join(EXPORT_FORMATS)}")
-    if output.exists() and any(output.iterdir()):
-        raise FinetuneError(f"--output {output}: exists and is not empty; choose a new directory")
+    shard_bytes = parse_shard_size(max_shard_size)
+    output = Path(os.path.abspath(output))
+    _check_output(output)
+    from moe_experts.finetune.adapters import verified_adapter
+
+    src = verified_adapter(checkpoint)
+    created = _make_parents(output.parent, output)
+    tmp: Path | None = None
+    try:
+        tmp = Path(tempfile.mkdtemp(prefix=f".{output.name}.tmp-", dir=output.parent))
+        notes = _write(src, fmt, tmp, model=model, max_shard_size=shard_bytes, published=output)
+        _fsync_tree(tmp)
+        os.rename(tmp, output)  # replaces an empty directory; refuses a non-empty one
+        tmp = None
+        fd = os.open(output.parent, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    except OSError as exc:
+        raise FinetuneError(
+            f"--output {output}: cannot write the export ({exc.strerror or exc}); nothing was "
+            "left behind"
+        ) from exc
+    finally:
+        if tmp is not None:
+            shutil.rmtree(tmp, ignore_errors=True)
+            for parent in created:
+                with contextlib.suppress(OSError):
+                    parent.rmdir()
+    return notes
+
+
+def _write(
+    checkpoint: Path,
+    fmt: str,
+    output: Path,
+    *,
+    model: str | None,
+    max_shard_size: int,
+    published: Path,
+) -> list[str]:
+    """Write the verified checkpoint directory ``checkpoint`` into the directory ``output``.
+
+    ``published`` is where ``output`` will be renamed to: the path the serving command names.
+    """
+    import lora_checkpoint
+    from moe_experts.finetune.adapters import load_with_adapter, read_adapter_config
+
     notes: list[str] = []
     if fmt == "peft":
-        src = resolve_adapter(checkpoint)
-        output.mkdir(parents=True, exist_ok=True)
         for name in (lora_checkpoint.ADAPTER_CONFIG, lora_checkpoint.ADAPTER_MODEL):
-            shutil.copy2(src / name, output / name)
+            shutil.copy2(checkpoint / name, output / name)
         return notes
-    loaded = load_with_adapter(model, checkpoint)
+    loaded = load_with_adapter(model, checkpoint, verify=False)
     if fmt == "merged":
         merged = loaded.model.merge_and_unload()
         merged.save_pretrained(output, max_shard_size=max_shard_size)
@@ -205,8 +368,22 @@ def export(
         return notes
     from safetensors.torch import save_file
 
-    tensors, targets, skipped = vllm_tensors(loaded.model)
-    cfg = json.loads((loaded.checkpoint / lora_checkpoint.ADAPTER_CONFIG).read_text())
+    from moe_experts.finetune.vllm_serving import (
+        VLLM_LORA_ARCHITECTURES,
+        VLLM_VERSION,
+        base_architecture,
+        serving_info,
+    )
+
+    cfg = read_adapter_config(loaded.checkpoint)
+    serving = serving_info(
+        base_architecture(str(loaded.base), loaded.model),
+        str(loaded.base),
+        published,
+        name=published.name,
+        rank=cfg["r"],
+    )
+    tensors, targets, skipped = vllm_tensors(loaded.model, fused_experts=serving.is_3d_lora_weight)
     cfg.update(
         {
             "target_modules": targets,
@@ -214,9 +391,18 @@ def export(
             "base_model_name_or_path": str(loaded.base),
         }
     )
-    output.mkdir(parents=True, exist_ok=True)
     save_file(tensors, str(output / "adapter_model.safetensors"), metadata={"format": "pt"})
     (output / "adapter_config.json").write_text(json.dumps(cfg, indent=2, sort_keys=True) + "\n")
+    serving.write(output)
+    known = VLLM_LORA_ARCHITECTURES.get(serving.architecture or "")
+    if known is not None and known.issue is not None:
+        notes.append(f"vLLM {VLLM_VERSION} does not load this adapter: {known.issue}")
+    if not serving.vllm_lora_model:
+        notes.append(
+            f"vLLM {VLLM_VERSION}'s model registry maps architecture {serving.architecture!r} "
+            "to no model that takes LoRA; the adapter is written in vLLM's per-expert 2-D "
+            "layout, which no vLLM release checked here loads for this model"
+        )
     for reason, modules in skipped.items():
         notes.append(
             f"LoRA on {len(modules)} trained module(s) is left out of the vLLM export "
@@ -244,4 +430,9 @@ def export_main(argv: Sequence[str] | None = None) -> int:
         # A trained part that the export does not carry is a warning, on stderr.
         print(f"warning: {note}", file=sys.stderr)
     print(f"exported {ns.format}: {ns.output}")
+    if ns.format == "vllm":
+        from moe_experts.finetune.vllm_serving import SERVING_FILE
+
+        serving = json.loads((ns.output / SERVING_FILE).read_text())
+        print(f"serve it with: {serving['command_line']}")
     return 0

@@ -11,6 +11,7 @@ checkpoint is 0 and a resumed run starts the next step from its first micro-batc
 from __future__ import annotations
 
 import math
+import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,6 +21,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from lora_core.contracts import ParameterOwnership
 from moe_experts.finetune.config import FinetuneArgs
 from moe_experts.finetune.data import Batch
 from moe_experts.finetune.distributed import Ranks, clip_grad_norm, diagnose_peer_loss
@@ -35,7 +37,17 @@ from moe_experts.finetune.loss import token_loss_sum
 from moe_experts.finetune.reporting import Reporter, TrainLog, plot_losses
 from moe_experts.finetune.schedule import lr_at
 
-__all__ = ["BatchSource", "FinetuneSummary", "TrainingJob", "restore_checkpoint", "train"]
+# lora-checkpoint's own bound on a manifest it reads.
+_MAX_MANIFEST_BYTES = 256 * 1024 * 1024
+
+__all__ = [
+    "BatchSource",
+    "FinetuneSummary",
+    "TrainingJob",
+    "check_later_checkpoints",
+    "restore_checkpoint",
+    "train",
+]
 
 
 class BatchSource(Protocol):
@@ -78,10 +90,109 @@ class TrainingJob:
     last_checkpoint: Path | None = None
 
 
+def _candidates(path: Path) -> list[Path]:
+    """The checkpoints ``--resume path`` may mean, newest first.
+
+    One checkpoint directory means itself. A root means every checkpoint in it, by step then
+    creation time, whatever its ``latest`` says: a kill between publishing ``step-N`` and
+    updating ``latest`` leaves ``latest`` one checkpoint behind.
+    """
+    import lora_checkpoint
+
+    if (path / lora_checkpoint.MANIFEST).exists() or not path.is_dir():
+        return [path]
+    manifests = lora_checkpoint.list_checkpoints(path)
+    if not manifests:
+        return [path]  # load() names what is missing
+    manifests.sort(
+        key=lambda m: (-1 if m.training_state is None else m.training_state.step, m.created_at),
+        reverse=True,
+    )
+    return [path / m.name for m in manifests]
+
+
+def _rank_to_read(ckpt: Path, ranks: Ranks) -> int:
+    """Whose files this rank reads: its own, or rank 0's when the world size changed.
+
+    Adapters and AdamW state are stored whole (lora-checkpoint >= 0.3), the data order is
+    a function of seed and step, and the global batch is --batch-size at any world size, so
+    a run saved by N ranks continues on M: every rank reads rank 0's training state.
+
+    Raises:
+        FinetuneError: the checkpoint holds rank-local parameters (they exist per rank).
+        CheckpointError: the manifest cannot be read.
+    """
+    import lora_checkpoint
+
+    path = ckpt / lora_checkpoint.MANIFEST
+    if not path.is_file():
+        return ranks.rank  # load() names what is missing
+    try:
+        with path.open("rb") as fh:
+            data = fh.read(_MAX_MANIFEST_BYTES + 1)
+    except OSError as exc:
+        raise lora_checkpoint.CheckpointError(f"{path}: cannot be read ({exc})") from exc
+    if len(data) > _MAX_MANIFEST_BYTES:
+        raise lora_checkpoint.CheckpointError(f"{path}: larger than {_MAX_MANIFEST_BYTES} bytes")
+    manifest = lora_checkpoint.parse_manifest(data, str(path))
+    if manifest.world_size == ranks.world:
+        return ranks.rank
+    local = [p.name for p in manifest.parameters if p.ownership == ParameterOwnership.RANK_LOCAL]
+    if local:
+        raise FinetuneError(
+            f"--resume {ckpt}: saved by {manifest.world_size} rank(s) with rank-local "
+            f"parameters {local[:4]}, which exist once per rank; resume with "
+            f"{manifest.world_size} rank(s) (this run has {ranks.world})"
+        )
+    return 0
+
+
+def _load_agreed(path: Path, ranks: Ranks) -> Any:
+    """The newest checkpoint for ``--resume path`` that verifies on every rank.
+
+    Raises:
+        FinetuneError: none verifies (naming why the newest did not).
+    """
+    import lora_checkpoint
+
+    skipped: list[str] = []
+    first_error: Exception | None = None
+    for candidate in _candidates(path):
+        loaded, error, cause = None, None, None
+        try:
+            rank = _rank_to_read(candidate, ranks)
+            loaded = lora_checkpoint.load(candidate, verify=True, rank=rank)
+        except (lora_checkpoint.CheckpointError, OSError) as exc:
+            error, cause = str(exc), exc
+        ok = error is None
+        if ranks.world > 1:
+            # Every rank must resume from the same checkpoint; each verified its own files.
+            flag = torch.tensor([1 if ok else 0])
+            dist.all_reduce(flag, op=dist.ReduceOp.MIN)
+            ok = bool(int(flag))
+            if not ok and error is None:
+                error = "its files of another rank fail verification"
+        if ok:
+            if skipped and ranks.rank == 0:
+                print(
+                    f"warning: --resume {path}: skipped {'; '.join(skipped)}; resuming from "
+                    f"{candidate.name}",
+                    file=sys.stderr,
+                )
+            return loaded
+        if first_error is None:
+            first_error = cause or FinetuneError(error or "")
+        skipped.append(f"{candidate.name} ({error})")
+    raise FinetuneError(f"--resume {path}: {first_error}") from first_error
+
+
 def restore_checkpoint(
-    path: Path, result: Any, optimizer: torch.optim.Optimizer, total_steps: int
+    path: Path, result: Any, optimizer: torch.optim.Optimizer, total_steps: int, ranks: Ranks
 ) -> tuple[int, float | None]:
-    """Load adapters, AdamW state, RNG and position from a checkpoint (or a root's latest).
+    """Load adapters, AdamW state, RNG and position from a checkpoint, or a root's newest.
+
+    For a root the newest checkpoint that verifies is taken (``latest`` may lag behind after
+    a kill mid-save); a newer one that fails verification is named in a warning.
 
     Returns:
         ``(step, last eval loss or None)`` recorded in the checkpoint.
@@ -92,25 +203,51 @@ def restore_checkpoint(
     """
     import lora_checkpoint
 
+    ckpt = _load_agreed(path, ranks)
     try:
-        ckpt = lora_checkpoint.load(path, verify=True)
         lora_checkpoint.restore(result, ckpt)
     except (lora_checkpoint.CheckpointError, OSError) as exc:
-        raise FinetuneError(f"--resume {path}: {exc}") from exc
+        raise FinetuneError(f"--resume {ckpt.path}: {exc}") from exc
     state = ckpt.training_state
     if state is None:
-        raise FinetuneError(f"--resume {path}: the checkpoint has no training state")
+        raise FinetuneError(f"--resume {ckpt.path}: the checkpoint has no training state")
     try:
         state.apply(optimizer, result)
     except lora_checkpoint.CheckpointError as exc:
-        raise FinetuneError(f"--resume {path}: {exc}") from exc
+        raise FinetuneError(f"--resume {ckpt.path}: {exc}") from exc
     if state.step >= total_steps:
         raise FinetuneError(
-            f"--resume {path}: the checkpoint is at step {state.step}; pass --steps greater "
+            f"--resume {ckpt.path}: the checkpoint is at step {state.step}; pass --steps greater "
             f"than {state.step} to train further"
         )
     last_eval = state.data_position.get("eval_loss")
     return state.step, float(last_eval) if isinstance(last_eval, (int, float)) else None
+
+
+def check_later_checkpoints(root: Path, first_step: int, total_steps: int) -> None:
+    """Refuse a resume whose steps' checkpoints already exist under ``root`` (its output).
+
+    Without this the run would retrain those steps and then fail to save them. (Resuming
+    from the root itself takes its newest verified checkpoint, so only a newer one that
+    fails verification, or an older resume point, gets here.)
+
+    Raises:
+        FinetuneError: naming the first checkpoint this run would write again.
+    """
+    if not root.is_dir():
+        return
+    for name in sorted(p.name for p in root.iterdir()):
+        digits = name.removeprefix("step-")
+        if (
+            name.startswith("step-")
+            and digits.isdigit()
+            and first_step < int(digits) <= total_steps
+        ):
+            raise FinetuneError(
+                f"--resume: {root / name} already exists, newer than the checkpoint resumed at "
+                f"step {first_step}, and this run would write it again; resume from it (if it "
+                "verifies) or move it out of the way"
+            )
 
 
 def _local(t: torch.Tensor) -> torch.Tensor:

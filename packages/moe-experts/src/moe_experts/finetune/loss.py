@@ -135,12 +135,12 @@ def token_loss_sum(model: nn.Module, batch: Batch, mode: str = "chunked") -> tor
         from moe_experts.losses import chunked_lm_cross_entropy
 
         with _without_head(model) as head:
-            hidden = model(**batch.model_inputs()).logits
+            hidden = model(**batch.model_inputs(model)).logits
         # num_targets=1: the sum, not the mean (the loop divides by the step's count).
         return chunked_lm_cross_entropy(
             hidden, head_weight(head), batch.labels, num_targets=1, ignore_index=IGNORE_INDEX
         )
-    logits = model(**batch.model_inputs()).logits
+    logits = model(**batch.model_inputs(model)).logits
     return nn.functional.cross_entropy(
         logits.float().reshape(-1, logits.shape[-1]),
         batch.labels.reshape(-1),

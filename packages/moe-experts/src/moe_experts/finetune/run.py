@@ -29,7 +29,13 @@ from moe_experts.finetune.distributed import (
 from moe_experts.finetune.errors import FinetuneError
 from moe_experts.finetune.formats import Sample
 from moe_experts.finetune.interrupts import StopRequest
-from moe_experts.finetune.loop import FinetuneSummary, TrainingJob, restore_checkpoint, train
+from moe_experts.finetune.loop import (
+    FinetuneSummary,
+    TrainingJob,
+    check_later_checkpoints,
+    restore_checkpoint,
+    train,
+)
 from moe_experts.finetune.loss import full_logits_reason
 from moe_experts.finetune.models import (
     BUILTIN_MODELS,
@@ -70,13 +76,24 @@ def _read_samples(args: FinetuneArgs) -> tuple[list[Sample], list[Sample]]:
 
 
 def _datasets(
-    args: FinetuneArgs, tokenizer: Any, samples: list[Sample], eval_samples: list[Sample]
+    args: FinetuneArgs,
+    tokenizer: Any,
+    samples: list[Sample],
+    eval_samples: list[Sample],
+    one_per_row: bool = False,
 ) -> tuple[PackedBatches, list[Batch]]:
-    """Training batches by step, and the evaluation set in micro-batch sized chunks."""
+    """Training batches by step, and the evaluation set in micro-batch sized chunks.
+
+    ``one_per_row``: the model's family cannot keep examples apart within a row.
+    """
     path = args.data or default_corpus_path()
     examples = tokenize_samples(path, samples, tokenizer, train_on_prompt=args.train_on_prompt)
     train_batches = PackedBatches.from_examples(
-        examples, seq_len=args.seq_len, batch_size=args.batch_size, seed=args.seed
+        examples,
+        seq_len=args.seq_len,
+        batch_size=args.batch_size,
+        seed=args.seed,
+        one_per_row=one_per_row,
     )
     if not eval_samples:
         return train_batches, []
@@ -90,6 +107,7 @@ def _datasets(
             seq_len=args.seq_len,
             batch_size=1,
             seed=args.seed,
+            one_per_row=one_per_row,
         )
     except DataError:
         raise
@@ -182,11 +200,14 @@ def run_finetune(args: FinetuneArgs, stop: StopRequest | None = None) -> Finetun
         shard_dense(loaded.model, _expert_parameters(loaded.model))
         result = rebind_parameters(result, loaded.model)  # fully_shard made new Parameters
     optimizer = torch.optim.AdamW(result.parameters(), lr=args.lr, weight_decay=0.0)
-    batches, eval_batches = _datasets(args, loaded.tokenizer, samples, eval_samples)
+    packing = moe_experts.find_architecture(loaded.model).packing
+    batches, eval_batches = _datasets(
+        args, loaded.tokenizer, samples, eval_samples, one_per_row=not packing.shares_rows
+    )
     if ranks.rank == 0:
         print(
             f"packed {batches.rows.shape[0]} rows of {args.seq_len + 1} tokens "
-            f"({batches.padding_fraction:.1%} padding)",
+            f"({batches.padding_fraction:.1%} padding; {packing.description})",
             file=sys.stderr,
         )
     job = TrainingJob(
@@ -202,6 +223,7 @@ def run_finetune(args: FinetuneArgs, stop: StopRequest | None = None) -> Finetun
     )
     if args.resume is not None:
         job.first_step, job.last_eval = restore_checkpoint(
-            args.resume, result, optimizer, args.steps
+            args.resume, result, optimizer, args.steps, ranks
         )
+        check_later_checkpoints(args.output / "checkpoints", job.first_step, args.steps)
     return train(job)
