@@ -209,6 +209,10 @@ def test_divergence_stops_with_the_step_and_saves_nothing(
 
 
 _DEEP = 5000  # far past Python's recursion limit (1000) for a recursive parser
+# Six levels of ten aliases each: 10**6 values once expanded, from 6 short lines.
+_LAUGHS = "a: &a [x, x, x, x, x, x, x, x, x, x]\n" + "".join(
+    f"{b}: &{b} [{', '.join([f'*{a}'] * 10)}]\n" for a, b in zip("abcde", "bcdef", strict=True)
+)
 
 
 @pytest.mark.timeout(120)
@@ -223,8 +227,18 @@ _DEEP = 5000  # far past Python's recursion limit (1000) for a recursive parser
         ),
         ("training:\n  lr: 1e-3\ntraining:\n  steps: 3\n", ["line 3", "'training'", "line 1"]),
         ("training:\n  seed: 18446744073709551616\n", ["training.seed", "64 bits"]),
+        ("".join("  " * i + f"k{i}:\n" for i in range(_DEEP)), ["line 17", "16 deep"]),
+        (_LAUGHS, ["line 5", "aliases expand to more than 100,000 values"]),
     ],
-    ids=["nested-yaml-deep", "nested-yaml", "duplicate-key", "duplicate-section", "seed-yaml"],
+    ids=[
+        "nested-yaml-deep",
+        "nested-yaml",
+        "duplicate-key",
+        "duplicate-section",
+        "seed-yaml",
+        "nested-yaml-block",
+        "alias-bomb",
+    ],
 )
 def test_hostile_config_is_one_error(
     cold, tmp_path: Path, yaml_text, needles, assert_clean_error

@@ -53,6 +53,12 @@ def json_too_deep(text: str, limit: int) -> int | None:
     return None
 
 
+def _line(event: Any) -> int:
+    """The 1-based line an event starts on (0 when PyYAML gives no mark)."""
+    mark = getattr(event, "start_mark", None)
+    return 0 if mark is None else int(mark.line) + 1
+
+
 @dataclass
 class _Node:
     """A collection being read: its values so far and, for a mapping, the keys it has seen."""
@@ -83,7 +89,7 @@ def _check_events(text: str, where: str) -> None:
         total += count
         if total > MAX_CONFIG_VALUES:
             raise FinetuneError(
-                f"{where}: line {event.start_mark.line + 1}: the aliases expand to more than "
+                f"{where}: line {_line(event)}: the aliases expand to more than "
                 f"{MAX_CONFIG_VALUES:,} values; a run config needs no aliases that big"
             )
 
@@ -93,7 +99,7 @@ def _check_events(text: str, where: str) -> None:
             return
         node = stack[-1]
         if node.expect_key and isinstance(event, yaml.ScalarEvent):
-            line = event.start_mark.line + 1
+            line = _line(event)
             first = node.keys.setdefault(event.value, line)
             if first != line:
                 raise FinetuneError(
@@ -107,7 +113,7 @@ def _check_events(text: str, where: str) -> None:
             key_or_value(event)
             if len(stack) >= MAX_CONFIG_DEPTH:
                 raise FinetuneError(
-                    f"{where}: line {event.start_mark.line + 1}: nested more than "
+                    f"{where}: line {_line(event)}: nested more than "
                     f"{MAX_CONFIG_DEPTH} deep; a run config holds sections of settings, "
                     "some of them lists of names"
                 )
@@ -122,7 +128,7 @@ def _check_events(text: str, where: str) -> None:
                 stack[-1].values += size
         elif isinstance(event, (yaml.ScalarEvent, yaml.AliasEvent)):
             key_or_value(event)
-            size = 1 if isinstance(event, yaml.ScalarEvent) else sizes.get(event.anchor, 1)
+            size = 1 if isinstance(event, yaml.ScalarEvent) else sizes.get(event.anchor or "", 1)
             if isinstance(event, yaml.ScalarEvent) and event.anchor is not None:
                 sizes[event.anchor] = 1
             add(size, event)
