@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 from pathlib import Path
 
 import pytest
@@ -255,7 +256,8 @@ def test_a_rank_dying_while_ranks_set_up_sharing_is_one_clear_error(tmp_path: Pa
     assert len(errors) == 1, run.stderr[-4000:]
     assert errors[0].startswith("error: rank 1 (pid "), errors[0]
     assert "of 2 exited while the ranks loaded the model" in errors[0], errors[0]
-    assert "Connection closed by peer" in errors[0], errors[0]  # gloo's words, after the cause
+    # gloo's words, after the cause: an EOF ("closed") or an ECONNRESET ("reset"), by timing.
+    assert re.search(r"Connection (closed|reset) by peer", errors[0]), errors[0]
     assert "[rank0]" not in worker, worker  # no traceback from rank 0
 
 
