@@ -100,12 +100,24 @@ def check_sharing(args: FinetuneArgs, sources: dict[str, str]) -> None:
     Raises:
         FinetuneError: naming the flag (or YAML key) and how to launch the run instead.
     """
+    if not args.share_experts:
+        return
     local = os.environ.get("LOCAL_WORLD_SIZE", "1")
-    if args.share_experts and (not local.isdigit() or int(local) < 2):
+    if not local.isdigit() or int(local) < 2:
         raise FinetuneError(
             f"{sources['share_experts']} shares the frozen experts between the ranks of one "
             f"machine, but this run has LOCAL_WORLD_SIZE={local}; launch it with torchrun "
             "--nproc-per-node N (N >= 2), or drop the setting"
+        )
+    world = os.environ.get("WORLD_SIZE") or "1"
+    if not world.isdigit() or int(world) < 2:
+        # Without torchrun's WORLD_SIZE no process group forms, so the run would load its own
+        # experts and train unshared.
+        raise FinetuneError(
+            f"{sources['share_experts']} shares the frozen experts between the ranks of one "
+            f"machine, but this process has LOCAL_WORLD_SIZE={local} and WORLD_SIZE={world}: "
+            f"it was not launched by torchrun; launch it with torchrun --nproc-per-node "
+            f"{local}, or drop the setting"
         )
 
 

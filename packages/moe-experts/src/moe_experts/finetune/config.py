@@ -21,15 +21,18 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from moe_experts.finetune.documents import load_config_yaml
 from moe_experts.finetune.errors import FinetuneError
-from moe_experts.finetune.options import OPTIONS, Option
+from moe_experts.finetune.options import OPTIONS, Option, check_seed
 
 __all__ = [
     "DEFAULT_LORA",
     "OPTIONS",
+    "ROLE_DEFAULT",
     "SECTIONS",
     "FinetuneArgs",
     "Option",
+    "check_seed",
     "default_value",
     "lora_config",
     "read_config_file",
@@ -50,6 +53,7 @@ DEFAULT_LORA: dict[str, Any] = {
 }
 
 SECTIONS = ("model", "data", "training", "lora", "output")
+ROLE_DEFAULT = "moe"  # the models.<role> block read when --role is not given
 
 
 @dataclass
@@ -176,19 +180,6 @@ def coerce(opt: Option, value: Any, where: str) -> Any:
     return out
 
 
-def _load_yaml(path: Path) -> Any:
-    import yaml
-
-    if not path.is_file():
-        raise FinetuneError(f"--config {path}: no such file")
-    try:
-        return yaml.safe_load(path.read_text(encoding="utf-8"))
-    except UnicodeDecodeError as exc:
-        raise FinetuneError(f"--config {path}: not valid UTF-8 ({exc.reason})") from exc
-    except yaml.YAMLError as exc:
-        raise FinetuneError(f"--config {path}: invalid YAML: {exc}") from exc
-
-
 def _mapping(node: Any, where: str) -> dict[str, Any]:
     if node is None:
         return {}
@@ -204,21 +195,31 @@ def _unknown(path: Path, where: str, key: Any, known: list[str], also: list[str]
     return FinetuneError(f"--config {path}: unknown key {where}{key}{hint}")
 
 
-def read_config_file(path: Path, role: str) -> tuple[dict[str, Any], dict[str, str]]:
+def read_config_file(path: Path, role: str | None = None) -> tuple[dict[str, Any], dict[str, str]]:
     """Read a run YAML into ``FinetuneArgs`` field values and where each one came from.
+
+    ``role`` (``--role``; None: not given, :data:`ROLE_DEFAULT`) picks the older-style
+    ``models.<role>.lora`` block.
 
     Returns:
         ``(values, sources)``: field name -> value (``lora`` is the complete LoRA mapping),
         field name -> ``"FILE: section.key"`` for messages.
 
     Raises:
-        FinetuneError: unreadable YAML, an unknown key (with the nearest known key), or a bad
-            value (naming the key).
+        FinetuneError: unreadable YAML, an unknown key (with the nearest known key), a bad
+            value (naming the key), or a role with no ``models.<role>`` block.
     """
-    doc = _mapping(_load_yaml(path), f"--config {path}: the document")
+    doc = _mapping(load_config_yaml(path), f"--config {path}: the document")
     every = [f"{o.section}.{o.key}" for o in OPTIONS]
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
+    wanted = ROLE_DEFAULT if role is None else role
+    named = f"--role (default {ROLE_DEFAULT})" if role is None else f"--role {role}"
+    if role is not None and "models" not in doc:
+        raise FinetuneError(
+            f"--config {path}: {named} picks a models.{role}.lora block, but the file has no "
+            "models: section; drop --role (its lora: section needs none)"
+        )
     for section, body in doc.items():
         if section == "models":  # the older models.<role>.lora block: a complete LoRA config
             roles = _mapping(body, f"--config {path}: models")
@@ -227,11 +228,19 @@ def read_config_file(path: Path, role: str) -> tuple[dict[str, Any], dict[str, s
                 for k in block:
                     if k != "lora":
                         raise _unknown(path, f"models.{r}.", k, ["lora"], [])
-                if r == role and block.get("lora") is not None:
-                    values["lora"] = dict(
-                        _mapping(block["lora"], f"--config {path}: models.{r}.lora")
-                    )
-                    sources["lora"] = f"{path}: models.{r}.lora"
+            if wanted not in roles and (roles or role is not None):
+                # Training without the block the file holds would silently ignore it.
+                there = ", ".join(map(str, roles)) or "none"
+                raise FinetuneError(
+                    f"--config {path}: {named} has no models.{wanted} block (roles there: "
+                    f"{there}); pass --role naming one of them"
+                )
+            block = _mapping(roles.get(wanted), f"--config {path}: models.{wanted}")
+            if block.get("lora") is not None:
+                values["lora"] = dict(
+                    _mapping(block["lora"], f"--config {path}: models.{wanted}.lora")
+                )
+                sources["lora"] = f"{path}: models.{wanted}.lora"
             continue
         if section not in SECTIONS:
             raise _unknown(path, "", section, [*SECTIONS, "models"], every)
@@ -259,7 +268,7 @@ def resolve_args(
     flags: Mapping[str, Any],
     *,
     config: Path | None,
-    role: str,
+    role: str | None,
     resume: Path | None,
     progress: bool,
 ) -> tuple[FinetuneArgs, dict[str, str]]:
@@ -267,7 +276,16 @@ def resolve_args(
 
     Returns:
         The resolved args and, per field, where its value came from (a flag or a YAML key).
+
+    Raises:
+        FinetuneError: a bad file or value (see :func:`read_config_file`), or ``role``
+            without ``config``.
     """
+    if config is None and role is not None:
+        raise FinetuneError(
+            f"--role {role}: no --config; --role picks a models.<role>.lora block of a "
+            "--config file"
+        )
     values: dict[str, Any] = {}
     sources = {o.dest: o.flag for o in OPTIONS}
     if config is not None:

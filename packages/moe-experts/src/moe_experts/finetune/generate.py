@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from moe_experts.finetune.config import check_seed
 from moe_experts.finetune.errors import FinetuneError
 
 __all__ = ["build_parser", "generate", "generate_main", "prompt_ids"]
@@ -85,8 +87,12 @@ def generate(
 
     if max_new_tokens < 1:
         raise FinetuneError(f"--max-new-tokens {max_new_tokens}: must be >= 1")
-    if temperature < 0:
-        raise FinetuneError(f"--temperature {temperature}: must be >= 0 (0 is greedy)")
+    if not math.isfinite(temperature) or temperature < 0:
+        # nan compares false with everything, so it would have sampled nothing: greedy.
+        raise FinetuneError(
+            f"--temperature {temperature}: must be a finite number >= 0 (0 is greedy)"
+        )
+    check_seed(seed, "--seed")
     from moe_experts.finetune.devices import resolve_placement
 
     target = resolve_placement(device).dense  # --device cuda without CUDA: before loading

@@ -13,9 +13,10 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from moe_experts.finetune.errors import FinetuneError
 from moe_experts.finetune.formats import DATA_FORMATS
 
-__all__ = ["OPTIONS", "Check", "Option"]
+__all__ = ["OPTIONS", "Check", "Option", "check_seed"]
 
 
 Check = Callable[[Any], str | None]
@@ -39,6 +40,22 @@ def _fraction(v: float) -> str | None:
 
 def _half_probability(v: float) -> str | None:
     return None if 0 <= v < 0.5 else "must be in [0, 0.5), e.g. 0.1 (0: no smoothing)"
+
+
+def _int64(v: int) -> str | None:
+    # torch.manual_seed and torch.Generator take at most 64 bits (OverflowError beyond).
+    return None if -(2**63) <= v < 2**63 else f"must fit in 64 bits (-2**63 to {2**63 - 1})"
+
+
+def check_seed(seed: int, where: str) -> None:
+    """Refuse a seed torch cannot take.
+
+    Raises:
+        FinetuneError: ``WHERE SEED: must fit in 64 bits ...``.
+    """
+    problem = _int64(seed)
+    if problem:
+        raise FinetuneError(f"{where} {seed}: {problem}")
 
 
 def _probability(v: float) -> str | None:
@@ -289,7 +306,15 @@ OPTIONS: tuple[Option, ...] = (
         "only warn (instead of stopping) when a trainable parameter gets no finite, "
         "non-zero gradient in the first step",
     ),
-    Option("seed", "--seed", "training", "seed", int, "data order and LoRA initialisation"),
+    Option(
+        "seed",
+        "--seed",
+        "training",
+        "seed",
+        int,
+        "data order and LoRA initialisation",
+        check=_int64,
+    ),
     Option(
         "method",
         "--method",

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import sys
+from contextlib import nullcontext
 from dataclasses import replace
 from typing import Any
 
@@ -26,7 +27,12 @@ from moe_experts.finetune.devices import (
     resolve_placement,
     restore_gpu_experts,
 )
-from moe_experts.finetune.distributed import Ranks, init_distributed, shard_dense
+from moe_experts.finetune.distributed import (
+    Ranks,
+    diagnose_peer_loss,
+    init_distributed,
+    shard_dense,
+)
 from moe_experts.finetune.errors import FinetuneError
 from moe_experts.finetune.formats import Sample
 from moe_experts.finetune.interrupts import StopRequest
@@ -129,18 +135,30 @@ def _datasets(
 
 
 def _load_on_ranks(args: FinetuneArgs, ranks: Ranks, placement: Placement) -> LoadedModel:
-    """Every rank loads together (sharing the experts is collective), experts on kt-kernel."""
+    """Every rank loads together (sharing the experts is collective), experts on kt-kernel.
+
+    Raises:
+        PeerLostError: another rank died meanwhile (named, in place of gloo's error).
+    """
     if ranks.rank == 0 and args.model in BUILTIN_MODELS:
         builtin_model_dir(args.model)  # rank 0 creates the cache directory the others read
-    if ranks.world > 1:
-        dist.barrier()
-    return load_model(
-        args.model,
-        dtype=placement.dense_dtype,
-        weight_dtype=args.weight_dtype,
-        share_experts=args.share_experts,
-        dense_device=placement.dense,
-    )
+    try:
+        if ranks.world > 1:
+            dist.barrier()
+        return load_model(
+            args.model,
+            dtype=placement.dense_dtype,
+            weight_dtype=args.weight_dtype,
+            share_experts=args.share_experts,
+            dense_device=placement.dense,
+        )
+    except (RuntimeError, FinetuneError) as exc:
+        lost = diagnose_peer_loss(
+            exc, ranks, 0, during="while the ranks loaded the model", lost_only=True
+        )
+        if lost is not None:
+            raise lost from exc
+        raise
 
 
 def _expert_parameters(model: torch.nn.Module) -> set[torch.nn.Parameter]:
@@ -166,7 +184,10 @@ def run_finetune(args: FinetuneArgs, stop: StopRequest | None = None) -> Finetun
     lora_config(args)  # a bad lora setting fails before the data and the model load
     samples, eval_samples = _read_samples(args)  # bad records fail before the model loads
     placement = resolve_placement(args.device, args.lora_dtype)  # checked by the CLI already
-    ranks = init_distributed(placement.backend, placement.dense if placement.cuda else None)
+    # Nothing to save yet, and joining waits in C++ where no Python handler runs: a peer that
+    # died before the group formed must not leave this rank deaf to torchrun's SIGTERM.
+    with stop.exit_at_once("waiting for the other ranks to join") if stop else nullcontext():
+        ranks = init_distributed(placement.backend, placement.dense if placement.cuda else None)
     loaded = _load_on_ranks(args, ranks, placement)
     args = resolve_targets(args, loaded.model)  # "auto" targets: this model's routers, attention
     lora = lora_config(args)
