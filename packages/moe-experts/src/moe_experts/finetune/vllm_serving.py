@@ -66,11 +66,18 @@ _TRANSFORMERS_BACKEND = VllmModel(
     "gate_proj/up_proj/down_proj and w1/w2/w3, and PackedLoRALayerWeights.pack_moe asserts "
     "on the half no adapter has); serve it with --format merged"
 )
+_EXPERT_NAMES_UNMATCHED = VllmModel(
+    issue="vLLM's GraniteMoeHybrid names its expert LoRA modules "
+    "block_sparse_moe.experts.{e}.{gate,up,down}_proj, while its LoRA loader compares only "
+    "the part from experts onward (experts.{e}.*), so it refuses every adapter that holds "
+    "expert LoRA (expected target modules ... but received ...); serve it with --format merged"
+)
 # config.architectures[0] -> how vLLM's model class takes LoRA: every architecture of a
 # supported family that vLLM 0.32's registry maps to a model class with LoRA support;
 # tests/serving checks the table against the registry itself. Qwen3.5-MoE is 3-D only as the
 # multimodal checkpoint (the released one); 0.32's text-only Qwen3_5MoeForCausalLM reads 2-D.
 VLLM_LORA_ARCHITECTURES: Mapping[str, VllmModel] = {
+    "AXK1ForCausalLM": _2D,
     "AfmoeForCausalLM": _2D,
     "DeepseekV2ForCausalLM": _2D,
     "DeepseekV3ForCausalLM": _2D,
@@ -82,12 +89,15 @@ VLLM_LORA_ARCHITECTURES: Mapping[str, VllmModel] = {
     "Glm4MoeForCausalLM": _2D,
     "Glm4MoeLiteForCausalLM": _2D,
     "Glm4vMoeForConditionalGeneration": _2D,
+    "GlmMoeDsaForCausalLM": _2D,
     "GptOssForCausalLM": _3D,
     "GraniteMoeForCausalLM": _2D,
+    "GraniteMoeHybridForCausalLM": _EXPERT_NAMES_UNMATCHED,
     "GraniteMoeSWAForCausalLM": _2D,
     "GraniteMoeSharedForCausalLM": _2D,
     "HYV3ForCausalLM": _2D,
     "HunYuanMoEV1ForCausalLM": _TRANSFORMERS_BACKEND,
+    "JambaForCausalLM": _2D,
     "LagunaForCausalLM": _2D,
     "Lfm2MoeForCausalLM": _2D,
     "MellumForCausalLM": _TRANSFORMERS_BACKEND,
