@@ -37,6 +37,9 @@ from typing import Any
 
 import torch
 
+# What Python's abc and typing.Protocol store on every subclass: no behaviour of its own.
+_BOOKKEEPING = frozenset({"_abc_impl", "_is_protocol"})
+
 
 def registry(architectures: list[str]) -> dict[str, dict[str, Any]]:
     """vLLM's model registry on each architecture: class, LoRA support, is_3d_moe_weight, and
@@ -58,7 +61,11 @@ def registry(architectures: list[str]) -> dict[str, dict[str, Any]]:
             else f"{cls.__bases__[0].__module__}.{cls.__bases__[0].__qualname__}",
             "own_attributes": []
             if cls is None
-            else sorted(k for k in vars(cls) if not (k.startswith("__") and k.endswith("__"))),
+            else sorted(
+                k
+                for k in vars(cls)
+                if not (k.startswith("__") and k.endswith("__")) and k not in _BOOKKEEPING
+            ),
         }
     return out
 

@@ -9,6 +9,7 @@ arguments that way needs, and refuses a batch packed the wrong way for the famil
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -153,11 +154,9 @@ def _build_mask(builder: Any, config: Any, embeds: torch.Tensor, position_ids: t
     """Call a mask builder with its arguments named as its transformers version names them.
 
     transformers 5.1 takes ``(config, input_embeds, attention_mask, cache_position,
-    past_key_values, position_ids)``; later versions ``(config, inputs_embeds, attention_mask,
-    cache, position_ids)`` without ``cache_position``: a positional call fits only one of them.
+    past_key_values, position_ids)``, 5.24 ``(config, inputs_embeds, attention_mask, cache,
+    position_ids)`` without ``cache_position``: a positional call fits only one of them.
     """
-    import inspect
-
     # Every value a known version asks for: no cache, so queries sit at positions 0..L-1.
     known = {
         "config": config,

@@ -246,7 +246,7 @@ def checkpoint_rows(
     n_out = shape[out_dim]
     lead = shape[0] if len(shape) == 3 else 1
     # value = expert * n_out + row, the same in both columns of a 2-wide input dimension: not
-    # 1 wide, as transformers < 5.2 squeezes every size-1 dimension of a split expert away.
+    # 1 wide, as transformers 5.1 squeezes every size-1 dimension of a split expert away.
     numbers = torch.arange(lead * n_out, dtype=torch.float64).reshape(lead, n_out)
     if len(shape) == 2:
         probe = numbers[0].reshape(n_out, 1).expand(n_out, _PROBE_WIDTH)
