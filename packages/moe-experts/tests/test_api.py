@@ -49,6 +49,13 @@ def test_all_is_curated() -> None:
             "kernel_attention_forward",
             "register_kernel_attention",
             "use_kernel_attention",
+            "GpuExperts",
+            "GpuExpertsError",
+            "GpuIdleMeter",
+            "enable_gpu_experts",
+            "enable_gradient_checkpointing",
+            "enable_overlap",
+            "idle_meter",
         ]
     )
     for name in moe_experts.__all__:

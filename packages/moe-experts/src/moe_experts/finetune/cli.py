@@ -100,7 +100,8 @@ def build_parser(prog: str = "moe-experts finetune") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=prog,
         allow_abbrev=False,
-        description="LoRA fine-tune of a MoE model on CPU. Settings come from the defaults, "
+        description="LoRA fine-tune of a MoE model: dense layers on a GPU or the CPU "
+        "(--device), routed experts on the host kernel. Settings come from the defaults, "
         "then --config FILE (YAML, sections: model, data, training, lora, output), "
         "then these flags.",
     )
@@ -240,6 +241,9 @@ def _prepare(ns: argparse.Namespace) -> FinetuneArgs:
     checks.check_output_path(args.output, sources["output"])
     checks.check_sharing(args, sources)
     lora_config(args, lora_source)
+    from moe_experts.finetune.devices import check_devices
+
+    check_devices(args, sources)  # --device cuda without CUDA etc.: before the model loads
     checks.prepare_output(
         args, sources, overwrite=ns.overwrite, rank=int(os.environ.get("RANK", "0"))
     )
@@ -307,9 +311,9 @@ def finetune_main(argv: Sequence[str] | None = None, prog: str = "moe-experts fi
         return 130
     except FinetuneError as exc:
         return report_error(exc, debug=ns.debug)
-    if summary.world_size > 1:
-        import torch.distributed as dist
+    import torch.distributed as dist
 
+    if dist.is_initialized():  # several ranks, or one GPU rank on NCCL
         dist.destroy_process_group()
         if not lead:
             return 0

@@ -63,6 +63,11 @@ class FinetuneArgs:
     share_experts: bool | None = None
     # CPU models on transformers' SDPA run plain causal attention on kt-kernel's op instead.
     kernel_attention: bool = True
+    # Dense layers, LoRA and optimizer state: "cuda" (cuda:LOCAL_RANK), "cpu", or "auto" (CUDA
+    # when torch sees one). The routed experts always stay in the host kernel.
+    device: str = "auto"
+    gpu_experts: int = 0  # per MoE layer, the N most-routed experts resident on the GPU
+    overlap: bool | None = None  # host experts beside independent GPU work; None: on with CUDA
     data: Path | None = None  # None: the corpus shipped in the package
     data_format: str | None = None  # a key of formats.DATA_FORMATS; None: detected per file
     train_on_prompt: bool = False  # chat/instruction data: loss on every token, not replies only
@@ -80,6 +85,8 @@ class FinetuneArgs:
     # (no fp32 [tokens, vocab] logits); full: from model(...).logits. Families whose logits
     # are not a plain lm_head (soft-capping, logit scales) always use full.
     loss: str = "chunked"
+    gradient_checkpointing: bool = False  # recompute decoder layers (not the host experts)
+    lora_dtype: str = "fp32"  # LoRA factors, their gradients and AdamW state
     # After the first backward a trainable parameter without a finite, non-zero gradient stops
     # the run (silently untrained experts or routers are the commonest MoE-LoRA failure).
     warn_missing_gradients: bool = False
@@ -175,6 +182,39 @@ OPTIONS: tuple[Option, ...] = (
         "instead of transformers' SDPA (other calls still use SDPA; "
         "--no-kernel-attention: keep SDPA everywhere)",
         negation="--no-kernel-attention",
+    ),
+    Option(
+        "device",
+        "--device",
+        "model",
+        "device",
+        str,
+        "where the dense layers, LoRA and optimizer state run: cuda (cuda:LOCAL_RANK, dense "
+        "weights in bf16), cpu, or auto (cuda when torch sees a GPU); the routed experts stay "
+        "in the host kernel either way",
+        choices=("auto", "cpu", "cuda"),
+    ),
+    Option(
+        "gpu_experts",
+        "--gpu-experts",
+        "model",
+        "gpu_experts",
+        int,
+        "keep each MoE layer's N most-routed experts (counted over the first steps, then "
+        "fixed and saved in the checkpoint) resident on the GPU in bf16; needs --device cuda",
+        check=_at_least(0),
+    ),
+    Option(
+        "overlap",
+        "--overlap",
+        "model",
+        "overlap",
+        bool,
+        "run the host experts asynchronously while the dense device computes what does not "
+        "depend on them (shared experts; --no-overlap: one after the other; default: on "
+        "with --device cuda, off on the CPU)",
+        nullable=True,
+        negation="--no-overlap",
     ),
     Option(
         "data",
@@ -300,6 +340,24 @@ OPTIONS: tuple[Option, ...] = (
         "(falls back to full where the model transforms its logits); full: from the "
         "model's logits",
         choices=("chunked", "full"),
+    ),
+    Option(
+        "gradient_checkpointing",
+        "--gradient-checkpointing",
+        "training",
+        "gradient_checkpointing",
+        bool,
+        "recompute each decoder layer in backward instead of keeping its activations (the "
+        "host experts' output is kept, and the kernel keeps what its policy says)",
+    ),
+    Option(
+        "lora_dtype",
+        "--lora-dtype",
+        "training",
+        "lora_dtype",
+        str,
+        "dtype of the LoRA factors, their gradients and the AdamW state",
+        choices=("fp32", "bf16"),
     ),
     Option(
         "warn_missing_gradients",

@@ -13,7 +13,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from moe_experts.finetune.errors import PeerLostError
+from moe_experts.finetune.errors import FinetuneError, PeerLostError
 
 __all__ = ["Ranks", "clip_grad_norm", "diagnose_peer_loss", "init_distributed", "shard_dense"]
 
@@ -38,11 +38,41 @@ class Ranks:
     peers: tuple[tuple[str, int], ...] = ()
 
 
-def init_distributed() -> Ranks:
-    """Join the gloo process group when launched by torchrun (``WORLD_SIZE`` > 1)."""
+def init_distributed(backend: str = "gloo", device: torch.device | None = None) -> Ranks:
+    """Join the process group when launched by torchrun (``WORLD_SIZE`` > 1).
+
+    Args:
+        backend: ``"gloo"`` (CPU), or ``"cpu:gloo,cuda:nccl"`` with ``device`` a CUDA device:
+            CUDA tensors then go over NCCL, host tensors over gloo.
+        device: this rank's CUDA device (set current, and NCCL started on it at once).
+
+    Raises:
+        FinetuneError: NCCL did not start; names the rank, its device and the cause.
+    """
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if world > 1 and not dist.is_initialized():
-        dist.init_process_group("gloo", timeout=timedelta(seconds=120))
+    nccl = device is not None and device.type == "cuda"
+    # Under torchrun on GPUs even one rank starts NCCL (and FSDP on its CUDA mesh), so a
+    # one-GPU machine runs the multi-GPU code path.
+    launched = nccl and "TORCHELASTIC_RUN_ID" in os.environ
+    if (world > 1 or launched) and not dist.is_initialized():
+        try:
+            if nccl:
+                torch.cuda.set_device(device)
+                # device_id starts NCCL now, so a broken setup fails here and not mid-step.
+                dist.init_process_group(backend, timeout=timedelta(seconds=120), device_id=device)
+                probe = torch.ones(1, device=device)
+                dist.all_reduce(probe)  # NCCL's first collective: every rank's GPU answers
+            else:
+                dist.init_process_group(backend, timeout=timedelta(seconds=120))
+        except Exception as exc:
+            if not nccl:
+                raise
+            rank = os.environ.get("RANK", "?")
+            raise FinetuneError(
+                f"rank {rank}: NCCL could not start on {device} ({_first_line(exc)}); check "
+                "that every rank sees its own GPU (CUDA_VISIBLE_DEVICES, --nproc-per-node at "
+                "most the GPU count) and NCCL_DEBUG=INFO's output, or run with --device cpu"
+            ) from exc
     if not dist.is_initialized():
         return Ranks(0, 1)
     me = (socket.gethostname(), os.getpid())
@@ -51,12 +81,15 @@ def init_distributed() -> Ranks:
     return Ranks(dist.get_rank(), dist.get_world_size(), tuple(peers))
 
 
-def shard_dense(model: nn.Module, kept_out: set[nn.Parameter]) -> None:
-    """FSDP2 over each decoder layer and the root; ``kept_out`` (experts) stays out of FSDP."""
+def shard_dense(model: nn.Module, kept_out: set[nn.Parameter], device_type: str = "cpu") -> None:
+    """FSDP2 over each decoder layer and the root; ``kept_out`` (experts) stays out of FSDP.
+
+    ``device_type`` is the mesh's: ``"cuda"`` puts FSDP's collectives on NCCL.
+    """
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.fsdp import fully_shard
 
-    mesh = init_device_mesh("cpu", (dist.get_world_size(),))
+    mesh = init_device_mesh(device_type, (dist.get_world_size(),))
     layers = getattr(getattr(model, "model", model), "layers", [])
     for layer in layers:
         mine = {p for p in layer.parameters() if p in kept_out}
@@ -73,18 +106,25 @@ def clip_grad_norm(params: list[nn.Parameter], max_norm: float) -> float:
     """
     from torch.distributed.tensor import DTensor
 
-    sharded = torch.zeros((), dtype=torch.float64)
+    # Summed per device of the sharded parameters (dense LoRA on a GPU goes over NCCL), the
+    # same devices in the same order on every rank, so every rank joins the same collectives.
+    devices = sorted({p.device for p in params if isinstance(p, DTensor)}, key=str)
+    sharded = {d: torch.zeros((), dtype=torch.float64, device=d) for d in devices}
     replicated = torch.zeros((), dtype=torch.float64)
     for p in params:
         if p.grad is None:
             continue
         if isinstance(p.grad, DTensor):
-            sharded += p.grad.to_local().double().pow(2).sum()
+            local = p.grad.to_local()
+            sharded[local.device] += local.double().pow(2).sum()
         else:
-            replicated += p.grad.double().pow(2).sum()
-    if dist.is_initialized():
-        dist.all_reduce(sharded)
-    norm = float((sharded + replicated).sqrt())
+            replicated += p.grad.double().pow(2).sum().cpu()
+    total = torch.zeros((), dtype=torch.float64)
+    for part in sharded.values():
+        if dist.is_initialized():
+            dist.all_reduce(part)
+        total += part.cpu()
+    norm = float((total + replicated).sqrt())
     if norm == norm and norm != float("inf") and norm > max_norm:
         scale = max_norm / (norm + 1e-6)
         for p in params:

@@ -34,7 +34,7 @@ def evaluate(model: nn.Module, batches: list[Batch], loss: str = "chunked") -> f
     count = 0
     try:
         for batch in batches:
-            total += token_loss_sum(model, batch, loss).double()
+            total += token_loss_sum(model, batch, loss).double().cpu()
             count += batch.num_targets
     finally:
         model.train(was_training)

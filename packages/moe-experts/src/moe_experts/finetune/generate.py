@@ -36,6 +36,13 @@ def build_parser(prog: str = "moe-experts generate") -> argparse.ArgumentParser:
     )
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument(
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        default="auto",
+        help="where the model generates: cuda (cuda:0; the whole model, as transformers + "
+        "PEFT load it), cpu, or auto (cuda when torch sees a GPU; default)",
+    )
+    p.add_argument(
         "--no-chat-template",
         action="store_true",
         help="feed the prompt as raw text, not as a user turn of the chat template",
@@ -64,6 +71,7 @@ def generate(
     seed: int = 0,
     chat: bool = True,
     stream: bool = True,
+    device: str = "auto",
 ) -> str:
     """Load base + adapter as a user would (transformers + PEFT) and return the continuation.
 
@@ -79,9 +87,13 @@ def generate(
         raise FinetuneError(f"--max-new-tokens {max_new_tokens}: must be >= 1")
     if temperature < 0:
         raise FinetuneError(f"--temperature {temperature}: must be >= 0 (0 is greedy)")
+    from moe_experts.finetune.devices import resolve_placement
+
+    target = resolve_placement(device).dense  # --device cuda without CUDA: before loading
     loaded = load_with_adapter(model, adapter)
     tok = loaded.tokenizer
-    ids = torch.tensor([prompt_ids(tok, prompt, chat=chat)])
+    loaded.model.to(target)
+    ids = torch.tensor([prompt_ids(tok, prompt, chat=chat)], device=target)
     torch.manual_seed(seed)
     streamer = TextStreamer(tok, skip_prompt=True, skip_special_tokens=True) if stream else None
     sampling: dict[str, Any] = (
@@ -117,6 +129,7 @@ def generate_main(argv: Sequence[str] | None = None) -> int:
             temperature=ns.temperature,
             seed=ns.seed,
             chat=not ns.no_chat_template,
+            device=ns.device,
         )
     except FinetuneError as exc:
         return report_error(exc, debug=ns.debug)

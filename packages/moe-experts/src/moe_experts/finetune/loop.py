@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -88,6 +89,8 @@ class TrainingJob:
     last_eval: float | None = None
     stop: StopRequest | None = None
     last_checkpoint: Path | None = None
+    # More checkpoint fields beside the data position (the fixed hot-expert sets).
+    position_extra: Callable[[], dict[str, Any]] | None = None
 
 
 def _candidates(path: Path) -> list[Path]:
@@ -295,6 +298,7 @@ def _save(job: TrainingJob, done: int) -> Path:
             "seed": job.args.seed,
             "micro_step": 0,
             "eval_loss": last_eval,
+            **(job.position_extra() if job.position_extra is not None else {}),
         },
     )
     try:
@@ -369,7 +373,7 @@ def _step(job: TrainingJob, step: int, params: list[nn.Parameter]) -> tuple[floa
         lo = m * micro + ranks.rank * per_rank
         part = token_loss_sum(job.model, batch.select(lo, lo + per_rank), args.loss)
         (part * scale).backward()
-        loss_sum += part.detach().double()
+        loss_sum += part.detach().double().cpu()
     sync_replicated_lora_gradients(job.result)
     if step == job.first_step:
         _check_coverage(job)

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 from torch import nn
@@ -102,6 +103,17 @@ def head_weight(head: nn.Module) -> torch.Tensor:
     return w + ((b @ a) * head.scaling).to(w.dtype)
 
 
+def _on_model_device(model: nn.Module, batch: Batch) -> Batch:
+    """``batch`` on the device of the model's input embedding (a GPU for ``--device cuda``)."""
+    getter: Any = getattr(model, "get_input_embeddings", None)
+    embed = getter() if callable(getter) else None
+    weight = getattr(embed, "weight", None)
+    if not isinstance(weight, torch.Tensor) or weight.device == batch.input_ids.device:
+        return batch
+    device = _local(weight).device
+    return Batch(batch.input_ids.to(device), batch.labels.to(device), batch.position_ids.to(device))
+
+
 @contextmanager
 def _without_head(model: nn.Module) -> Iterator[nn.Module]:
     head = model.lm_head
@@ -131,6 +143,7 @@ def token_loss_sum(model: nn.Module, batch: Batch, mode: str = "chunked") -> tor
     """
     if mode not in ("chunked", "full"):
         raise ValueError(f"loss mode {mode!r}: expected 'chunked' or 'full'")
+    batch = _on_model_device(model, batch)
     if mode == "chunked" and full_logits_reason(model) is None:
         from moe_experts.losses import chunked_lm_cross_entropy
 

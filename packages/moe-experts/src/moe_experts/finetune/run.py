@@ -19,6 +19,13 @@ from moe_experts.finetune.data import (
     load_samples,
     tokenize_samples,
 )
+from moe_experts.finetune.devices import (
+    Placement,
+    placement_summary,
+    prepare_hybrid,
+    resolve_placement,
+    restore_gpu_experts,
+)
 from moe_experts.finetune.distributed import Ranks, init_distributed, shard_dense
 from moe_experts.finetune.errors import FinetuneError
 from moe_experts.finetune.formats import Sample
@@ -113,13 +120,19 @@ def _datasets(
     return train_batches, [everything.select(i, min(i + micro, n)) for i in range(0, n, micro)]
 
 
-def _load_on_ranks(args: FinetuneArgs, ranks: Ranks) -> LoadedModel:
+def _load_on_ranks(args: FinetuneArgs, ranks: Ranks, placement: Placement) -> LoadedModel:
     """Every rank loads together (sharing the experts is collective), experts on kt-kernel."""
     if ranks.rank == 0 and args.model in BUILTIN_MODELS:
         builtin_model_dir(args.model)  # rank 0 creates the cache directory the others read
     if ranks.world > 1:
         dist.barrier()
-    return load_model(args.model, weight_dtype=args.weight_dtype, share_experts=args.share_experts)
+    return load_model(
+        args.model,
+        dtype=placement.dense_dtype,
+        weight_dtype=args.weight_dtype,
+        share_experts=args.share_experts,
+        dense_device=placement.dense,
+    )
 
 
 def _expert_parameters(model: torch.nn.Module) -> set[torch.nn.Parameter]:
@@ -144,8 +157,9 @@ def run_finetune(args: FinetuneArgs, stop: StopRequest | None = None) -> Finetun
 
     lora_config(args)  # a bad lora setting fails before the data and the model load
     samples, eval_samples = _read_samples(args)  # bad records fail before the model loads
-    ranks = init_distributed()
-    loaded = _load_on_ranks(args, ranks)
+    placement = resolve_placement(args.device, args.lora_dtype)  # checked by the CLI already
+    ranks = init_distributed(placement.backend, placement.dense if placement.cuda else None)
+    loaded = _load_on_ranks(args, ranks, placement)
     args = resolve_targets(args, loaded.model)  # "auto" targets: this model's routers, attention
     lora = lora_config(args)
     torch.manual_seed(args.seed)
@@ -173,8 +187,12 @@ def run_finetune(args: FinetuneArgs, stop: StopRequest | None = None) -> Finetun
             print(
                 f"note: --loss chunked uses the full logits for this model: {why}", file=sys.stderr
             )
-    if ranks.world > 1:
-        shard_dense(loaded.model, _expert_parameters(loaded.model))
+    setup = prepare_hybrid(loaded.model, result, args, placement)
+    if ranks.rank == 0:
+        line = placement_summary(setup, loaded.model, checkpointing=args.gradient_checkpointing)
+        print(line, file=sys.stderr)
+    if dist.is_initialized():  # torchrun: several ranks, or one GPU rank on NCCL
+        shard_dense(loaded.model, _expert_parameters(loaded.model), placement.dense.type)
         result = rebind_parameters(result, loaded.model)  # fully_shard made new Parameters
     optimizer = torch.optim.AdamW(result.parameters(), lr=args.lr, weight_decay=0.0)
     packing = moe_experts.find_architecture(loaded.model).packing
@@ -197,10 +215,12 @@ def run_finetune(args: FinetuneArgs, stop: StopRequest | None = None) -> Finetun
         ranks=ranks,
         model_source=loaded.source,
         stop=stop,
+        position_extra=setup.position,
     )
     if args.resume is not None:
         job.first_step, job.last_eval = restore_checkpoint(
             args.resume, result, optimizer, args.steps, ranks
         )
         check_later_checkpoints(args.output / "checkpoints", job.first_step, args.steps)
+        restore_gpu_experts(setup, args.resume)
     return train(job)
