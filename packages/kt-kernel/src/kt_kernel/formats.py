@@ -66,12 +66,24 @@ class WeightFormat(Protocol):
             storage, far below the order-one error of a wrong layout or activation.
     """
 
-    name: str
     weight_dtype: str
     compute_dtype: torch.dtype
     tile_rows: int
-    lossy: bool
-    self_check_tolerance: float
+
+    @property
+    def name(self) -> str:
+        """Key of the native tile loader registered in C++."""
+        ...
+
+    @property
+    def lossy(self) -> bool:
+        """Whether storing rounds the weights."""
+        ...
+
+    @property
+    def self_check_tolerance(self) -> float:
+        """The wrap-time self-check's accepted relative error."""
+        ...
 
     def quantize(self, w: torch.Tensor) -> Parts:
         """Parts of ``w [..., N, K]`` (floating point); the parts keep the leading dims."""
@@ -357,8 +369,15 @@ class FormatFactory(Protocol):
         compute_dtypes: the compute dtypes the format can be built for.
     """
 
-    lossy: bool
-    compute_dtypes: tuple[torch.dtype, ...]
+    @property
+    def lossy(self) -> bool:
+        """Whether storing rounds the weights."""
+        ...
+
+    @property
+    def compute_dtypes(self) -> tuple[torch.dtype, ...]:
+        """The compute dtypes the format can be built for."""
+        ...
 
     def __call__(self, compute_dtype: torch.dtype | None = None) -> WeightFormat:
         """The format computing in ``compute_dtype`` (``None``: its default).

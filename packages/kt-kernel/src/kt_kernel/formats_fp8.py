@@ -122,7 +122,11 @@ class Fp8Block(StackedFormat):
             )
         wide = (torch.float32, torch.bfloat16, getattr(torch, "float8_e8m0fnu", torch.float32))
         if not isinstance(weight_scale_inv, torch.Tensor) or weight_scale_inv.dtype not in wide:
-            got = getattr(weight_scale_inv, "dtype", type(weight_scale_inv).__name__)
+            got = (
+                weight_scale_inv.dtype
+                if isinstance(weight_scale_inv, torch.Tensor)
+                else type(weight_scale_inv).__name__
+            )
             raise KernelDTypeError(
                 f"weight_scale_inv must be float32, bfloat16 or float8_e8m0fnu, got {got}"
             )

@@ -20,6 +20,7 @@ from torch import nn
 import kt_kernel
 from moe_experts.architectures import MoEArchitecture
 from moe_experts.errors import SelfCheckError, WrapError
+from moe_experts.kernel_experts import KernelExperts
 
 __all__ = [
     "BlockCheck",
@@ -84,7 +85,7 @@ def _act_names(act: object) -> set[str]:
     names = set()
     for name, entry in ACT2CLS.items():
         cls = entry[0] if isinstance(entry, tuple) else entry
-        if isinstance(act, cls):
+        if isinstance(cls, type) and isinstance(act, cls):
             names.add(name)
     if act is F.silu:
         names.add("silu")
@@ -207,7 +208,7 @@ def _relative(got: torch.Tensor, want: torch.Tensor) -> tuple[float, float]:
 def self_check(
     label: str,
     original: nn.Module,
-    kernel: nn.Module,
+    kernel: KernelExperts,
     weight_dtype: str | None = None,
     *,
     gate_up: torch.Tensor | None = None,
@@ -237,8 +238,8 @@ def self_check(
         SelfCheckError: an error exceeds its tolerance; names the block, the error, the
             tolerance and which comparison failed.
     """
-    spec: kt_kernel.ExpertSpec = kernel.spec
-    weights: kt_kernel.ExpertWeights = kernel.expert_weights
+    spec = kernel.spec
+    weights = kernel.expert_weights
     ref = next(p for p in original.parameters() if p.dim() == 3)
     gen = torch.Generator().manual_seed(seed)
     e, h = spec.num_experts, spec.hidden_size

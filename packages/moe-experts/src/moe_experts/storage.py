@@ -69,7 +69,7 @@ def storage_name(weight_dtype: str) -> str:
         ) from None
 
 
-def check_policy(policy: object) -> Policy:
+def check_policy(policy: Policy) -> Policy:
     """``policy`` itself if it is one of :data:`POLICIES`.
 
     Raises:
@@ -77,7 +77,7 @@ def check_policy(policy: object) -> Policy:
     """
     if policy not in POLICIES:
         raise WrapError(f"policy must be 'save' or 'recompute', got {policy!r}")
-    return policy  # type: ignore[return-value]
+    return policy
 
 
 @dataclass(frozen=True)

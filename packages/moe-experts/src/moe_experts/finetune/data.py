@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from moe_experts.finetune.documents import json_too_deep
 from moe_experts.finetune.errors import FinetuneError
 from moe_experts.finetune.formats import (
     DATA_FORMATS,
@@ -31,6 +32,7 @@ from moe_experts.finetune.formats import (
 
 __all__ = [
     "IGNORE_INDEX",
+    "MAX_RECORD_DEPTH",
     "Batch",
     "ByteTokenizer",
     "DataError",
@@ -48,6 +50,9 @@ __all__ = [
 
 IGNORE_INDEX = -100  # torch.nn.functional.cross_entropy's default ignore_index
 MAX_REPORTED = 20  # bad records listed before the rest are only counted
+# json.loads recurses per level (RecursionError near 1000); every data format nests 3 or 4.
+MAX_RECORD_DEPTH = 16
+_TOO_DEEP = f"nested more than {MAX_RECORD_DEPTH} deep; no data format nests past 4"
 
 
 class DataError(FinetuneError):
@@ -122,6 +127,9 @@ def _records(path: Path) -> Iterator[tuple[int, Any]]:
         for lineno, line in enumerate(raw.splitlines(), 1):
             if not line.strip():
                 continue
+            if json_too_deep(line, MAX_RECORD_DEPTH) is not None:
+                yield lineno, RecordError("(record)", _TOO_DEEP)
+                continue
             try:
                 yield lineno, json.loads(line)
             except json.JSONDecodeError as exc:
@@ -144,6 +152,10 @@ def _json_array(path: Path, raw: str) -> Iterator[tuple[int, Any]]:
             f"{path}: a .json data file must hold one array of records "
             "(use .jsonl for one record per line)"
         )
+    deep = json_too_deep(raw, MAX_RECORD_DEPTH + 1)  # + 1: the array around the records
+    if deep is not None:
+        line = raw.count("\n", 0, deep) + 1
+        raise FinetuneError(f"{path}:{line}: a record is {_TOO_DEEP}")
     i += 1
     while True:
         while i < len(raw) and raw[i] in " \t\r\n,":
@@ -293,6 +305,11 @@ class Batch:
     def num_targets(self) -> int:
         """How many tokens carry loss."""
         return int((self.labels != IGNORE_INDEX).sum())
+
+    @property
+    def num_tokens(self) -> int:
+        """How many tokens the model reads (padding included)."""
+        return self.input_ids.numel()
 
 
 def causal_lm_loss(
