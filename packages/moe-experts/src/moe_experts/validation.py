@@ -11,9 +11,10 @@ the key or the figures named. The safetensors files themselves are validated by 
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import math
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -215,8 +216,8 @@ def host_memory_available() -> int | None:
     ``None`` where the figure cannot be read (the check is then skipped).
     """
     try:
-        import psutil
-
+        # psutil ships no types and no stubs are pinned: imported as Any, its one figure is int.
+        psutil = importlib.import_module("psutil")
         return int(psutil.virtual_memory().available)
     except (ImportError, OSError, RuntimeError):
         return None
@@ -333,9 +334,10 @@ def check_load_fits(
     """
     from transformers import AutoModelForCausalLM
 
+    build: Callable[..., nn.Module] = AutoModelForCausalLM.from_config  # unannotated upstream
     try:
         with torch.device("meta"):
-            meta = AutoModelForCausalLM.from_config(config, dtype=dtype)
+            meta = build(config, dtype=dtype)
     except (ValueError, TypeError, KeyError, AttributeError) as exc:
         if is_moe_family(config):  # a bad expert value: name its key
             check_expert_config(config, config_file)
