@@ -214,9 +214,9 @@ elif RANK is not None and MODE == "join" and RANK == "0":
     import moe_experts.finetune.run as run
     real = run.init_distributed
 
-    def marked():
+    def marked(*args, **kwargs):
         open(MARK, "w").close()
-        return real()
+        return real(*args, **kwargs)
 
     run.init_distributed = marked
 elif RANK is not None and MODE == "join" and RANK == "1":
