@@ -46,21 +46,15 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling _common module
-from _common import RANK, write_results
+from _common import RANK, SHAPE, write_results
 
 SHAPES: dict[str, tuple[str, dict[str, Any]]] = {
     "qwen3-30b": (
         "qwen3_moe",
         {
-            "hidden_size": 2048,
-            "moe_intermediate_size": 768,
-            "num_experts": 128,
-            "num_experts_per_tok": 8,
-            "intermediate_size": 6144,
-            "num_attention_heads": 32,
-            "num_key_value_heads": 4,
-            "head_dim": 128,
-            "vocab_size": 32000,
+            k: v
+            for k, v in SHAPE.items()
+            if k not in ("max_position_embeddings", "initializer_range")
         },
     ),
     "deepseek-v3": (

@@ -42,6 +42,7 @@ __all__ = [
     "chat_demo_path",
     "default_corpus_path",
     "encode_text",
+    "epoch_order",
     "load_examples",
     "load_samples",
     "load_texts",
@@ -274,6 +275,22 @@ def tokenize_samples(
     return examples
 
 
+def epoch_order(step: int, batch_size: int, n: int, seed: int) -> list[int]:
+    """The ``batch_size`` item indices of ``step``: each epoch a fresh permutation of ``n``.
+
+    The permutation of epoch ``e`` is seeded ``seed + e``, so a resumed run (or another
+    world size with the same global batch) sees the same order.
+    """
+    perms: dict[int, torch.Tensor] = {}
+    idx = []
+    for i in range(step * batch_size, (step + 1) * batch_size):
+        epoch, pos = divmod(i, n)
+        if epoch not in perms:
+            perms[epoch] = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch))
+        idx.append(int(perms[epoch][pos]))
+    return idx
+
+
 @dataclass(frozen=True)
 class Batch:
     """Model inputs for one step: ``input_ids``, ``labels`` and ``position_ids``, all ``[B, L]``."""
@@ -460,17 +477,7 @@ class PackedBatches:
         return cls.from_examples(examples, seq_len=seq_len, batch_size=batch_size, seed=seed)
 
     def _indices(self, step: int) -> list[int]:
-        n = self.rows.shape[0]
-        perms: dict[int, torch.Tensor] = {}
-        idx = []
-        for i in range(step * self.batch_size, (step + 1) * self.batch_size):
-            epoch, pos = divmod(i, n)
-            if epoch not in perms:
-                perms[epoch] = torch.randperm(
-                    n, generator=torch.Generator().manual_seed(self.seed + epoch)
-                )
-            idx.append(int(perms[epoch][pos]))
-        return idx
+        return epoch_order(step, self.batch_size, self.rows.shape[0], self.seed)
 
     def batch(self, step: int) -> torch.Tensor:
         """The global token rows ``[batch_size, seq_len + 1]`` of optimizer step ``step``."""

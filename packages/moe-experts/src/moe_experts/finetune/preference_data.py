@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-from moe_experts.finetune.data import IGNORE_INDEX, MAX_REPORTED, Batch, DataError
+from moe_experts.finetune.data import IGNORE_INDEX, MAX_REPORTED, Batch, DataError, epoch_order
 from moe_experts.finetune.errors import FinetuneError
 from moe_experts.finetune.formats import PreferencePair, RecordError, Sample
 
@@ -303,17 +303,7 @@ class PreferenceBatches:
     reference: torch.Tensor | None = None  # [N, 2] fp32, when precomputed
 
     def _indices(self, step: int) -> list[int]:
-        n = len(self.pairs)
-        perms: dict[int, torch.Tensor] = {}
-        idx = []
-        for i in range(step * self.batch_size, (step + 1) * self.batch_size):
-            epoch, pos = divmod(i, n)
-            if epoch not in perms:
-                perms[epoch] = torch.randperm(
-                    n, generator=torch.Generator().manual_seed(self.seed + epoch)
-                )
-            idx.append(int(perms[epoch][pos]))
-        return idx
+        return epoch_order(step, self.batch_size, len(self.pairs), self.seed)
 
     def _take(self, idx: Sequence[int]) -> PairBatch:
         ref = None if self.reference is None else self.reference[list(idx)]
