@@ -453,10 +453,6 @@ class FormatFactory(Protocol):
         """Refuse a matching ``quantization_config``'s options the format cannot read."""
         ...
 
-    def from_checkpoint(self, *tensors: torch.Tensor) -> Parts:
-        """Parts from the checkpoint tensors named by :attr:`checkpoint_suffixes`."""
-        ...
-
 
 class DenseStorage:
     """The :class:`FormatFactory` of unquantised storage in one dtype (``fp32``, ``bf16``).
@@ -494,14 +490,6 @@ class DenseStorage:
 
     def check_checkpoint_config(self, quantization_config: Mapping[str, Any]) -> None:
         """Nothing to check: never matches a ``quantization_config``."""
-
-    def from_checkpoint(self, *tensors: torch.Tensor) -> Parts:
-        """Refused: dense storage reads plain tensors.
-
-        Raises:
-            KernelInputError: always.
-        """
-        raise KernelInputError("dense storage is not shipped as parts")
 
     def __repr__(self) -> str:
         """Class name and dtype."""

@@ -226,7 +226,7 @@ def _assemble(
             if reader.ships(key):  # dequantised parts: [E, out, in], rows in the family's order
                 shape = (e, 2 * inter, h) if gu else (e, h, inter)
                 t = reader.read(key, shape, model_dtype)
-                view = arch.kernel_rows(t, dim=1).unflatten(1, (2, inter)) if gu else t
+                view = arch.kernel_rows(t, dim=1).reshape(e, 2, inter, h) if gu else t
             else:
                 t = reader.read(key, tuple(meta[param].shape), model_dtype)
                 view = arch.kernel_gate_up(t) if gu else arch.kernel_down(t)
@@ -320,9 +320,9 @@ class CheckpointSource:
         """The block's experts read from the checkpoint into kernel storage in ``fmt``."""
         site, arch = self.site, self.site.arch
         if self._ships(fmt):  # the checkpoint's own parts (bytes and scales), as shipped
-            _, biases = _read_biases(site, self.keys, self.reader, self._meta)
+            _, bias_kw = _read_biases(site, self.keys, self.reader, self._meta)
             gu_parts, dn_parts = _shipped_parts(site, self.keys, self.reader, spec, fmt)
-            return kt_kernel.ExpertWeights.from_parts(spec, fmt, gu_parts, dn_parts, **biases)
+            return kt_kernel.ExpertWeights.from_parts(spec, fmt, gu_parts, dn_parts, **bias_kw)
         dense = isinstance(fmt, kt_kernel.Dense)
         model_dtype = self._meta[arch.gate_up_param].dtype
         storage = fmt.compute_dtype if dense else model_dtype

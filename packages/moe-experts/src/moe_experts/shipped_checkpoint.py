@@ -26,6 +26,7 @@ import torch
 
 import kt_kernel
 from kt_kernel import KernelDTypeError, KernelInputError
+from kt_kernel.formats import StackedFormat
 from moe_experts._safetensors import Shards
 from moe_experts.errors import LoadError
 
@@ -41,11 +42,11 @@ class ShippedFormat:
         format: the format computing in bf16 (to dequantise and to describe parts).
     """
 
-    def __init__(self, name: str) -> None:
-        """The format registered as ``name``."""
+    def __init__(self, name: str, factory: type[StackedFormat]) -> None:
+        """The format registered as ``name``, whose row is the format class ``factory``."""
         self.name = name
-        self.factory = kt_kernel.FORMATS[name]
-        self.format = self.factory(torch.bfloat16)
+        self.factory = factory
+        self.format: kt_kernel.WeightFormat = kt_kernel.FORMATS[name](torch.bfloat16)
 
     @property
     def suffixes(self) -> tuple[str, ...]:
@@ -78,11 +79,16 @@ def shipped_format(config_file: Path, raw: object) -> ShippedFormat | None:
             f"({', '.join(shipped)}); dequantise this checkpoint first"
         ) from None
     factory = kt_kernel.FORMATS[name]
+    if not (isinstance(factory, type) and issubclass(factory, StackedFormat)):
+        raise LoadError(
+            f"{config_file}: quant_method {method!r} matches weight format {name!r}, which is "
+            "not a format class that adopts checkpoint tensors (a kt_kernel StackedFormat)"
+        )
     try:
         factory.check_checkpoint_config(cfg)
     except KernelInputError as exc:
         raise LoadError(f"{config_file}: {exc}") from exc
-    return ShippedFormat(name)
+    return ShippedFormat(name, factory)
 
 
 class ShippedReader:
