@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import os
+import re
 from pathlib import Path
 
 import pytest
@@ -191,6 +193,101 @@ def test_two_nodes_of_two_ranks_match_one_process(tmp_path: Path, cli) -> None:
     assert len(one) == len(four) == 4
     for step, (a, b) in enumerate(zip(one, four, strict=True), 1):
         assert abs(a - b) <= LOSS_ATOL, f"step {step}: 1 process {a}, 2 x 2 ranks {b}"
+
+
+# Injected into every process of a run through PYTHONPATH (sitecustomize runs at start-up);
+# only the torchrun workers (RANK set) act. MODE "setup": rank 1 is SIGKILLed where the ranks
+# set up expert sharing, at its first collective. MODE "join": rank 0 marks that it starts
+# joining the process group, and rank 1 is SIGKILLed then, before it joins.
+_INJECT = """
+import os, signal, time
+MODE, MARK = {mode!r}, {mark!r}
+RANK = os.environ.get("RANK")
+if RANK is not None and MODE == "setup" and RANK == "1":
+    import moe_experts.sharing as sharing
+
+    def die(*args, **kwargs):
+        os.kill(os.getpid(), signal.SIGKILL)
+
+    sharing._collective_group = die
+elif RANK is not None and MODE == "join" and RANK == "0":
+    import moe_experts.finetune.run as run
+    real = run.init_distributed
+
+    def marked(*args, **kwargs):
+        open(MARK, "w").close()
+        return real(*args, **kwargs)
+
+    run.init_distributed = marked
+elif RANK is not None and MODE == "join" and RANK == "1":
+    while not os.path.exists(MARK):
+        time.sleep(0.05)
+    time.sleep(1.0)  # rank 0 is inside init_process_group by now, waiting for this rank
+    os.kill(os.getpid(), signal.SIGKILL)
+"""
+
+
+def _injected_env(cli, tmp_path: Path, mode: str) -> dict[str, str]:
+    site = tmp_path / "site"
+    site.mkdir()
+    mark = str(tmp_path / "joining")
+    (site / "sitecustomize.py").write_text(_INJECT.format(mode=mode, mark=mark))
+    path = [str(site), cli.env.get("PYTHONPATH", "")]
+    return {**cli.env, "PYTHONPATH": os.pathsep.join(p for p in path if p)}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_a_rank_dying_while_ranks_set_up_sharing_is_one_clear_error(tmp_path: Path, cli) -> None:
+    """Rank 1 dies at the first sharing collective: rank 0 names it in one error line."""
+    import subprocess
+
+    run = subprocess.run(
+        cli.command(["--steps", "2", "--no-progress", "--output", str(tmp_path / "o")], nproc=2),
+        env=_injected_env(cli, tmp_path, "setup"),
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert run.returncode != 0
+    worker = run.stderr.split("Traceback (most recent call last)")[0]  # torchrun's own follows
+    errors = [line for line in worker.splitlines() if "error:" in line]
+    assert len(errors) == 1, run.stderr[-4000:]
+    assert errors[0].startswith("error: rank 1 (pid "), errors[0]
+    assert "of 2 exited while the ranks loaded the model" in errors[0], errors[0]
+    # gloo's words, after the cause: an EOF ("closed") or an ECONNRESET ("reset"), by timing.
+    assert re.search(r"Connection (closed|reset) by peer", errors[0]), errors[0]
+    assert "[rank0]" not in worker, worker  # no traceback from rank 0
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_sigterm_while_joining_a_dead_peer_stops_with_a_message(tmp_path: Path, cli) -> None:
+    """Rank 1 dies before the group forms: torchrun's SIGTERM ends rank 0 with one line.
+
+    Before, rank 0 deferred the signal to a step boundary it never reached, waiting in C++
+    for rank 1 to join, until torchrun SIGKILLed it 30 s later without a word.
+    """
+    import subprocess
+
+    run = subprocess.run(
+        cli.command(["--steps", "2", "--no-progress", "--output", str(tmp_path / "o")], nproc=2),
+        env=_injected_env(cli, tmp_path, "join"),
+        capture_output=True,
+        text=True,
+        timeout=240,
+        check=False,
+    )
+    assert run.returncode != 0
+    errors = [line for line in run.stderr.splitlines() if "error:" in line]
+    assert errors == [
+        "error: stopped by SIGTERM while waiting for the other ranks to join; nothing was saved "
+        "(under torchrun this follows another rank's exit: its output says why)"
+    ], run.stderr[-4000:]
+    # torchrun's summary: rank 0 ended on the SIGTERM itself (128 + 15), not a later SIGKILL.
+    rank0 = run.stderr.split("rank      : 0 (local_rank: 0)")[1].split("exitcode  : ")[1]
+    assert rank0.startswith("143 "), run.stderr[-4000:]
 
 
 # Adapters and AdamW state are saved whole, the data order is a function of seed and step,

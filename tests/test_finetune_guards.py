@@ -206,3 +206,162 @@ def test_divergence_stops_with_the_step_and_saves_nothing(
     for name, tensor in ckpt.tensors.items():
         assert bool(tensor.isfinite().all()), name
     assert [r["step"] for r in cli.log(out)] == [1]
+
+
+_DEEP = 5000  # far past Python's recursion limit (1000) for a recursive parser
+# Six levels of ten aliases each: 10**6 values once expanded, from 6 short lines.
+_LAUGHS = "a: &a [x, x, x, x, x, x, x, x, x, x]\n" + "".join(
+    f"{b}: &{b} [{', '.join([f'*{a}'] * 10)}]\n" for a, b in zip("abcde", "bcdef", strict=True)
+)
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("yaml_text", "needles"),
+    [
+        ("lora:\n  target_modules: " + "[" * _DEEP + "]" * _DEEP + "\n", ["nested", "16 deep"]),
+        ("training:\n  lr: " + "[" * 20 + "]" * 20 + "\n", ["nested", "16 deep"]),
+        (
+            "training:\n  lr: 1e-3\n  steps: 3\n  lr: 2e-3\n",
+            ["line 4", "duplicate key 'lr'", "first at line 2"],
+        ),
+        ("training:\n  lr: 1e-3\ntraining:\n  steps: 3\n", ["line 3", "'training'", "line 1"]),
+        ("training:\n  seed: 18446744073709551616\n", ["training.seed", "64 bits"]),
+        ("".join("  " * i + f"k{i}:\n" for i in range(_DEEP)), ["line 17", "16 deep"]),
+        (_LAUGHS, ["line 5", "aliases expand to more than 100,000 values"]),
+    ],
+    ids=[
+        "nested-yaml-deep",
+        "nested-yaml",
+        "duplicate-key",
+        "duplicate-section",
+        "seed-yaml",
+        "nested-yaml-block",
+        "alias-bomb",
+    ],
+)
+def test_hostile_config_is_one_error(
+    cold, tmp_path: Path, yaml_text, needles, assert_clean_error
+) -> None:
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(yaml_text)
+    assert_clean_error(
+        cold.run(["--config", str(cfg), "--output", str(tmp_path / "out")]), str(cfg), *needles
+    )
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("seed", [str(2**63), str(2**64), str(-(2**63) - 1), str(10**40)])
+def test_seed_beyond_64_bits_is_one_error(cold, tmp_path: Path, seed, assert_clean_error) -> None:
+    assert_clean_error(
+        cold.run(["--seed", seed, "--output", str(tmp_path / "out")]), f"--seed {seed}", "64 bits"
+    )
+
+
+_ROLES = "models:\n  experts:\n    lora:\n      enable: true\n      rank: 4\n"
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("config", "flags", "needles"),
+    [
+        # The block is for role "experts": the default role would silently train without it.
+        (_ROLES, [], ["--role (default moe)", "models.moe", "roles there: experts"]),
+        (_ROLES, ["--role", "expert"], ["--role expert", "models.expert", "experts"]),
+        ("lora:\n  rank: 4\n", ["--role", "experts"], ["--role experts", "no models: section"]),
+        (None, ["--role", "experts"], ["--role experts", "no --config"]),
+    ],
+    ids=["default-role-missing", "role-typo", "no-models-section", "no-config"],
+)
+def test_a_role_with_no_yaml_block_is_one_error(
+    cold, tmp_path: Path, config, flags, needles, assert_clean_error
+) -> None:
+    args = [*flags, "--output", str(tmp_path / "out")]
+    if config is not None:
+        cfg = tmp_path / "run.yaml"
+        cfg.write_text(config)
+        args += ["--config", str(cfg)]
+    assert_clean_error(cold.run(args), *needles)
+
+
+@pytest.mark.timeout(120)
+def test_the_role_named_reads_its_block(cli, tmp_path: Path) -> None:
+    cfg = tmp_path / "run.yaml"
+    cfg.write_text(_ROLES)
+    shown = cli.run(["--config", str(cfg), "--role", "experts", "--print-config"])
+    assert shown.returncode == 0, shown.stderr
+    import yaml
+
+    assert yaml.safe_load(shown.stdout)["lora"]["rank"] == 4
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize(
+    ("name", "text"),
+    [
+        ("deep.jsonl", '{"text": "fine"}\n{"text": ' + "[" * _DEEP + "]" * _DEEP + "}\n"),
+        ("deep.json", '[{"text": "fine"}, {"text": ' + "[" * _DEEP + "]" * _DEEP + "}]\n"),
+        ("nested.jsonl", '{"text": "fine"}\n{"text": ' + "[" * 40 + "]" * 40 + "}\n"),
+    ],
+    ids=["jsonl-deep", "json-deep", "jsonl-nested"],
+)
+def test_nested_data_is_one_error(cold, tmp_path: Path, name, text, assert_clean_error) -> None:
+    data = tmp_path / name
+    data.write_text(text)
+    assert_clean_error(
+        cold.run(["--data", str(data), "--output", str(tmp_path / "out")]),
+        f"{data}:",
+        "nested more than 16 deep",
+    )
+
+
+@pytest.mark.timeout(120)
+def test_share_experts_with_a_faked_local_world_size_is_one_error(
+    cold, tmp_path: Path, assert_clean_error
+) -> None:
+    """LOCAL_WORLD_SIZE=2 without torchrun: no process group, so nobody to share with."""
+    cold.env = {**cold.env, "LOCAL_WORLD_SIZE": "2"}
+    cold.env.pop("WORLD_SIZE", None)
+    assert_clean_error(
+        cold.run(["--share-experts", "--output", str(tmp_path / "out")]),
+        "--share-experts",
+        "LOCAL_WORLD_SIZE=2 and WORLD_SIZE=1",
+        "torchrun --nproc-per-node 2",
+    )
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize(
+    ("flags", "needles"),
+    [
+        (["--temperature", "nan"], ["--temperature nan", "finite"]),
+        (["--temperature", "inf"], ["--temperature inf", "finite"]),
+        (["--seed", str(2**64)], [f"--seed {2**64}", "64 bits"]),
+    ],
+    ids=["temperature-nan", "temperature-inf", "seed"],
+)
+def test_generate_bad_sampling_is_one_error(
+    cli, tmp_path: Path, flags, needles, assert_clean_error
+) -> None:
+    import subprocess
+    import sys
+
+    proc = subprocess.run(
+        [
+            sys.executable,
+            "-c",
+            "from moe_experts.finetune.cli import main; raise SystemExit(main())",
+            "generate",
+            "--adapter",
+            str(tmp_path / "no-checkpoint"),
+            "--prompt",
+            "hi",
+            *flags,
+        ],
+        env=cli.env,
+        capture_output=True,
+        text=True,
+        timeout=100,
+        check=False,
+    )
+    assert_clean_error(proc, *needles)

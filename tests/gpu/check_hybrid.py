@@ -10,8 +10,15 @@ and 1e-3 in fp32; in bf16 the loss within 2e-2 and the gradients only reported. 
 ``--steps 0``, times that many AdamW steps of the hybrid model and then of the all-CPU one
 (same process) and prints tokens/s and their ratio. Exit status 1 on a mismatch.
 
+``--overlap`` switches the hybrid model to the overlapped hand-over
+(``moe_experts.enable_overlap``) and reports the GPU-idle fraction of its step (CUDA events);
+``--gpu-experts N`` also keeps each layer's N most-routed experts resident on the GPU (counted
+over one step, then fixed; in fp32 for ``--dtype fp32``, so the bounds stay tight).
+``--device cpu`` runs the same comparison with the "dense device" on the CPU (the code path,
+for machines without CUDA).
+
 Usage: ``python tests/gpu/check_hybrid.py [--seq 512] [--steps 3] [--layers 4]
-[--shape small|qwen3-30b] [--dtype fp32|bf16]``.
+[--shape small|qwen3-30b] [--dtype fp32|bf16] [--overlap] [--gpu-experts N] [--device cuda]``.
 """
 
 from __future__ import annotations
@@ -67,8 +74,11 @@ def main() -> int:
         default="small",
         help="small: H=1024, E=32; qwen3-30b: Qwen3-30B-A3B's real layer sizes",
     )
+    ap.add_argument("--overlap", action="store_true", help="the overlapped hand-over")
+    ap.add_argument("--gpu-experts", type=int, default=0, help="hot experts per layer")
+    ap.add_argument("--device", default="cuda", help="the hybrid's dense device")
     args = ap.parse_args()
-    if not torch.cuda.is_available():
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
         print("no CUDA device: nothing to check")
         return 0
     from transformers import AutoModelForCausalLM
@@ -92,7 +102,13 @@ def main() -> int:
     gen = torch.Generator().manual_seed(1)
     ids = torch.randint(0, cfg.vocab_size, (1, args.seq), generator=gen)
 
-    def step(device: str) -> tuple[float, dict[str, torch.Tensor], torch.nn.Module, list]:
+    hybrid = args.device
+    meter = None
+
+    def step(
+        device: str, is_hybrid: bool
+    ) -> tuple[float, dict[str, torch.Tensor], torch.nn.Module, list]:
+        nonlocal meter
         model = moe_experts.load_pretrained(
             path, weight_dtype=args.dtype, dtype=dtype, dense_device=device
         )
@@ -104,13 +120,35 @@ def main() -> int:
                     p.copy_(torch.randn(p.shape, generator=torch.Generator().manual_seed(5)) * 0.01)
         model.train()
         x = ids.to(device)
-        loss = model(x, labels=x).loss
-        loss.backward()
+        if is_hybrid and args.overlap:
+            moe_experts.enable_overlap(model)
+        if is_hybrid and args.gpu_experts:
+            hot = moe_experts.enable_gpu_experts(
+                model, args.gpu_experts, device=device, dtype=dtype
+            )
+            model(x, labels=x).loss.backward()  # counts the routing
+            hot.fix()
+            for p in params:
+                p.grad = None
+            print(
+                f"hot experts: {args.gpu_experts} per layer, {hot.resident_bytes() / 2**20:.1f} MiB"
+            )
+        cuda = is_hybrid and device.startswith("cuda")
+        meter = moe_experts.GpuIdleMeter() if cuda and args.overlap else None
+        with moe_experts.idle_meter(meter):
+            if meter is not None:
+                meter.begin_step()
+            loss = model(x, labels=x).loss
+            loss.backward()
+            if meter is not None:
+                meter.end_step()
         grads = {n: p.grad.detach().float().cpu() for n, p in result.named_optimizer_parameters}
         return loss.item(), grads, model, params
 
-    loss_cpu, grads_cpu, model_cpu, params_cpu = step("cpu")
-    loss_gpu, grads_gpu, model, params = step("cuda")
+    loss_cpu, grads_cpu, model_cpu, params_cpu = step("cpu", is_hybrid=False)
+    loss_gpu, grads_gpu, model, params = step(hybrid, is_hybrid=True)
+    if meter is not None:
+        print(f"GPU idle waiting for the host: {meter.idle_fraction():.1%} of the step")
     # fp32 on both sides differs only in summation order: tight bounds. In bf16 the GPU's and
     # the CPU's dense products round differently and this wide-init model amplifies that in
     # its gradients (20-60% seen on an H200), so bf16 checks the loss and reports gradients.
@@ -136,22 +174,23 @@ def main() -> int:
         x = ids.to(device)
         m(x, labels=x).loss.backward()  # warm-up (allocator, pinned buffers)
         opt.zero_grad()
-        if device == "cuda":
+        if device.startswith("cuda"):
             torch.cuda.synchronize()
         start = time.perf_counter()
         for _ in range(args.steps):
             m(x, labels=x).loss.backward()
             opt.step()
             opt.zero_grad()
-        if device == "cuda":
+        if device.startswith("cuda"):
             torch.cuda.synchronize()
         return args.steps * args.seq / (time.perf_counter() - start)
 
-    tps_gpu = timed(model, params, "cuda")
+    tps_gpu = timed(model, params, hybrid)
     tps_cpu = timed(model_cpu, params_cpu, "cpu")
     print(
         f"{args.dtype} training step T={args.seq}, {args.steps} steps, "
-        f"{torch.get_num_threads()} CPU threads: hybrid {tps_gpu:.0f} tokens/s, "
+        f"{torch.get_num_threads()} CPU threads, overlap {'on' if args.overlap else 'off'}, "
+        f"{args.gpu_experts} hot experts: hybrid {tps_gpu:.0f} tokens/s, "
         f"all-CPU {tps_cpu:.0f} tokens/s, hybrid/all-CPU {tps_gpu / tps_cpu:.2f}x"
     )
     return 0 if ok else 1

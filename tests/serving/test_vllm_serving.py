@@ -29,6 +29,10 @@ runs here, differs from that reading, and the export now follows 0.32:
   error and applies none of its expert LoRA (:func:`test_mixtral_runtime_names_vanish_in_vllm`).
 - 0.32 serves FlexOlmo, HunYuan-MoE-V1 and Mellum through its Transformers backend, whose MoE
   LoRA loader fails on every expert adapter; the export warns (``VllmModel.issue``).
+- 0.32's GraniteMoeHybrid names its expert LoRA modules ``block_sparse_moe.experts.{e}.*``
+  and its LoRA loader compares only ``experts.{e}.*``: every expert adapter is refused; the
+  export warns. AXK1 and Jamba load per-expert 2-D keys; GLM-5 (``glm_moe_dsa``) uses DeepSeek-V3's
+  loader, but the CPU build cannot build its sparse attention.
 - 0.32's Qwen3-MoE class (among others) also takes LoRA on its router (``gate``) and
   ``lm_head``; the export still leaves them out with a ``warning:``, as before (their
   loading is not checked here).
@@ -55,9 +59,21 @@ VLLM_PYTHON = os.environ.get("MOE_EXPERTS_VLLM_PYTHON")
 HERE = Path(__file__).parent
 REL_TOL = 1e-6
 # vLLM's CPU build cannot build these models at all (nothing about LoRA): the error it gives.
-# DeepSeek-V3.2 uses the class of DeepSeek-V3 (test_registry_matches_the_export_table), whose
-# loader the deepseek_v3 case checks.
-CPU_UNBUILDABLE = {"deepseek_v32": "Sparse Attention is not supported on CPU"}
+# DeepSeek-V3.2 uses the class of DeepSeek-V3, and GLM-5 (glm_moe_dsa) a class that only renames
+# DeepSeek-V3's base (test_registry_matches_the_export_table), whose loader the deepseek_v3
+# case checks.
+CPU_UNBUILDABLE = {
+    "deepseek_v32": "Sparse Attention is not supported on CPU",
+    "glm_moe_dsa": "Sparse Attention is not supported on CPU",
+}
+# How vLLM refuses the adapter of each architecture whose table row has an ``issue``: a piece
+# of the traceback its LoRA manager raises.
+REFUSALS = {
+    "FlexOlmoForCausalLM": "pack_moe",
+    "HunYuanMoEV1ForCausalLM": "pack_moe",
+    "MellumForCausalLM": "pack_moe",
+    "GraniteMoeHybridForCausalLM": "expected target modules in",
+}
 # The Mixtral export renamed to transformers' runtime modules (what the export wrote before
 # this check): vLLM loads it without a word and applies none of its expert LoRA.
 MIXTRAL_RUNTIME_NAMES = "mixtral_runtime_names"
@@ -169,6 +185,13 @@ def test_registry_matches_the_export_table(served: dict[str, Any]) -> None:
     # One model class serves both; the deepseek_v3 case checks its loader.
     v3, v32 = registry["DeepseekV3ForCausalLM"], registry["DeepseekV32ForCausalLM"]
     assert v3["class"] == v32["class"]
+    # GLM-5's class adds nothing to DeepSeek-V3's base: it loads LoRA as DeepSeek-V3 does.
+    glm5 = registry["GlmMoeDsaForCausalLM"]
+    assert glm5["base"] == v3["base"]
+    assert glm5["own_attributes"] == v3["own_attributes"] == []
+    # Every refusal the table states has the error that shows it.
+    refused = {a for a, m in VLLM_LORA_ARCHITECTURES.items() if m.issue is not None}
+    assert refused == set(REFUSALS)
 
 
 @pytest.mark.timeout(3000)
@@ -184,7 +207,7 @@ def test_vllm_loads_the_export_and_holds_pefts_deltas(served: dict[str, Any], na
     known = VLLM_LORA_ARCHITECTURES[prepared.architecture]
     if known.issue is not None:
         # vLLM refuses the adapter loudly, and the export said so in a warning.
-        assert "pack_moe" in result["traceback"], result.get("traceback")
+        assert REFUSALS[prepared.architecture] in result["traceback"], result.get("traceback")
         assert any(known.issue in w for w in prepared.warnings), prepared.warnings
         return
     assert "error" not in result, result.get("traceback")

@@ -37,9 +37,13 @@ from typing import Any
 
 import torch
 
+# What Python's abc and typing.Protocol store on every subclass: no behaviour of its own.
+_BOOKKEEPING = frozenset({"_abc_impl", "_is_protocol"})
+
 
 def registry(architectures: list[str]) -> dict[str, dict[str, Any]]:
-    """vLLM's model registry on each architecture: class, LoRA support, is_3d_moe_weight."""
+    """vLLM's model registry on each architecture: class, LoRA support, is_3d_moe_weight, and
+    the class's first base and own (non-dunder) attributes."""
     from vllm.model_executor.models import ModelRegistry, supports_lora
 
     known = set(ModelRegistry.get_supported_archs())
@@ -51,6 +55,17 @@ def registry(architectures: list[str]) -> dict[str, dict[str, Any]]:
             "class": None if cls is None else f"{cls.__module__}.{cls.__qualname__}",
             "supports_lora": bool(cls is not None and supports_lora(cls)),
             "is_3d_moe_weight": bool(getattr(cls, "is_3d_moe_weight", False)),
+            # A class that only renames its base (``class X(Base): pass``) loads as Base does.
+            "base": None
+            if cls is None
+            else f"{cls.__bases__[0].__module__}.{cls.__bases__[0].__qualname__}",
+            "own_attributes": []
+            if cls is None
+            else sorted(
+                k
+                for k in vars(cls)
+                if not (k.startswith("__") and k.endswith("__")) and k not in _BOOKKEEPING
+            ),
         }
     return out
 

@@ -10,7 +10,6 @@ from __future__ import annotations
 import json
 import sys
 import warnings
-from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -22,6 +21,11 @@ from transformers import AutoModelForCausalLM
 import moe_experts
 from lora_core import LoraConfig, enable_lora_training
 from lora_core.fsdp import replicate_lora_parameters, sync_replicated_lora_gradients
+from moe_experts.finetune.distributed import (
+    exit_without_finalizing,
+    init_distributed,
+    teardown_distributed,
+)
 
 STEPS = 5
 # One config for both producers: AdaptationResult.merge refuses two different lora_configs;
@@ -57,7 +61,7 @@ LORA_EXPERTS = {"lora_experts": 2, "lora_expert_intermediate": 8}
 
 def main() -> None:
     model_dir, out_dir = Path(sys.argv[1]), Path(sys.argv[2])
-    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    init_distributed()
     rank = dist.get_rank()
     torch.manual_seed(0)
     with warnings.catch_warnings():
@@ -121,8 +125,11 @@ def main() -> None:
         )
     )
     dist.barrier()
-    dist.destroy_process_group()
 
 
 if __name__ == "__main__":
     main()
+    # torch's DTensor caches keep FSDP's mesh, and with it the groups, past their destruction:
+    # then the gloo threads must not meet the interpreter's finalisation (see teardown).
+    if not teardown_distributed():
+        exit_without_finalizing(0)

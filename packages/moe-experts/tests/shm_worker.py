@@ -28,7 +28,6 @@ import resource
 import signal
 import sys
 import warnings
-from datetime import timedelta
 from pathlib import Path
 
 import torch
@@ -38,6 +37,7 @@ import kt_kernel
 import moe_experts
 from lora_core import LoraConfig
 from lora_core.fsdp import sync_replicated_lora_gradients
+from moe_experts.finetune.distributed import init_distributed, teardown_distributed
 
 STEPS = 3
 # Expert LoRA only (adapt); target_modules is required by LoraConfig but unused here.
@@ -165,13 +165,19 @@ def expect_failure(model_dir: Path, out_dir: Path, mode: str, crash: str) -> Non
         )
     )
     dist.barrier()
-    dist.destroy_process_group()
+    leave()
+
+
+def leave() -> None:
+    """Destroy the process groups; nothing of the library may still hold one (see teardown)."""
+    if not teardown_distributed():
+        raise SystemExit("the default process group outlived destroy_process_group")
 
 
 def main() -> None:
     model_dir, out_dir, mode = Path(sys.argv[1]), Path(sys.argv[2]), sys.argv[3]
     crash = sys.argv[4] if len(sys.argv) > 4 else ""
-    dist.init_process_group("gloo", timeout=timedelta(seconds=60))
+    init_distributed()
     if crash.startswith("fail"):
         expect_failure(model_dir, out_dir, mode, crash)
         return
@@ -228,7 +234,7 @@ def main() -> None:
     )
     torch.save({n: p.detach().clone() for n, p in named}, out_dir / f"params{rank}.pt")
     dist.barrier()
-    dist.destroy_process_group()
+    leave()
 
 
 if __name__ == "__main__":

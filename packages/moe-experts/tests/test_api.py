@@ -35,6 +35,7 @@ def test_all_is_curated() -> None:
             "__version__",
             "adapt",
             "adapt_model",
+            "adapters_disabled",
             "chunked_lm_cross_entropy",
             "experts_sites",
             "find_architecture",
@@ -49,6 +50,13 @@ def test_all_is_curated() -> None:
             "kernel_attention_forward",
             "register_kernel_attention",
             "use_kernel_attention",
+            "GpuExperts",
+            "GpuExpertsError",
+            "GpuIdleMeter",
+            "enable_gpu_experts",
+            "enable_gradient_checkpointing",
+            "enable_overlap",
+            "idle_meter",
         ]
     )
     for name in moe_experts.__all__:

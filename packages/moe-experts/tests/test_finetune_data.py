@@ -22,7 +22,7 @@ from moe_experts.finetune.data import (
     load_samples,
 )
 from moe_experts.finetune.errors import FinetuneError
-from moe_experts.finetune.formats import DATA_FORMATS, DataFormat, Sample
+from moe_experts.finetune.formats import DATA_FORMATS, DataFormat, PreferencePair, Sample
 from moe_experts.finetune.models import BUILTIN_MODELS
 from moe_experts.finetune.tokenizer import build_byte_tokenizer
 
@@ -58,6 +58,15 @@ RECORDS: dict[str, tuple[dict, Sample]] = {
             ]
         },
         Sample(messages=CHAT),
+    ),
+    # Preference pairs (--method dpo|orpo): an explicit prompt, or the shared leading turns.
+    "preference": (
+        {"prompt": list(CHAT[:2]), "chosen": [CHAT[2]], "rejected": [CHAT[4]]},
+        Sample(pair=PreferencePair(CHAT[:2], CHAT[2:3], CHAT[4:5])),
+    ),
+    "preference_implicit": (
+        {"chosen": list(CHAT[:3]), "rejected": [*CHAT[:2], CHAT[4]]},
+        Sample(pair=PreferencePair(CHAT[:2], CHAT[2:3], CHAT[4:5])),
     ),
 }
 

@@ -3,11 +3,13 @@
 from __future__ import annotations
 
 import json
+import re
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
+import transformers
 from safetensors import safe_open
 from safetensors.torch import save_file
 from transformers import AutoModelForCausalLM
@@ -297,4 +299,113 @@ def test_keys_the_model_ignores_are_skipped(ckpt_copy) -> None:
     index["weight_map"]["extra.weight"] = "mtp.safetensors"
     index_file.write_text(json.dumps(index))
     with pytest.raises(LoadError, match=r"does not have: \['extra\.weight'\]"):
+        load_pretrained(path, weight_dtype="fp32", dtype=torch.float32)
+
+
+# Families whose config ties lm_head to the embeddings when config.json omits the key (as real
+# ERNIE-4.5, Command-A, LFM2 and Gemma 4 checkpoints do, some with a head of their own).
+TIED_BY_DEFAULT = tuple(
+    f for f in CAUSAL_FAMILIES if getattr(type(tiny_config(f))(), "tie_word_embeddings", False)
+)
+
+
+def test_tied_by_default_families_are_found() -> None:
+    assert {"ernie4_5_moe", "cohere2_moe", "lfm2_moe", "gemma4"} <= set(TIED_BY_DEFAULT)
+
+
+@pytest.mark.parametrize("head", ["distinct", "equal", "absent"])
+@pytest.mark.parametrize("family", TIED_BY_DEFAULT)
+def test_shipped_head_is_kept_as_from_pretrained_keeps_it(
+    tmp_path: Path, family: str, head: str
+) -> None:
+    # A tied config (key omitted) with a shipped lm_head.weight: from_pretrained ties only when
+    # the checkpoint has no head or one equal to the embeddings; otherwise it keeps the head.
+    torch.manual_seed(1234)
+    model = tiny_model(family, tie_word_embeddings=True)
+    model.save_pretrained(tmp_path, save_original_format=False)
+    config = json.loads((tmp_path / "config.json").read_text())
+    config.pop("tie_word_embeddings", None)
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    file = tmp_path / "model.safetensors"
+    with safe_open(str(file), framework="pt") as f:
+        tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (safe_open is no dict)
+    assert "lm_head.weight" not in tensors  # saved tied
+    embed = tensors["model.embed_tokens.weight"]
+    if head != "absent":
+        shipped = torch.randn_like(embed) if head == "distinct" else embed.clone()
+        tensors["lm_head.weight"] = shipped
+        save_file(tensors, str(file), metadata={"format": "pt"})
+    ref = _reference(tmp_path, torch.float32, "fp32")
+    got = load_pretrained(tmp_path, weight_dtype="fp32", dtype=torch.float32)
+    tied = head != "distinct"
+    for which, m in (("from_pretrained", ref), ("load_pretrained", got)):
+        out, inp = m.get_output_embeddings().weight, m.get_input_embeddings().weight
+        assert (out is inp) == tied, which
+        if not tied:
+            assert torch.equal(out, shipped)
+            assert not torch.equal(out, inp)
+    ids = token_batch()
+    with torch.no_grad():
+        assert torch.equal(got(ids).logits, ref(ids).logits)
+
+
+# Families whose causal LM declares its released checkpoint's multi-token-prediction layer
+# (``model\\.layers\\.61.*``: the layer after the last) unexpected-and-ignored.
+MTP_FAMILIES = tuple(
+    f
+    for f in CAUSAL_FAMILIES
+    if any(
+        re.search(r"layers\\\.\d", p)
+        for p in getattr(
+            transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[tiny_config(f).model_type]
+        )._keys_to_ignore_on_load_unexpected
+        or ()
+    )
+)
+
+
+def test_mtp_families_are_found() -> None:
+    assert {"deepseek_v3", "glm4_moe", "glm4_moe_lite"} <= set(MTP_FAMILIES)
+
+
+@pytest.mark.parametrize("family", MTP_FAMILIES)
+def test_multi_token_prediction_layer_is_ignored(ckpt_copy, family: str) -> None:
+    # DeepSeek-V3 and GLM-4.5 ship their multi-token-prediction layer as the layer after the
+    # last (model.layers.61 of 61): a decoder layer (per-expert experts included) plus eh_proj,
+    # enorm, hnorm, embed_tokens and shared_head. The causal LM never builds it and
+    # from_pretrained ignores it; so must load_pretrained, at any depth.
+    path = ckpt_copy(family, "per_expert")
+    index_file = path / "model.safetensors.index.json"
+    index = json.loads(index_file.read_text())
+    config = tiny_config(family)
+    n, h, vocab = config.num_hidden_layers, config.hidden_size, config.vocab_size
+    last = f"model.layers.{n - 1}."
+    extra = {}
+    for key, shard in index["weight_map"].items():
+        if key.startswith(last):
+            with safe_open(str(path / shard), framework="pt") as f:
+                extra[key.replace(last, f"model.layers.{n}.")] = f.get_tensor(key).clone()
+    assert any(".mlp.experts.0." in k for k in extra)
+    for name, shape in [
+        ("eh_proj.weight", (h, 2 * h)),
+        ("enorm.weight", (h,)),
+        ("hnorm.weight", (h,)),
+        ("shared_head.norm.weight", (h,)),
+        ("shared_head.head.weight", (vocab, h)),
+        ("embed_tokens.weight", (vocab, h)),
+    ]:
+        extra[f"model.layers.{n}.{name}"] = torch.randn(shape)
+    save_file(extra, str(path / "mtp.safetensors"), metadata={"format": "pt"})
+    index["weight_map"].update(dict.fromkeys(extra, "mtp.safetensors"))
+    index_file.write_text(json.dumps(index))
+    ref = _reference(path, torch.float32, "fp32")
+    got = load_pretrained(path, weight_dtype="fp32", dtype=torch.float32)
+    ids = token_batch()
+    with torch.no_grad():
+        assert torch.equal(got(ids).logits, ref(ids).logits)
+    # A layer beyond the MTP one is still a checkpoint of another model: refused by name.
+    save_file({f"model.layers.{n + 1}.enorm.weight": torch.ones(h)}, str(path / "x.safetensors"))
+    index["weight_map"][f"model.layers.{n + 1}.enorm.weight"] = "x.safetensors"
+    index_file.write_text(json.dumps(index))
+    with pytest.raises(LoadError, match=rf"does not have: \['model\.layers\.{n + 1}\.enorm"):
         load_pretrained(path, weight_dtype="fp32", dtype=torch.float32)

@@ -456,11 +456,11 @@ def test_without_memfd_sharing_falls_back_to_a_copy_per_rank_or_one_clear_error(
 
 
 _ONE_GLOO_GROUP = """
-import os, sys
+import gc, os, sys, weakref
 from datetime import timedelta
 import torch, torch.distributed as dist
 import torch.distributed.distributed_c10d as c10d
-from moe_experts.sharing import expert_sharing
+from moe_experts.sharing import destroy_sharing_groups, expert_sharing
 backend = dist.get_backend
 # The code path of a NCCL default group (which cannot reduce CPU tensors), on gloo: every
 # collective is real, only the reported backend name differs.
@@ -477,13 +477,23 @@ for world in ("first", "second"):
     dist.all_reduce(t, group=groups[0])
     print(world, len({id(g) for g in groups}), len(c10d._world.pg_map) - before,
           backend(groups[0]), groups[0] is not c10d._get_default_group(), id(groups[0]))
+    made, default = weakref.ref(groups[0]), weakref.ref(c10d._get_default_group())
+    del groups, sharing
+    destroy_sharing_groups()  # the cached gloo group first, then the world
     dist.destroy_process_group()
+    gc.collect()
+    # Nothing holds either group any more: both are freed and their gloo threads joined.
+    threads = [t for t in os.listdir("/proc/self/task")
+               if "gloo" in open(f"/proc/self/task/{t}/comm").read()]
+    print("freed", made() is None, default() is None, len(threads))
 """
 
 
 def test_a_nccl_world_gets_one_gloo_group_for_every_call(tmp_path: Path) -> None:
     # dist.new_group is a collective of the whole world and torch never frees a group, so
     # detect() must not make one per wrap/load_pretrained call; a new world gets a new one.
+    # The cache must not keep a destroyed group alive: its gloo threads would then meet the
+    # interpreter's exit, where one still releasing a collective's tensors aborts the process.
     env = {**os.environ, "LOCAL_WORLD_SIZE": "2", "LOCAL_RANK": "0"}
     out = subprocess.run(
         [sys.executable, "-c", _ONE_GLOO_GROUP, str(tmp_path / "rdzv")],
@@ -497,7 +507,9 @@ def test_a_nccl_world_gets_one_gloo_group_for_every_call(tmp_path: Path) -> None
     lines = [line.split() for line in out.stdout.splitlines()]
     assert [line[:5] for line in lines] == [
         ["first", "1", "1", "gloo", "True"],
+        ["freed", "True", "True", "0"],
         ["second", "1", "1", "gloo", "True"],
+        ["freed", "True", "True", "0"],
     ], out.stdout
 
 

@@ -11,7 +11,8 @@ import torch
 
 import kt_kernel
 from moe_experts import KernelExperts, LoadError, WrapError, load_pretrained, wrap
-from moe_experts.finetune.config import OPTIONS, coerce
+from moe_experts.finetune.config import coerce
+from moe_experts.finetune.options import OPTIONS
 from moe_experts.storage import StoragePlan, checkpoint_dtype
 from moe_experts.testing import FP8_QUANTIZATION_CONFIG, tiny_model
 
@@ -39,7 +40,7 @@ def test_wrap_auto_stores_the_experts_in_their_own_dtype(fresh, dtype, name) -> 
     assert torch.equal(_logits(auto), _logits(named))
 
 
-def test_old_spellings_warn_and_mean_the_new_names(fresh) -> None:
+def test_old_spellings_warn_and_mean_the_new_names(fresh, capsys) -> None:
     model = fresh("qwen3_moe")
     with pytest.warns(FutureWarning, match="'bfloat16' is deprecated; use 'bf16'"):
         report = wrap(model, weight_dtype="bfloat16")
@@ -48,6 +49,7 @@ def test_old_spellings_warn_and_mean_the_new_names(fresh) -> None:
     # The fine-tune CLI reads the same registry: old spellings with a warning, typos refused.
     opt = next(o for o in OPTIONS if o.dest == "weight_dtype")
     assert coerce(opt, "float32", "--weight-dtype") == "fp32"
+    assert "warning: --weight-dtype 'float32' is deprecated; use 'fp32'" in capsys.readouterr().err
     assert coerce(opt, "auto", "--weight-dtype") == "auto"
     for name in kt_kernel.FORMATS:
         assert coerce(opt, name, "--weight-dtype") == name

@@ -23,12 +23,13 @@ from lora_core.injection import (
     rebind_parameters,
     remap_checkpoint_keys,
 )
-from lora_core.layers import LoRALinear, LoRAParameter
+from lora_core.layers import AdapterStateError, LoRALinear, LoRAParameter, adapters_disabled
 
 __all__ = [
     "ADAPTATION_RESULT_SCHEMA_VERSION",
     "DEFAULT_TARGET_MODULES",
     "AdaptationResult",
+    "AdapterStateError",
     "ComponentVersion",
     "ContractError",
     "LoRALinear",
@@ -40,6 +41,7 @@ __all__ = [
     "PeftExport",
     "PeftTensorLayout",
     "__version__",
+    "adapters_disabled",
     "enable_lora_training",
     "init_lora_tensor",
     "matches_module",

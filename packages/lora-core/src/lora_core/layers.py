@@ -8,6 +8,8 @@ state-dict suffixes ``.base_layer.weight``, ``.lora_A.weight`` ``[r, in]`` and
 from __future__ import annotations
 
 import math
+from collections.abc import Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -15,7 +17,11 @@ from torch import nn
 
 from lora_core.initialization import init_lora_tensor
 
-__all__ = ["LoRALinear", "LoRAParameter"]
+__all__ = ["AdapterStateError", "LoRALinear", "LoRAParameter", "adapters_disabled"]
+
+
+class AdapterStateError(RuntimeError):
+    """An adapter cannot be switched off in its current state (it is merged into the base)."""
 
 
 def _join(prefix: str, leaf: str) -> str:
@@ -69,6 +75,8 @@ class _LoRAFactors(nn.Module):
         self.alpha = alpha
         self.scaling = alpha / rank
         self.merged = False
+        # False: the layer computes its base alone (see adapters_disabled); the factors stay.
+        self.adapter_enabled = True
         self.fqn = fqn
         self.init_seed = init_seed
         self.lora_A = nn.Linear(in_features, rank, bias=False, device="meta", dtype=dtype)
@@ -126,10 +134,17 @@ class _LoRAFactors(nn.Module):
         _add_into(self.base_weight, -self.delta_weight())
         self.merged = False
 
+    @property
+    def adds_update(self) -> bool:
+        """Whether the forward adds ``scaling * B @ A`` (enabled and not folded into the base)."""
+        return self.adapter_enabled and not self.merged
+
     def extra_repr(self) -> str:
         """Rank, alpha, scaling and merge state for ``repr``."""
+        off = "" if self.adapter_enabled else ", adapter_enabled=False"
         return (
-            f"rank={self.rank}, alpha={self.alpha}, scaling={self.scaling:g}, merged={self.merged}"
+            f"rank={self.rank}, alpha={self.alpha}, scaling={self.scaling:g}, "
+            f"merged={self.merged}{off}"
         )
 
 
@@ -213,7 +228,7 @@ class LoRALinear(_LoRAFactors):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """Apply the layer to ``x`` of shape ``[..., in]``; returns ``[..., out]``."""
         result: torch.Tensor = self.base_layer(x)
-        if self.merged:
+        if not self.adds_update:
             return result
         lora_dtype = self.lora_A.weight.dtype
         h = self.dropout(x if x.dtype == lora_dtype else x.to(lora_dtype))
@@ -298,7 +313,7 @@ class LoRAParameter(_LoRAFactors):
     def adapted_weight(self) -> torch.Tensor:
         """``W + scaling * B @ A`` in ``W``'s dtype, differentiable in ``lora_A``/``lora_B``."""
         w = self.base_weight
-        if self.merged:
+        if not self.adds_update:
             return w
         a, b = _local(self.lora_A.weight), _local(self.lora_B.weight)
         # Same association and rounding as PEFT: (B @ A) * scaling, cast, then added to W.
@@ -306,7 +321,7 @@ class LoRAParameter(_LoRAFactors):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         """Run the wrapped module's own ``forward`` with the adapted weight in place."""
-        if self.merged:
+        if not self.adds_update:
             return self.base_layer(*args, **kwargs)
         return torch.func.functional_call(
             self.base_layer, {self.parameter_name: self.adapted_weight()}, args, kwargs
@@ -361,3 +376,35 @@ def _fill(p: torch.Tensor, name: str, seed: int) -> None:
 def _add_into(w: torch.Tensor, delta: torch.Tensor) -> None:
     dst, value = _local_target(w, delta)
     dst.copy_((dst.float() + value.to(dst.device)).to(dst.dtype))
+
+
+@contextmanager
+def adapters_disabled(model: nn.Module) -> Iterator[None]:
+    """Run ``model`` with every lora-core adapter switched off: the frozen base alone.
+
+    Each :class:`LoRALinear` and :class:`LoRAParameter` under ``model`` computes its base
+    layer only (no LoRA matmul, no dropout); the factors are kept and their previous state
+    comes back on exit, also when the block raises. Nesting is allowed. This is the reference
+    model of preference training without a second copy of the weights.
+
+    Args:
+        model: any module; adapters are found by type, wherever they sit.
+
+    Raises:
+        AdapterStateError: an adapter is merged into its base weight (unmerge it first).
+    """
+    layers = [m for m in model.modules() if isinstance(m, _LoRAFactors)]
+    merged = [m.fqn or type(m).__name__ for m in layers if m.merged]
+    if merged:
+        raise AdapterStateError(
+            f"cannot switch off adapters that are merged into their base weights "
+            f"({', '.join(merged[:3])}{' ...' if len(merged) > 3 else ''}); call unmerge() first"
+        )
+    before = [m.adapter_enabled for m in layers]
+    for m in layers:
+        m.adapter_enabled = False
+    try:
+        yield
+    finally:
+        for m, state in zip(layers, before, strict=True):
+            m.adapter_enabled = state

@@ -32,6 +32,7 @@ if TYPE_CHECKING:
         register_kernel_attention,
         use_kernel_attention,
     )
+    from moe_experts.checkpointing import enable_gradient_checkpointing
     from moe_experts.coverage import (
         BlockCoverage,
         MoECoverage,
@@ -50,6 +51,8 @@ if TYPE_CHECKING:
         UnsupportedModelError,
         WrapError,
     )
+    from moe_experts.hot_experts import GpuExperts, GpuExpertsError, enable_gpu_experts
+    from moe_experts.hybrid import GpuIdleMeter, enable_overlap, idle_meter
     from moe_experts.isolation import Packing, packed_model_inputs
     from moe_experts.kernel_experts import KernelExperts
     from moe_experts.loading import load_pretrained
@@ -60,11 +63,19 @@ if TYPE_CHECKING:
         make_placeholder,
         named_placeholders,
     )
+    from moe_experts.reference import adapters_disabled
     from moe_experts.self_check import BlockCheck
     from moe_experts.wrapping import WrapReport, experts_sites, wrap
 
 # public name -> the module that defines it
 _WHERE = {
+    "GpuExperts": "hot_experts",
+    "GpuExpertsError": "hot_experts",
+    "enable_gpu_experts": "hot_experts",
+    "GpuIdleMeter": "hybrid",
+    "enable_overlap": "hybrid",
+    "idle_meter": "hybrid",
+    "enable_gradient_checkpointing": "checkpointing",
     "ARCHITECTURES": "architectures",
     "KERNEL_ATTENTION": "attention",
     "AdaptError": "errors",
@@ -89,6 +100,7 @@ _WHERE = {
     "WrapReport": "wrapping",
     "adapt": "adaptation",
     "adapt_model": "adaptation",
+    "adapters_disabled": "reference",
     "check_gradients": "coverage",
     "chunked_lm_cross_entropy": "losses",
     "coverage_report": "coverage",
@@ -118,6 +130,9 @@ __all__ = [
     "BlockCoverage",
     "ChunkedLossError",
     "ExpertPlaceholder",
+    "GpuExperts",
+    "GpuExpertsError",
+    "GpuIdleMeter",
     "GradientCheckError",
     "KernelExperts",
     "LoadError",
@@ -135,12 +150,17 @@ __all__ = [
     "__version__",
     "adapt",
     "adapt_model",
+    "adapters_disabled",
     "check_gradients",
     "chunked_lm_cross_entropy",
     "coverage_report",
     "coverage_summary",
+    "enable_gpu_experts",
+    "enable_gradient_checkpointing",
+    "enable_overlap",
     "experts_sites",
     "find_architecture",
+    "idle_meter",
     "is_placeholder",
     "iter_moe_blocks",
     "kernel_attention_forward",

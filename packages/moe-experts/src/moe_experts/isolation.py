@@ -9,6 +9,7 @@ arguments that way needs, and refuses a batch packed the wrong way for the famil
 
 from __future__ import annotations
 
+import inspect
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -139,16 +140,48 @@ def boundary_masks(model: nn.Module, position_ids: torch.Tensor) -> Any:
     builders = _mask_builders()
     types = getattr(config, "layer_types", None)
     if types is None:
-        return builders["full_attention"](config, shape, None, None, position_ids=position_ids)
+        return _build_mask(builders["full_attention"], config, shape, position_ids)
     unknown = sorted(set(types) - set(builders))
     if unknown:
         raise PackingError(
             f"layer types {unknown} of {config.model_type!r} have no mask builder for packed "
             f"rows (known: {sorted(builders)}); pack this family one example per row"
         )
-    return {
-        t: builders[t](config, shape, None, None, position_ids=position_ids) for t in set(types)
+    return {t: _build_mask(builders[t], config, shape, position_ids) for t in set(types)}
+
+
+def _build_mask(builder: Any, config: Any, embeds: torch.Tensor, position_ids: torch.Tensor) -> Any:
+    """Call a mask builder with its arguments named as its transformers version names them.
+
+    transformers 5.1 takes ``(config, input_embeds, attention_mask, cache_position,
+    past_key_values, position_ids)``, 5.24 ``(config, inputs_embeds, attention_mask, cache,
+    position_ids)`` without ``cache_position``: a positional call fits only one of them.
+    """
+    # Every value a known version asks for: no cache, so queries sit at positions 0..L-1.
+    known = {
+        "config": config,
+        "input_embeds": embeds,
+        "inputs_embeds": embeds,
+        "attention_mask": None,
+        "cache_position": torch.arange(embeds.shape[1], device=embeds.device),
+        "past_key_values": None,
+        "cache": None,
+        "position_ids": position_ids,
     }
+    kwargs = {}
+    for name, param in inspect.signature(builder).parameters.items():
+        if name in known:
+            kwargs[name] = known[name]
+        elif param.default is inspect.Parameter.empty and param.kind not in (
+            inspect.Parameter.VAR_POSITIONAL,
+            inspect.Parameter.VAR_KEYWORD,
+        ):
+            raise PackingError(
+                f"transformers' {builder.__name__} asks for an argument {name!r} that packed "
+                "rows cannot give; pack this family one example per row "
+                "(PackedBatches.from_examples(..., one_per_row=True))"
+            )
+    return builder(**kwargs)
 
 
 def packed_model_inputs(

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Literal
+from typing import Any, Literal
 
 import torch
 from torch import nn
@@ -129,6 +129,14 @@ class KernelExperts(nn.Module):
         # ``lora_experts``; their mean output is added to the routed experts' output.
         self.lora_experts: LoraExperts | None = None
         self._peft: _PeftAdoption | None = None
+        # The host hand-over (moe_experts.hybrid): overlapped with the dense device's
+        # independent work, and the most-routed experts resident on the dense device.
+        self.overlap = False
+        self.shared_cache: Any = None  # hybrid._SharedCache of the block's shared experts
+        self.hot: Any = None  # hot_experts.HotExperts
+        # False: the kernel runs without LoRA (no buffers passed) and the extra LoRA experts
+        # are skipped; moe_experts.adapters_disabled switches it for the reference model.
+        self.adapter_enabled = True
 
     @property
     def adopted_peft(self) -> bool:
@@ -227,9 +235,52 @@ class KernelExperts(nn.Module):
         )
         wrappers[0].forward = self.peft_forward
 
+    def call_lora(self, use_lora: bool = True) -> kt_kernel.LoraBuffers | None:
+        """The LoRA as the kernel reads it, differentiable into the trained parameters.
+
+        Own buffers (fused B rows reordered to gate first for an interleaved family), or views
+        of adopted PEFT parameters; ``None`` without LoRA or when ``use_lora`` is false.
+        """
+        if not use_lora:
+            return None
+        if self._peft is None:
+            return self._kernel_buffers(self.lora)
+        lora = self._peft.caller.lora
+        e = self.spec.num_experts
+        views = {}
+        for name, (param, kind) in self._peft.sources.items():
+            stacked = (
+                peft_mapping.unstack_lora_a(param, e)
+                if kind == "a"
+                else peft_mapping.unstack_lora_b(param, e)
+            )
+            views[name] = self._kernel_factor(name, stacked)
+        for name in lora.names:  # untargeted factors: the zero buffers adopted with PEFT's
+            views.setdefault(name, getattr(lora, name))
+        return kt_kernel.LoraBuffers.from_tensors(
+            lora.spec, lora.rank, lora.alpha, lora.layout, views
+        )
+
+    def lora_leaves(self, use_lora: bool = True) -> tuple[torch.Tensor, ...]:
+        """The trainable leaf tensors behind :meth:`call_lora` (the parameters it reads)."""
+        if not use_lora:
+            return ()
+        params: list[torch.Tensor]
+        if self._peft is not None:
+            params = [p for p, _ in self._peft.sources.values()]
+        elif self.lora is not None:
+            params = list(self.lora.tensors())
+        else:
+            params = []
+        return tuple(p for p in params if p.requires_grad)
+
     def _run(
         self, hidden: torch.Tensor, ids: torch.Tensor, w: torch.Tensor, use_lora: bool
     ) -> torch.Tensor:
+        from moe_experts import hybrid
+
+        if self.overlap or self.hot is not None or hybrid.host_replay() is not None:
+            return hybrid.routed_experts(self, hidden, ids, w, use_lora)
         if hidden.device != self.expert_weights.device:
             return _on_kernel_device(self, hidden, ids, w, use_lora)
         x = hidden.to(self.expert_weights.dtype)
@@ -288,7 +339,7 @@ class KernelExperts(nn.Module):
         Returns:
             ``[T, H]`` in ``hidden_states.dtype``.
         """
-        return self._run(hidden_states, top_k_index, top_k_weights, use_lora=True)
+        return self._run(hidden_states, top_k_index, top_k_weights, use_lora=self.adapter_enabled)
 
     def peft_forward(
         self,
@@ -308,7 +359,9 @@ class KernelExperts(nn.Module):
         if enabled and peft is not None:
             active = getattr(peft.wrappers[0], "active_adapters", [peft.adapter])
             enabled = peft.adapter in active
-        return self._run(hidden_states, top_k_index, top_k_weights, use_lora=enabled)
+        return self._run(
+            hidden_states, top_k_index, top_k_weights, use_lora=enabled and self.adapter_enabled
+        )
 
     def extra_repr(self) -> str:
         """Spec, storage dtype and policy."""

@@ -14,10 +14,11 @@ bitwise the same as ``from_pretrained(path, dtype=dtype)`` + ``wrap(model, weigh
 from __future__ import annotations
 
 import re
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
 import torch
 from torch import nn
@@ -42,6 +43,7 @@ from moe_experts.storage import StoragePlan, build_block, check_policy, storage_
 __all__ = ["CheckpointSource", "load_pretrained"]
 
 _PER_EXPERT = re.compile(r"^(\d+)\.(.+)$")
+_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
 
 
 @contextmanager
@@ -445,6 +447,28 @@ def _shipped_parts(
         ) from exc
 
 
+def _mtp_layers(model: nn.Module, config: Any) -> Callable[[str], bool]:
+    """Whether a checkpoint key is in a multi-token-prediction layer the model never builds.
+
+    DeepSeek-V3 and GLM-4.5 ship it as the layer after the last, and their classes ignore it
+    by its released index (``model\\.layers\\.61.*``); this is that rule at any depth: the
+    ``num_nextn_predict_layers`` (at least one) layers after ``num_hidden_layers``.
+    """
+    patterns = getattr(model, "_keys_to_ignore_on_load_unexpected", None) or ()
+    if not any(re.search(r"layers\\\.\d", p) for p in patterns):
+        return lambda key: False
+    text = config.get_text_config()
+    first = int(text.num_hidden_layers)
+    count = getattr(text, "num_nextn_predict_layers", None) or getattr(text, "num_mtp_layers", None)
+    layers = range(first, first + int(count or 1))
+
+    def beyond(key: str) -> bool:
+        match = _LAYER.match(key)
+        return match is not None and int(match.group(1)) in layers
+
+    return beyond
+
+
 def load_pretrained(
     path: str | Path,
     *,
@@ -560,10 +584,11 @@ def load_pretrained(
     # Keys the model class declares it does not load (DeepSeek-V4's multi-token-prediction
     # ``mtp.*`` layers, DeepSeek-V3's extra layer), skipped as from_pretrained skips them.
     ignored = [re.compile(p) for p in model._keys_to_ignore_on_load_unexpected or ()]
+    mtp = _mtp_layers(model, config)
     dense = {
         n: k
         for n, k in dense.items()
-        if n in state or not any(r.search(n) or r.search(k) for r in ignored)
+        if n in state or not (any(r.search(n) or r.search(k) for r in ignored) or mtp(k))
     }
     unexpected = sorted(k for k in dense if k not in state)
     if unexpected:
@@ -578,7 +603,10 @@ def load_pretrained(
         t = reader.read(key, tuple(current.shape), target)
         _set_tensor(model, name, t)
         del t
-    model.tie_weights()
+    # As from_pretrained ties: only a head the checkpoint lacks (or ships equal to the
+    # embeddings); a different shipped head is kept, whatever tie_word_embeddings says.
+    meta = {n for n, p in model.named_parameters(remove_duplicate=False) if p.device.type == "meta"}
+    model.tie_weights(missing_keys=meta, recompute_mapping=False)
     missing = sorted(n for n, p in model.named_parameters() if p.device.type == "meta")
     if missing:
         raise LoadError(

@@ -19,7 +19,13 @@ from typing import Any
 
 import torch
 
-__all__ = ["DEFAULT_CHUNK", "IGNORE_INDEX", "ChunkedLossError", "chunked_lm_cross_entropy"]
+__all__ = [
+    "DEFAULT_CHUNK",
+    "IGNORE_INDEX",
+    "ChunkedLossError",
+    "chunked_lm_cross_entropy",
+    "chunked_token_logprobs",
+]
 
 IGNORE_INDEX = -100  # torch.nn.functional.cross_entropy's default ignore_index
 DEFAULT_CHUNK = 1024  # rows per chunk: 1024 x 32000 fp32 is 128 MB, small next to the model
@@ -134,3 +140,86 @@ def chunked_lm_cross_entropy(
         num_targets = int((flat_y != ignore_index).sum())
     total = _ChunkedCE.apply(flat_h, weight, flat_y, chunk_size, ignore_index)
     return total / max(num_targets, 1)
+
+
+class _ChunkedLogProbs(torch.autograd.Function):
+    """Per-row ``log softmax(h @ W.T)[label]``; d/dh kept from forward, d/dW recomputed."""
+
+    @staticmethod
+    def forward(
+        ctx: Any, hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int
+    ) -> torch.Tensor:
+        need_h = ctx.needs_input_grad[0]
+        out = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
+        # d logp / d h for each row (the gradient at an upstream weight of 1), [N, H].
+        grad_h = torch.empty_like(hidden) if need_h else None
+        for start in range(0, hidden.shape[0], chunk):
+            h = hidden[start : start + chunk]
+            y = labels[start : start + chunk].long()
+            logits = (h @ weight.t()).float()  # same rounding as lm_head(h).float()
+            lse = torch.logsumexp(logits, dim=-1)
+            out[start : start + chunk] = logits.gather(1, y[:, None]).squeeze(1) - lse
+            if grad_h is not None:
+                # d(target - lse)/d logits = onehot - softmax
+                logits.sub_(lse[:, None]).exp_().neg_()
+                logits.scatter_add_(1, y[:, None], torch.ones_like(lse)[:, None])
+                torch.matmul(logits.to(hidden.dtype), weight, out=grad_h[start : start + chunk])
+        ctx.save_for_backward(hidden, weight, labels, *(() if grad_h is None else (grad_h,)))
+        ctx.chunk = chunk
+        return out
+
+    @staticmethod
+    def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
+        hidden, weight, labels, *kept = ctx.saved_tensors
+        scale = grad_out.to(hidden.dtype)[:, None]
+        gh = kept[0] * scale if kept else None
+        gw = None
+        if ctx.needs_input_grad[1]:  # a trained head (LoRA on lm_head): one more pass
+            gw32 = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+            for start in range(0, hidden.shape[0], ctx.chunk):
+                h = hidden[start : start + ctx.chunk]
+                y = labels[start : start + ctx.chunk].long()
+                logits = (h @ weight.t()).float()
+                lse = torch.logsumexp(logits, dim=-1)
+                logits.sub_(lse[:, None]).exp_().neg_()
+                logits.scatter_add_(1, y[:, None], torch.ones_like(lse)[:, None])
+                logits.mul_(grad_out[start : start + ctx.chunk, None].float())
+                gw32.addmm_(logits.t(), h.float())
+            gw = gw32.to(weight.dtype)
+        return gh, gw, None, None
+
+
+def chunked_token_logprobs(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    *,
+    chunk_size: int = DEFAULT_CHUNK,
+) -> torch.Tensor:
+    """Log-probability of each row's label under ``hidden @ weight.T``, never the full logits.
+
+    The per-token form of :func:`chunked_lm_cross_entropy` for losses that weigh tokens
+    differently (DPO sums them per sequence): the gradient of the hidden states is computed
+    during the forward, a chunk of rows at a time, and scaled by each row's incoming
+    gradient in backward; a trained head weight gets its gradient from a second pass.
+
+    Args:
+        hidden: ``[N, H]`` final hidden states of the scored positions only.
+        weight: ``[V, H]`` LM-head weight.
+        labels: ``[N]`` int64 token ids (every row is scored; select the rows beforehand).
+        chunk_size: rows per chunk; peak extra memory is about ``chunk_size * V * 4`` bytes.
+
+    Returns:
+        ``[N]`` fp32 log-probabilities, equal to
+        ``log_softmax(lm_head(hidden).float())[label]`` up to fp32 rounding.
+
+    Raises:
+        ChunkedLossError: shapes that do not fit, non-integer labels or a bad chunk size.
+    """
+    _check(hidden, weight, labels, chunk_size)
+    if hidden.dim() != 2:
+        raise ChunkedLossError(f"hidden must be [N, H] rows, got {tuple(hidden.shape)}")
+    out: torch.Tensor = _ChunkedLogProbs.apply(  # type: ignore[no-untyped-call]
+        hidden, weight, labels, chunk_size
+    )
+    return out

@@ -28,6 +28,7 @@ import socket
 import struct
 import sys
 import time
+import weakref
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, suppress
 from dataclasses import dataclass, field
@@ -43,6 +44,7 @@ __all__ = [
     "SHARE_ENV",
     "ExpertSharing",
     "default_kernel_threads",
+    "destroy_sharing_groups",
     "expert_sharing",
     "shared_or_local",
 ]
@@ -130,9 +132,13 @@ def _listen(token: str, backlog: int) -> tuple[socket.socket | None, str]:
 
 
 # The default process group and the gloo group made for the sharing collectives beside it
-# (NCCL cannot reduce CPU tensors). Kept by identity: a world destroyed and initialised again
-# is a new object and gets a new group; the old one is held so that its id is never reused.
-_GLOO_GROUP: list[tuple[Any, Any]] = []
+# (NCCL cannot reduce CPU tensors), both by weak reference: torch holds them until the world is
+# destroyed. A strong reference here would keep the gloo group's worker threads alive past
+# destroy_process_group, into interpreter exit, where a worker still releasing a finished
+# collective's tensors needs the GIL and is killed by Python's finalisation: SIGABRT
+# ("terminate called without an active exception"). A world destroyed and initialised again is
+# a new object (the old one's weak reference is dead) and gets a new group.
+_GLOO_GROUP: list[tuple[weakref.ref[Any], weakref.ref[Any]]] = []
 
 
 def _collective_group() -> Any:
@@ -147,11 +153,32 @@ def _collective_group() -> Any:
     if "gloo" in str(dist.get_backend()):
         return None
     world = dist.group.WORLD
-    if _GLOO_GROUP and _GLOO_GROUP[0][0] is world:
-        return _GLOO_GROUP[0][1]
+    if _GLOO_GROUP and _GLOO_GROUP[0][0]() is world:
+        group = _GLOO_GROUP[0][1]()
+        if group is not None:
+            return group
     group = dist.new_group(backend="gloo")
-    _GLOO_GROUP[:] = [(world, group)]
+    _GLOO_GROUP[:] = [(weakref.ref(world), weakref.ref(group))]
     return group
+
+
+def destroy_sharing_groups() -> None:
+    """Destroy the gloo group of the sharing collectives, if one was made (before the world).
+
+    Call it before ``torch.distributed.destroy_process_group()`` on the way out of a torchrun
+    job whose default group is not gloo, so that the groups go in the reverse order of their
+    making. Idempotent; a no-op without a process group.
+    """
+    import torch.distributed as dist
+
+    entries, _GLOO_GROUP[:] = list(_GLOO_GROUP), []
+    if not (dist.is_available() and dist.is_initialized()):
+        return
+    for _, ref in entries:
+        group = ref()
+        if group is not None:
+            with suppress(ValueError):  # already destroyed with its world
+                dist.destroy_process_group(group)
 
 
 def _pause_for_tests(block: int, label: str) -> None:
@@ -221,7 +248,6 @@ class ExpertSharing:
                     "finetune CLI's --no-share-experts) to keep one copy per rank"
                 )
             return None  # every rank of this platform decides alike: one copy per rank
-        group = _collective_group()
         local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         token = secrets.token_hex(8)
         # The writer listens before anyone can learn its address, so a connect never races.
@@ -229,7 +255,13 @@ class ExpertSharing:
         # The last field: why this local rank 0 has no socket ("" when it has one).
         me = (socket.gethostname(), _pid_namespace(), os.getpid(), token, local_rank, why)
         peers: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(peers, me, group=group)
+        try:
+            group = _collective_group()
+            dist.all_gather_object(peers, me, group=group)
+        except RuntimeError as exc:  # gloo: a peer died or closed its connection
+            if listener is not None:
+                listener.close()
+            raise _lost_contact("setting up expert sharing", exc) from exc
         # Every rank decides from the same table, so all ranks share or none does.
         writers = []
         for r, (host, ns, _, _, lr, _) in enumerate(peers):
@@ -346,10 +378,7 @@ class ExpertSharing:
         try:
             dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
         except RuntimeError as exc:  # gloo: a peer died or closed its connection
-            raise WrapError(
-                f"lost contact with the other ranks while sharing the experts ({exc}); another "
-                "rank probably died, and its output or exit status says why"
-            ) from exc
+            raise _lost_contact("sharing the experts", exc) from exc
         worst = int(flag.item())
         self._settled = worst > 0
         return worst - 1 if worst else None
@@ -447,6 +476,14 @@ class ExpertSharing:
         finally:
             for fd in fds:
                 os.close(fd)
+
+
+def _lost_contact(doing: str, exc: BaseException) -> WrapError:
+    """The error of a sharing collective that failed because another rank went away."""
+    return WrapError(
+        f"lost contact with the other ranks while {doing} ({' '.join(str(exc).split())[:300]}); "
+        "another rank probably died, and its output or exit status says why"
+    )
 
 
 def _accept(listener: socket.socket | None, readers: set[int]) -> list[socket.socket]:

@@ -2,9 +2,12 @@
 
 One job per module: ``config`` (settings table, YAML), ``checks`` (pre-model checks),
 ``formats``/``data``/``chat``/``tokenizer`` (data formats, masking, batching), ``models``
-(loading), ``run`` (``run_finetune``), ``loop`` (steps, checkpoints), ``loss``, ``evaluation``,
-``schedule``, ``reporting``, ``distributed``, ``interrupts``, ``generate``, ``export``,
-``adapters`` and ``cli``. Names are imported on first use, so the CLI starts without torch.
+(loading), ``run`` (``run_finetune``), ``loop`` (steps, checkpoints), ``objective`` (what a
+step minimises, per ``--method``), ``loss``, ``preference``/``preference_data``/
+``preference_setup`` (DPO and ORPO: objectives, pairs, kept reference log-probs),
+``evaluation``, ``schedule``, ``reporting``, ``distributed``, ``interrupts``, ``generate``,
+``export``, ``adapters`` and ``cli``. Names are imported on first use, so the CLI starts
+without torch.
 """
 
 from __future__ import annotations

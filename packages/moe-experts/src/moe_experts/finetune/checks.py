@@ -25,7 +25,23 @@ __all__ = [
 ]
 
 # What a run writes into --output; --overwrite removes exactly these, nothing else.
-OUTPUT_ARTIFACTS = ("checkpoints", "train_log.jsonl", "loss.png", "tensorboard", "wandb")
+OUTPUT_ARTIFACTS = (
+    "checkpoints",
+    "train_log.jsonl",
+    "loss.png",
+    "tensorboard",
+    "wandb",
+    "reference_logps.safetensors",
+)
+
+# Settings of one preference method: given with another --method they would do nothing.
+_METHOD_OF = {
+    "dpo_loss": "dpo",
+    "beta": "dpo",
+    "label_smoothing": "dpo",
+    "precompute_reference": "dpo",
+    "orpo_lambda": "orpo",
+}
 
 
 def _world_size() -> int:
@@ -60,6 +76,18 @@ def check_combination(args: FinetuneArgs, sources: dict[str, str], *, overwrite:
             f"{sources['warmup_steps']} {args.warmup_steps} is not below --steps {args.steps}; "
             "the learning rate would never reach --lr"
         )
+    defaults = FinetuneArgs()
+    for dest, method in _METHOD_OF.items():
+        if getattr(args, dest) != getattr(defaults, dest) and args.method != method:
+            raise FinetuneError(
+                f"{sources[dest]} applies to --method {method}, but this run is --method "
+                f"{args.method}; drop it or pass --method {method}"
+            )
+    if args.label_smoothing and args.dpo_loss != "sigmoid":
+        raise FinetuneError(
+            f"{sources['label_smoothing']} applies to --dpo-loss sigmoid, not "
+            f"{args.dpo_loss}; drop it or pass --dpo-loss sigmoid"
+        )
     if overwrite and args.resume is not None:
         raise FinetuneError("--overwrite and --resume exclude each other; pass one of them")
     if args.resume is not None and not args.resume.exists():
@@ -72,12 +100,24 @@ def check_sharing(args: FinetuneArgs, sources: dict[str, str]) -> None:
     Raises:
         FinetuneError: naming the flag (or YAML key) and how to launch the run instead.
     """
+    if not args.share_experts:
+        return
     local = os.environ.get("LOCAL_WORLD_SIZE", "1")
-    if args.share_experts and (not local.isdigit() or int(local) < 2):
+    if not local.isdigit() or int(local) < 2:
         raise FinetuneError(
             f"{sources['share_experts']} shares the frozen experts between the ranks of one "
             f"machine, but this run has LOCAL_WORLD_SIZE={local}; launch it with torchrun "
             "--nproc-per-node N (N >= 2), or drop the setting"
+        )
+    world = os.environ.get("WORLD_SIZE") or "1"
+    if not world.isdigit() or int(world) < 2:
+        # Without torchrun's WORLD_SIZE no process group forms, so the run would load its own
+        # experts and train unshared.
+        raise FinetuneError(
+            f"{sources['share_experts']} shares the frozen experts between the ranks of one "
+            f"machine, but this process has LOCAL_WORLD_SIZE={local} and WORLD_SIZE={world}: "
+            f"it was not launched by torchrun; launch it with torchrun --nproc-per-node "
+            f"{local}, or drop the setting"
         )
 
 

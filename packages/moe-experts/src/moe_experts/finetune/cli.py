@@ -20,7 +20,13 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from moe_experts.finetune.config import OPTIONS, SECTIONS, FinetuneArgs, default_value
+from moe_experts.finetune.config import (
+    OPTIONS,
+    ROLE_DEFAULT,
+    SECTIONS,
+    FinetuneArgs,
+    default_value,
+)
 from moe_experts.finetune.errors import FinetuneError, TrainingInterrupted
 
 __all__ = ["COMMANDS", "Command", "build_parser", "finetune_main", "main", "report_error"]
@@ -100,7 +106,8 @@ def build_parser(prog: str = "moe-experts finetune") -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog=prog,
         allow_abbrev=False,
-        description="LoRA fine-tune of a MoE model on CPU. Settings come from the defaults, "
+        description="LoRA fine-tune of a MoE model: dense layers on a GPU or the CPU "
+        "(--device), routed experts on the host kernel. Settings come from the defaults, "
         "then --config FILE (YAML, sections: model, data, training, lora, output), "
         "then these flags.",
     )
@@ -157,8 +164,9 @@ def build_parser(prog: str = "moe-experts finetune") -> argparse.ArgumentParser:
     )
     run.add_argument(
         "--role",
-        default="moe",
-        help="the <role> of an older-style models.<role>.lora block in --config",
+        default=None,
+        help="the <role> of an older-style models.<role>.lora block in --config "
+        f"(default: {ROLE_DEFAULT})",
     )
     run.add_argument(
         "--resume",
@@ -240,6 +248,9 @@ def _prepare(ns: argparse.Namespace) -> FinetuneArgs:
     checks.check_output_path(args.output, sources["output"])
     checks.check_sharing(args, sources)
     lora_config(args, lora_source)
+    from moe_experts.finetune.devices import check_devices
+
+    check_devices(args, sources)  # --device cuda without CUDA etc.: before the model loads
     checks.prepare_output(
         args, sources, overwrite=ns.overwrite, rank=int(os.environ.get("RANK", "0"))
     )
@@ -269,10 +280,8 @@ def _report(summary: object) -> None:
     )
 
 
-def finetune_main(argv: Sequence[str] | None = None, prog: str = "moe-experts finetune") -> int:
-    """Run the fine-tune from command-line arguments; returns the exit code."""
-    argv = list(sys.argv[1:] if argv is None else argv)
-    ns = build_parser(prog).parse_args(argv)
+def _train(ns: argparse.Namespace, argv: list[str], prog: str) -> tuple[int, object | None]:
+    """Run the fine-tune; returns the exit code and, on success, the summary to report."""
     from moe_experts.finetune.interrupts import StopRequest
 
     lead = int(os.environ.get("RANK", "0")) == 0
@@ -280,7 +289,7 @@ def finetune_main(argv: Sequence[str] | None = None, prog: str = "moe-experts fi
         with StopRequest() as stop:
             args = _prepare(ns)
             if ns.print_config:
-                return 0
+                return 0, None
             from transformers.utils import logging as hf_logging
 
             from moe_experts.finetune.run import run_finetune
@@ -298,20 +307,60 @@ def finetune_main(argv: Sequence[str] | None = None, prog: str = "moe-experts fi
             print(f"stopped by {name} at step {exc.step}; {where}", file=sys.stderr)
             if exc.checkpoint:
                 print(f"resume with:\n  {resume_command(argv, prog, args.output)}", file=sys.stderr)
-        return 128 + exc.signum
+        return 128 + exc.signum, None
+    except FinetuneError as exc:
+        return report_error(exc, debug=ns.debug), None
+    return 0, summary
+
+
+def _distributed() -> bool:
+    """Whether this process is in a torch.distributed process group (torch already loaded)."""
+    if "torch.distributed" not in sys.modules:  # never imported: keeps usage errors fast
+        return False
+    import torch.distributed as dist
+
+    return dist.is_available() and dist.is_initialized()
+
+
+def finetune_main(argv: Sequence[str] | None = None, prog: str = "moe-experts finetune") -> int:
+    """Run the fine-tune from command-line arguments; returns the exit code.
+
+    Under torchrun every way out (success, error, signal, a bug's traceback) first tears the
+    process groups down in order (:func:`moe_experts.finetune.distributed.teardown_distributed`)
+    with nothing left referring to them, so that no gloo worker thread is still running when
+    the interpreter exits. Where that cannot be done (a second signal: stop at once; torch's
+    own DTensor caches still hold the groups after FSDP) the process ends with ``os._exit``
+    after the atexit handlers and flushing its output, without the interpreter's finalisation,
+    in which such a thread aborts the process.
+    """
+    argv = list(sys.argv[1:] if argv is None else argv)
+    ns = build_parser(prog).parse_args(argv)
+    at_once = False
+    try:
+        code, summary = _train(ns, argv, prog)
     except KeyboardInterrupt:
         print(
             "error: interrupted again; stopped at once (the last saved checkpoint stands)",
             file=sys.stderr,
         )
-        return 130
-    except FinetuneError as exc:
-        return report_error(exc, debug=ns.debug)
-    if summary.world_size > 1:
-        import torch.distributed as dist
+        code, summary, at_once = 130, None, True
+    except Exception:
+        if not _distributed():
+            raise
+        traceback.print_exc()  # as the interpreter would, but before the groups go
+        code, summary = 1, None
+    freed = True
+    if _distributed():
+        from moe_experts.finetune.distributed import teardown_distributed
 
-        dist.destroy_process_group()
-        if not lead:
-            return 0
-    _report(summary)
-    return 0
+        try:
+            freed = not at_once and teardown_distributed()
+        except (RuntimeError, ValueError):  # a broken group: leave without finalising instead
+            freed = False
+    if summary is not None and int(os.environ.get("RANK", "0")) == 0:
+        _report(summary)
+    if not freed:
+        from moe_experts.finetune.distributed import exit_without_finalizing
+
+        exit_without_finalizing(code)
+    return code

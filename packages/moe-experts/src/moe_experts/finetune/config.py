@@ -1,4 +1,4 @@
-"""Every setting of a fine-tune run in one table: its flag, its YAML key, its check (no torch).
+"""A fine-tune run's settings: defaults, ``--config`` files and flags resolved (no torch).
 
 A run is described by :class:`FinetuneArgs`. Its values come, in rising priority, from the
 defaults here, one YAML file (``--config``) and the command-line flags. The YAML file has one
@@ -8,29 +8,32 @@ older form ``models.<role>.lora`` (a complete LoRA config) is still read. Unknow
 are errors that suggest the nearest known key. ``--print-config`` renders the resolved run in
 the same YAML shape, so its output is itself a valid ``--config`` file.
 
-Adding a setting is one row in :data:`OPTIONS` and one field in :class:`FinetuneArgs`; a row
-of section ``lora`` (``--lora-rank``) needs no field: it overrides that key of ``lora``.
+Adding a setting is one row in :data:`OPTIONS` (``finetune/options.py``) and one field in
+:class:`FinetuneArgs`; a row of section ``lora`` (``--lora-rank``) needs no field: it
+overrides that key of ``lora``.
 """
 
 from __future__ import annotations
 
 import difflib
-import math
 import sys
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from moe_experts.finetune.documents import load_config_yaml
 from moe_experts.finetune.errors import FinetuneError
-from moe_experts.finetune.formats import DATA_FORMATS
+from moe_experts.finetune.options import OPTIONS, Option, check_seed
 
 __all__ = [
     "DEFAULT_LORA",
     "OPTIONS",
+    "ROLE_DEFAULT",
     "SECTIONS",
     "FinetuneArgs",
     "Option",
+    "check_seed",
     "default_value",
     "lora_config",
     "read_config_file",
@@ -51,6 +54,7 @@ DEFAULT_LORA: dict[str, Any] = {
 }
 
 SECTIONS = ("model", "data", "training", "lora", "output")
+ROLE_DEFAULT = "moe"  # the models.<role> block read when --role is not given
 
 
 @dataclass
@@ -64,6 +68,11 @@ class FinetuneArgs:
     share_experts: bool | None = None
     # CPU models on transformers' SDPA run plain causal attention on kt-kernel's op instead.
     kernel_attention: bool = True
+    # Dense layers, LoRA and optimizer state: "cuda" (cuda:LOCAL_RANK), "cpu", or "auto" (CUDA
+    # when torch sees one). The routed experts always stay in the host kernel.
+    device: str = "auto"
+    gpu_experts: int = 0  # per MoE layer, the N most-routed experts resident on the GPU
+    overlap: bool | None = None  # host experts beside independent GPU work; None: on with CUDA
     data: Path | None = None  # None: the corpus shipped in the package
     data_format: str | None = None  # a key of formats.DATA_FORMATS; None: detected per file
     train_on_prompt: bool = False  # chat/instruction data: loss on every token, not replies only
@@ -81,10 +90,20 @@ class FinetuneArgs:
     # (no fp32 [tokens, vocab] logits); full: from model(...).logits. Families whose logits
     # are not a plain lm_head (soft-capping, logit scales) always use full.
     loss: str = "chunked"
+    gradient_checkpointing: bool = False  # recompute decoder layers (not the host experts)
+    lora_dtype: str = "fp32"  # LoRA factors, their gradients and AdamW state
     # After the first backward a trainable parameter without a finite, non-zero gradient stops
     # the run (silently untrained experts or routers are the commonest MoE-LoRA failure).
     warn_missing_gradients: bool = False
     seed: int = 0
+    # sft: cross-entropy on the data; dpo/orpo: preference pairs (finetune/preference.py).
+    method: str = "sft"
+    dpo_loss: str = "sigmoid"  # a name in preference.DPO_LOSSES
+    beta: float = 0.1  # DPO's beta (IPO's tau)
+    label_smoothing: float = 0.0  # conservative DPO: the share of pairs assumed flipped
+    orpo_lambda: float = 0.1  # the weight of ORPO's odds-ratio term (TRL's ORPOConfig.beta)
+    # DPO: every reference log-probability in one pass before training, kept in --output.
+    precompute_reference: bool = False
     eval_every: int | None = None  # None: evaluate at the end only (when there is eval data)
     output: Path = Path("finetune-output")
     save_every: int | None = None  # None: save at the end (and on interrupt) only
@@ -95,312 +114,6 @@ class FinetuneArgs:
     progress: bool = True
 
 
-Check = Callable[[Any], str | None]
-
-
-def _positive_finite(v: float) -> str | None:
-    return None if math.isfinite(v) and v > 0 else "must be a finite number > 0"
-
-
-def _positive(v: float) -> str | None:
-    return None if v > 0 else "must be a number > 0 (inf: no clipping)"
-
-
-def _at_least(n: int) -> Check:
-    return lambda v: None if v >= n else f"must be >= {n}"
-
-
-def _fraction(v: float) -> str | None:
-    return None if 0 < v < 1 else "must be a fraction strictly between 0 and 1, e.g. 0.05"
-
-
-def _probability(v: float) -> str | None:
-    return None if 0 <= v < 1 else "must be a probability in [0, 1), e.g. 0.05 (0: no dropout)"
-
-
-@dataclass(frozen=True)
-class Option:
-    """One setting: the :class:`FinetuneArgs` field, its flag, its YAML place and its check."""
-
-    dest: str
-    flag: str
-    section: str
-    key: str
-    kind: type
-    help: str
-    check: Check | None = None
-    choices: tuple[str, ...] = ()
-    # Choices owned by another package, read only when a value is checked (it may import
-    # torch): (choices, old spelling -> current one). Old spellings are accepted with a warning.
-    vocabulary: Callable[[], tuple[tuple[str, ...], Mapping[str, str]]] | None = None
-    nullable: bool = False  # None (unset) is a valid value
-    aliases: tuple[str, ...] = ()  # the Hugging Face TrainingArguments spelling, where it fits
-    negation: str | None = None  # a bool's flag that sets False (the two exclude each other)
-
-
-def _weight_formats() -> tuple[tuple[str, ...], Mapping[str, str]]:
-    """``--weight-dtype``'s vocabulary: ``auto`` and kt-kernel's registry of weight formats."""
-    import kt_kernel
-
-    return ("auto", *kt_kernel.FORMATS), kt_kernel.FORMAT_ALIASES
-
-
-OPTIONS: tuple[Option, ...] = (
-    Option(
-        "model",
-        "--model",
-        "model",
-        "name",
-        str,
-        "'tiny-qwen3-moe' (built in) or a local Hugging Face model directory",
-    ),
-    Option(
-        "weight_dtype",
-        "--weight-dtype",
-        "model",
-        "weight_dtype",
-        str,
-        "kernel storage of the frozen experts: auto (the checkpoint's own: a FP8-block "
-        "checkpoint's shipped bytes, else dense in its dtype) or a weight format registered "
-        "in kt_kernel.FORMATS (an unknown name lists them)",
-        vocabulary=_weight_formats,
-    ),
-    Option(
-        "share_experts",
-        "--share-experts",
-        "model",
-        "share_experts",
-        bool,
-        "under torchrun with several ranks per machine, keep one copy of the frozen experts "
-        "per machine in shared memory (--no-share-experts: one copy per rank; default: "
-        "share unless MOE_EXPERTS_SHARE_EXPERTS=0)",
-        nullable=True,
-        negation="--no-share-experts",
-    ),
-    Option(
-        "kernel_attention",
-        "--kernel-attention",
-        "model",
-        "kernel_attention",
-        bool,
-        "run plain causal attention of a CPU model on kt-kernel's causal attention op "
-        "instead of transformers' SDPA (other calls still use SDPA; "
-        "--no-kernel-attention: keep SDPA everywhere)",
-        negation="--no-kernel-attention",
-    ),
-    Option(
-        "data",
-        "--data",
-        "data",
-        "path",
-        Path,
-        "training data file; default: a small corpus shipped with the package",
-        nullable=True,
-    ),
-    Option(
-        "data_format",
-        "--data-format",
-        "data",
-        "format",
-        str,
-        "force the record format instead of detecting it per file",
-        choices=tuple(sorted(DATA_FORMATS)),
-        nullable=True,
-    ),
-    Option(
-        "train_on_prompt",
-        "--train-on-prompt",
-        "data",
-        "train_on_prompt",
-        bool,
-        "chat/instruction data: loss on every token, not only the replies",
-    ),
-    Option(
-        "eval_data",
-        "--eval-data",
-        "data",
-        "eval_data",
-        Path,
-        "evaluation data file (same formats as --data)",
-        nullable=True,
-    ),
-    Option(
-        "eval_split",
-        "--eval-split",
-        "data",
-        "eval_split",
-        float,
-        "hold out this fraction of --data's documents for evaluation, e.g. 0.05",
-        check=_fraction,
-        nullable=True,
-    ),
-    Option("seq_len", "--seq-len", "data", "seq_len", int, "tokens per row", check=_at_least(2)),
-    Option(
-        "steps",
-        "--steps",
-        "training",
-        "steps",
-        int,
-        "optimizer steps in total",
-        check=_at_least(1),
-        aliases=("--max-steps",),
-    ),
-    Option(
-        "lr",
-        "--lr",
-        "training",
-        "lr",
-        float,
-        "peak learning rate",
-        check=_positive_finite,
-        aliases=("--learning-rate",),
-    ),
-    Option(
-        "lr_schedule",
-        "--lr-schedule",
-        "training",
-        "lr_schedule",
-        str,
-        "learning-rate schedule after warm-up",
-        choices=("constant", "linear", "cosine"),
-        aliases=("--lr-scheduler-type",),
-    ),
-    Option(
-        "warmup_steps",
-        "--warmup-steps",
-        "training",
-        "warmup_steps",
-        int,
-        "linear warm-up from 0 to --lr over this many steps",
-        check=_at_least(0),
-    ),
-    Option(
-        "batch_size",
-        "--batch-size",
-        "training",
-        "batch_size",
-        int,
-        "global rows per optimizer step (split across torchrun ranks and --grad-accum)",
-        check=_at_least(1),
-    ),
-    Option(
-        "grad_accum",
-        "--grad-accum",
-        "training",
-        "grad_accum",
-        int,
-        "split each step's batch into N micro-batches (same result, less memory)",
-        check=_at_least(1),
-        aliases=("--gradient-accumulation-steps",),
-    ),
-    Option(
-        "max_grad_norm",
-        "--max-grad-norm",
-        "training",
-        "max_grad_norm",
-        float,
-        "clip the global gradient norm to this",
-        check=_positive,
-    ),
-    Option(
-        "loss",
-        "--loss",
-        "training",
-        "loss",
-        str,
-        "chunked: cross-entropy over the LM head in chunks, never the full fp32 logits "
-        "(falls back to full where the model transforms its logits); full: from the "
-        "model's logits",
-        choices=("chunked", "full"),
-    ),
-    Option(
-        "warn_missing_gradients",
-        "--warn-missing-gradients",
-        "training",
-        "warn_missing_gradients",
-        bool,
-        "only warn (instead of stopping) when a trainable parameter gets no finite, "
-        "non-zero gradient in the first step",
-    ),
-    Option("seed", "--seed", "training", "seed", int, "data order and LoRA initialisation"),
-    Option(
-        "eval_every",
-        "--eval-every",
-        "training",
-        "eval_every",
-        int,
-        "evaluate every N steps (and at the end)",
-        check=_at_least(1),
-        nullable=True,
-        aliases=("--eval-steps",),
-    ),
-    Option(
-        "output",
-        "--output",
-        "output",
-        "dir",
-        Path,
-        "run directory: checkpoints/, train_log.jsonl, loss.png",
-    ),
-    Option(
-        "save_every",
-        "--save-every",
-        "output",
-        "save_every",
-        int,
-        "save a checkpoint every N steps (default: at the end and on interrupt only)",
-        check=_at_least(1),
-        nullable=True,
-        aliases=("--save-steps",),
-    ),
-    Option(
-        "keep_last",
-        "--keep-last",
-        "output",
-        "keep_last",
-        int,
-        "keep only the newest N checkpoints",
-        check=_at_least(1),
-        aliases=("--save-total-limit",),
-    ),
-    Option(
-        "report_to",
-        "--report-to",
-        "output",
-        "report_to",
-        str,
-        "also log scalars to TensorBoard (OUTPUT/tensorboard) or Weights & Biases (offline)",
-        choices=("none", "tensorboard", "wandb"),
-    ),
-    # Section lora: each overrides one key of the resolved lora mapping (FinetuneArgs.lora).
-    Option(
-        "lora_rank",
-        "--lora-rank",
-        "lora",
-        "rank",
-        int,
-        "LoRA rank r of every adapted module, router and expert",
-        check=_at_least(1),
-    ),
-    Option(
-        "lora_alpha",
-        "--lora-alpha",
-        "lora",
-        "alpha",
-        float,
-        "LoRA alpha: updates are scaled by alpha / rank",
-        check=_positive_finite,
-    ),
-    Option(
-        "lora_dropout",
-        "--lora-dropout",
-        "lora",
-        "dropout",
-        float,
-        "dropout probability on the LoRA input",
-        check=_probability,
-    ),
-)
 _BY_DEST = {o.dest: o for o in OPTIONS}
 _BY_PLACE = {(o.section, o.key): o for o in OPTIONS}
 
@@ -474,19 +187,6 @@ def coerce(opt: Option, value: Any, where: str) -> Any:
     return out
 
 
-def _load_yaml(path: Path) -> Any:
-    import yaml
-
-    if not path.is_file():
-        raise FinetuneError(f"--config {path}: no such file")
-    try:
-        return yaml.safe_load(path.read_text(encoding="utf-8"))
-    except UnicodeDecodeError as exc:
-        raise FinetuneError(f"--config {path}: not valid UTF-8 ({exc.reason})") from exc
-    except yaml.YAMLError as exc:
-        raise FinetuneError(f"--config {path}: invalid YAML: {exc}") from exc
-
-
 def _mapping(node: Any, where: str) -> dict[str, Any]:
     if node is None:
         return {}
@@ -502,21 +202,31 @@ def _unknown(path: Path, where: str, key: Any, known: list[str], also: list[str]
     return FinetuneError(f"--config {path}: unknown key {where}{key}{hint}")
 
 
-def read_config_file(path: Path, role: str) -> tuple[dict[str, Any], dict[str, str]]:
+def read_config_file(path: Path, role: str | None = None) -> tuple[dict[str, Any], dict[str, str]]:
     """Read a run YAML into ``FinetuneArgs`` field values and where each one came from.
+
+    ``role`` (``--role``; None: not given, :data:`ROLE_DEFAULT`) picks the older-style
+    ``models.<role>.lora`` block.
 
     Returns:
         ``(values, sources)``: field name -> value (``lora`` is the complete LoRA mapping),
         field name -> ``"FILE: section.key"`` for messages.
 
     Raises:
-        FinetuneError: unreadable YAML, an unknown key (with the nearest known key), or a bad
-            value (naming the key).
+        FinetuneError: unreadable YAML, an unknown key (with the nearest known key), a bad
+            value (naming the key), or a role with no ``models.<role>`` block.
     """
-    doc = _mapping(_load_yaml(path), f"--config {path}: the document")
+    doc = _mapping(load_config_yaml(path), f"--config {path}: the document")
     every = [f"{o.section}.{o.key}" for o in OPTIONS]
     values: dict[str, Any] = {}
     sources: dict[str, str] = {}
+    wanted = ROLE_DEFAULT if role is None else role
+    named = f"--role (default {ROLE_DEFAULT})" if role is None else f"--role {role}"
+    if role is not None and "models" not in doc:
+        raise FinetuneError(
+            f"--config {path}: {named} picks a models.{role}.lora block, but the file has no "
+            "models: section; drop --role (its lora: section needs none)"
+        )
     for section, body in doc.items():
         if section == "models":  # the older models.<role>.lora block: a complete LoRA config
             roles = _mapping(body, f"--config {path}: models")
@@ -525,11 +235,19 @@ def read_config_file(path: Path, role: str) -> tuple[dict[str, Any], dict[str, s
                 for k in block:
                     if k != "lora":
                         raise _unknown(path, f"models.{r}.", k, ["lora"], [])
-                if r == role and block.get("lora") is not None:
-                    values["lora"] = dict(
-                        _mapping(block["lora"], f"--config {path}: models.{r}.lora")
-                    )
-                    sources["lora"] = f"{path}: models.{r}.lora"
+            if wanted not in roles and (roles or role is not None):
+                # Training without the block the file holds would silently ignore it.
+                there = ", ".join(map(str, roles)) or "none"
+                raise FinetuneError(
+                    f"--config {path}: {named} has no models.{wanted} block (roles there: "
+                    f"{there}); pass --role naming one of them"
+                )
+            block = _mapping(roles.get(wanted), f"--config {path}: models.{wanted}")
+            if block.get("lora") is not None:
+                values["lora"] = dict(
+                    _mapping(block["lora"], f"--config {path}: models.{wanted}.lora")
+                )
+                sources["lora"] = f"{path}: models.{wanted}.lora"
             continue
         if section not in SECTIONS:
             raise _unknown(path, "", section, [*SECTIONS, "models"], every)
@@ -557,7 +275,7 @@ def resolve_args(
     flags: Mapping[str, Any],
     *,
     config: Path | None,
-    role: str,
+    role: str | None,
     resume: Path | None,
     progress: bool,
 ) -> tuple[FinetuneArgs, dict[str, str]]:
@@ -565,7 +283,16 @@ def resolve_args(
 
     Returns:
         The resolved args and, per field, where its value came from (a flag or a YAML key).
+
+    Raises:
+        FinetuneError: a bad file or value (see :func:`read_config_file`), or ``role``
+            without ``config``.
     """
+    if config is None and role is not None:
+        raise FinetuneError(
+            f"--role {role}: no --config; --role picks a models.<role>.lora block of a "
+            "--config file"
+        )
     values: dict[str, Any] = {}
     sources = {o.dest: o.flag for o in OPTIONS}
     if config is not None:

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from moe_experts.finetune.documents import json_too_deep
 from moe_experts.finetune.errors import FinetuneError
 from moe_experts.finetune.formats import (
     DATA_FORMATS,
@@ -31,6 +32,7 @@ from moe_experts.finetune.formats import (
 
 __all__ = [
     "IGNORE_INDEX",
+    "MAX_RECORD_DEPTH",
     "Batch",
     "ByteTokenizer",
     "DataError",
@@ -40,6 +42,7 @@ __all__ = [
     "chat_demo_path",
     "default_corpus_path",
     "encode_text",
+    "epoch_order",
     "load_examples",
     "load_samples",
     "load_texts",
@@ -48,6 +51,9 @@ __all__ = [
 
 IGNORE_INDEX = -100  # torch.nn.functional.cross_entropy's default ignore_index
 MAX_REPORTED = 20  # bad records listed before the rest are only counted
+# json.loads recurses per level (RecursionError near 1000); every data format nests 3 or 4.
+MAX_RECORD_DEPTH = 16
+_TOO_DEEP = f"nested more than {MAX_RECORD_DEPTH} deep; no data format nests past 4"
 
 
 class DataError(FinetuneError):
@@ -122,6 +128,9 @@ def _records(path: Path) -> Iterator[tuple[int, Any]]:
         for lineno, line in enumerate(raw.splitlines(), 1):
             if not line.strip():
                 continue
+            if json_too_deep(line, MAX_RECORD_DEPTH) is not None:
+                yield lineno, RecordError("(record)", _TOO_DEEP)
+                continue
             try:
                 yield lineno, json.loads(line)
             except json.JSONDecodeError as exc:
@@ -144,6 +153,10 @@ def _json_array(path: Path, raw: str) -> Iterator[tuple[int, Any]]:
             f"{path}: a .json data file must hold one array of records "
             "(use .jsonl for one record per line)"
         )
+    deep = json_too_deep(raw, MAX_RECORD_DEPTH + 1)  # + 1: the array around the records
+    if deep is not None:
+        line = raw.count("\n", 0, deep) + 1
+        raise FinetuneError(f"{path}:{line}: a record is {_TOO_DEEP}")
     i += 1
     while True:
         while i < len(raw) and raw[i] in " \t\r\n,":
@@ -262,6 +275,22 @@ def tokenize_samples(
     return examples
 
 
+def epoch_order(step: int, batch_size: int, n: int, seed: int) -> list[int]:
+    """The ``batch_size`` item indices of ``step``: each epoch a fresh permutation of ``n``.
+
+    The permutation of epoch ``e`` is seeded ``seed + e``, so a resumed run (or another
+    world size with the same global batch) sees the same order.
+    """
+    perms: dict[int, torch.Tensor] = {}
+    idx = []
+    for i in range(step * batch_size, (step + 1) * batch_size):
+        epoch, pos = divmod(i, n)
+        if epoch not in perms:
+            perms[epoch] = torch.randperm(n, generator=torch.Generator().manual_seed(seed + epoch))
+        idx.append(int(perms[epoch][pos]))
+    return idx
+
+
 @dataclass(frozen=True)
 class Batch:
     """Model inputs for one step: ``input_ids``, ``labels`` and ``position_ids``, all ``[B, L]``."""
@@ -293,6 +322,11 @@ class Batch:
     def num_targets(self) -> int:
         """How many tokens carry loss."""
         return int((self.labels != IGNORE_INDEX).sum())
+
+    @property
+    def num_tokens(self) -> int:
+        """How many tokens the model reads (padding included)."""
+        return self.input_ids.numel()
 
 
 def causal_lm_loss(
@@ -443,17 +477,7 @@ class PackedBatches:
         return cls.from_examples(examples, seq_len=seq_len, batch_size=batch_size, seed=seed)
 
     def _indices(self, step: int) -> list[int]:
-        n = self.rows.shape[0]
-        perms: dict[int, torch.Tensor] = {}
-        idx = []
-        for i in range(step * self.batch_size, (step + 1) * self.batch_size):
-            epoch, pos = divmod(i, n)
-            if epoch not in perms:
-                perms[epoch] = torch.randperm(
-                    n, generator=torch.Generator().manual_seed(self.seed + epoch)
-                )
-            idx.append(int(perms[epoch][pos]))
-        return idx
+        return epoch_order(step, self.batch_size, self.rows.shape[0], self.seed)
 
     def batch(self, step: int) -> torch.Tensor:
         """The global token rows ``[batch_size, seq_len + 1]`` of optimizer step ``step``."""

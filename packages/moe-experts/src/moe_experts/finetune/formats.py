@@ -1,9 +1,10 @@
 """The data formats ``--data`` understands: one class per format, registered in one table.
 
 A format turns one decoded record (a JSON object, or one line of a ``.txt`` file) into a
-:class:`Sample`: plain text, or a conversation in OpenAI ``role``/``content`` messages that the
-model's own chat template renders. Adding a format is one class and one entry in
-:data:`DATA_FORMATS`; detection, errors and tokenisation are shared.
+:class:`Sample`: plain text, a conversation in OpenAI ``role``/``content`` messages that the
+model's own chat template renders, or a preference pair (``--method dpo|orpo``). Adding a
+format is one class and one entry in :data:`DATA_FORMATS`; detection, errors and tokenisation
+are shared.
 """
 
 from __future__ import annotations
@@ -14,9 +15,13 @@ from typing import Any, ClassVar, Protocol, runtime_checkable
 
 __all__ = [
     "DATA_FORMATS",
+    "PREFERENCE_FORMATS",
     "AlpacaFormat",
     "DataFormat",
+    "ImplicitPromptPreferenceFormat",
     "MessagesFormat",
+    "PreferenceFormat",
+    "PreferencePair",
     "RecordError",
     "Sample",
     "ShareGPTFormat",
@@ -36,13 +41,35 @@ class RecordError(ValueError):
         self.message = message
 
 
+Messages = tuple[dict[str, str], ...]
+
+
+@dataclass(frozen=True)
+class PreferencePair:
+    """A prompt with a chosen and a rejected response: all strings, or all message lists.
+
+    Conversational pairs (message lists) are rendered by the model's chat template: the prompt
+    with the generation prompt, and prompt + each response in full.
+    """
+
+    prompt: str | Messages
+    chosen: str | Messages
+    rejected: str | Messages
+
+    @property
+    def conversational(self) -> bool:
+        """Whether the pair is made of messages (rendered by the chat template)."""
+        return not isinstance(self.prompt, str)
+
+
 @dataclass(frozen=True)
 class Sample:
-    """One training document: ``text`` (all tokens trained) or ``messages`` (a conversation)."""
+    """One record: ``text`` (all tokens trained), ``messages`` (a conversation) or ``pair``."""
 
     text: str | None = None
-    messages: tuple[dict[str, str], ...] | None = None
+    messages: Messages | None = None
     line: int = field(default=0, compare=False)  # where the record starts in its file
+    pair: PreferencePair | None = None  # a preference record (--method dpo|orpo)
 
 
 @runtime_checkable
@@ -69,6 +96,22 @@ def _string(record: Mapping[str, Any], key: str, field: str, *, required: bool =
     if not isinstance(value, str):
         raise RecordError(field, f"expected a string, got {type(value).__name__}")
     return value
+
+
+def _message_list(raw: Any, field: str) -> Messages:
+    """Validated ``{role, content}`` messages of the list at JSON path ``field``."""
+    if not isinstance(raw, list) or not raw:
+        raise RecordError(field, "expected a non-empty list of {role, content} objects")
+    out = []
+    for i, msg in enumerate(raw):
+        where = f"{field}[{i}]"
+        if not isinstance(msg, dict):
+            raise RecordError(where, f"expected an object, got {type(msg).__name__}")
+        role = _string(msg, "role", f"{where}.role")
+        if role not in ROLES:
+            raise RecordError(f"{where}.role", f"{role!r} is not one of {', '.join(ROLES)}")
+        out.append({"role": role, "content": _string(msg, "content", f"{where}.content")})
+    return tuple(out)
 
 
 def _conversation(messages: list[dict[str, str]], field: str) -> Sample:
@@ -107,19 +150,7 @@ class MessagesFormat:
 
     def parse(self, record: Mapping[str, Any]) -> Sample:
         """Validated messages; roles are system/user/assistant/tool, contents strings."""
-        raw = record.get("messages")
-        if not isinstance(raw, list) or not raw:
-            raise RecordError("messages", "expected a non-empty list of {role, content} objects")
-        out = []
-        for i, msg in enumerate(raw):
-            where = f"messages[{i}]"
-            if not isinstance(msg, dict):
-                raise RecordError(where, f"expected an object, got {type(msg).__name__}")
-            role = _string(msg, "role", f"{where}.role")
-            if role not in ROLES:
-                raise RecordError(f"{where}.role", f"{role!r} is not one of {', '.join(ROLES)}")
-            out.append({"role": role, "content": _string(msg, "content", f"{where}.content")})
-        return _conversation(out, "messages")
+        return _conversation(list(_message_list(record.get("messages"), "messages")), "messages")
 
 
 class AlpacaFormat:
@@ -191,10 +222,111 @@ class ShareGPTFormat:
         return _conversation(out, "conversations")
 
 
+def _response(value: Any, field: str, *, conversational: bool) -> str | Messages:
+    if value is None:
+        raise RecordError(field, "is missing: a preference record needs both sides")
+    if not conversational:
+        if not isinstance(value, str):
+            raise RecordError(
+                field, f"expected a string like the prompt's, got {type(value).__name__}"
+            )
+        if not value.strip():
+            raise RecordError(field, "is empty: there is no response to compare")
+        return value
+    messages = _message_list(value, field)
+    if messages[-1]["role"] != "assistant" or not messages[-1]["content"].strip():
+        raise RecordError(
+            f"{field}[{len(messages) - 1}]",
+            "is empty or not an assistant turn: there is no response to compare",
+        )
+    return messages
+
+
+class PreferenceFormat:
+    """``{"prompt", "chosen", "rejected"}``: strings, or message lists (TRL's explicit prompt)."""
+
+    name: ClassVar[str] = "preference"
+    signature: ClassVar[str] = (
+        '"prompt", "chosen", "rejected" (strings, or lists of {"role", "content"})'
+    )
+
+    def matches(self, record: Mapping[str, Any]) -> bool:
+        """A record with a ``prompt`` and a ``chosen`` or ``rejected`` key."""
+        return "prompt" in record and ("chosen" in record or "rejected" in record)
+
+    def parse(self, record: Mapping[str, Any]) -> Sample:
+        """The pair; both responses must be there, non-empty, of the prompt's kind."""
+        raw = record.get("prompt")
+        if isinstance(raw, str):
+            if not raw.strip():
+                raise RecordError("prompt", "is empty")
+            prompt: str | Messages = raw
+        else:
+            prompt = _message_list(raw, "prompt")
+        chat = not isinstance(prompt, str)
+        pair = PreferencePair(
+            prompt,
+            _response(record.get("chosen"), "chosen", conversational=chat),
+            _response(record.get("rejected"), "rejected", conversational=chat),
+        )
+        return Sample(pair=pair)
+
+
+class ImplicitPromptPreferenceFormat:
+    """``{"chosen": [messages], "rejected": [messages]}``; shared first turns: the prompt."""
+
+    name: ClassVar[str] = "preference_implicit"
+    signature: ClassVar[str] = (
+        '"chosen", "rejected" (lists of {"role", "content"} that share their first turns)'
+    )
+
+    def matches(self, record: Mapping[str, Any]) -> bool:
+        """A record with ``chosen`` or ``rejected`` and no ``prompt``."""
+        return "prompt" not in record and ("chosen" in record or "rejected" in record)
+
+    def parse(self, record: Mapping[str, Any]) -> Sample:
+        """Split both conversations after their longest common prefix of messages."""
+        sides = {}
+        for side in ("chosen", "rejected"):
+            value = record.get(side)
+            if value is None:
+                raise RecordError(side, "is missing: a preference record needs both sides")
+            sides[side] = _message_list(value, side)
+        chosen, rejected = sides["chosen"], sides["rejected"]
+        shared = 0
+        while shared < min(len(chosen), len(rejected)) and chosen[shared] == rejected[shared]:
+            shared += 1
+        if shared == 0:
+            raise RecordError(
+                "chosen[0]", "chosen and rejected share no leading turn, so there is no prompt"
+            )
+        for side, messages in sides.items():
+            if shared == len(messages):
+                raise RecordError(side, "has no turn after the shared prompt: no response")
+            last = messages[-1]
+            if last["role"] != "assistant" or not last["content"].strip():
+                raise RecordError(
+                    f"{side}[{len(messages) - 1}]",
+                    "is empty or not an assistant turn: there is no response to compare",
+                )
+        return Sample(pair=PreferencePair(chosen[:shared], chosen[shared:], rejected[shared:]))
+
+
 # Detection tries the formats in this order; the first that matches a file's first record wins.
 DATA_FORMATS: dict[str, DataFormat] = {
-    f.name: f for f in (MessagesFormat(), ShareGPTFormat(), AlpacaFormat(), TextFormat())
+    f.name: f
+    for f in (
+        MessagesFormat(),
+        ShareGPTFormat(),
+        AlpacaFormat(),
+        PreferenceFormat(),
+        ImplicitPromptPreferenceFormat(),
+        TextFormat(),
+    )
 }
+
+# The formats of preference records: --method dpo|orpo reads these and no others.
+PREFERENCE_FORMATS = ("preference", "preference_implicit")
 
 
 def detect_format(record: Mapping[str, Any]) -> DataFormat | None:

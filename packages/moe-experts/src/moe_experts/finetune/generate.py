@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import argparse
+import math
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
+from moe_experts.finetune.config import check_seed
 from moe_experts.finetune.errors import FinetuneError
 
 __all__ = ["build_parser", "generate", "generate_main", "prompt_ids"]
@@ -36,6 +38,13 @@ def build_parser(prog: str = "moe-experts generate") -> argparse.ArgumentParser:
     )
     p.add_argument("--seed", type=int, default=0, help="sampling seed")
     p.add_argument(
+        "--device",
+        choices=("auto", "cpu", "cuda"),
+        default="auto",
+        help="where the model generates: cuda (cuda:0; the whole model, as transformers + "
+        "PEFT load it), cpu, or auto (cuda when torch sees a GPU; default)",
+    )
+    p.add_argument(
         "--no-chat-template",
         action="store_true",
         help="feed the prompt as raw text, not as a user turn of the chat template",
@@ -64,6 +73,7 @@ def generate(
     seed: int = 0,
     chat: bool = True,
     stream: bool = True,
+    device: str = "auto",
 ) -> str:
     """Load base + adapter as a user would (transformers + PEFT) and return the continuation.
 
@@ -77,11 +87,19 @@ def generate(
 
     if max_new_tokens < 1:
         raise FinetuneError(f"--max-new-tokens {max_new_tokens}: must be >= 1")
-    if temperature < 0:
-        raise FinetuneError(f"--temperature {temperature}: must be >= 0 (0 is greedy)")
+    if not math.isfinite(temperature) or temperature < 0:
+        # nan compares false with everything, so it would have sampled nothing: greedy.
+        raise FinetuneError(
+            f"--temperature {temperature}: must be a finite number >= 0 (0 is greedy)"
+        )
+    check_seed(seed, "--seed")
+    from moe_experts.finetune.devices import resolve_placement
+
+    target = resolve_placement(device).dense  # --device cuda without CUDA: before loading
     loaded = load_with_adapter(model, adapter)
     tok = loaded.tokenizer
-    ids = torch.tensor([prompt_ids(tok, prompt, chat=chat)])
+    loaded.model.to(target)
+    ids = torch.tensor([prompt_ids(tok, prompt, chat=chat)], device=target)
     torch.manual_seed(seed)
     streamer = TextStreamer(tok, skip_prompt=True, skip_special_tokens=True) if stream else None
     sampling: dict[str, Any] = (
@@ -117,6 +135,7 @@ def generate_main(argv: Sequence[str] | None = None) -> int:
             temperature=ns.temperature,
             seed=ns.seed,
             chat=not ns.no_chat_template,
+            device=ns.device,
         )
     except FinetuneError as exc:
         return report_error(exc, debug=ns.debug)

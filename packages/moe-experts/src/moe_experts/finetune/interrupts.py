@@ -2,8 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import signal
+import socket
+import sys
 import threading
+from collections.abc import Iterator
+from contextlib import contextmanager
 from types import FrameType, TracebackType
 from typing import Any
 
@@ -46,3 +51,53 @@ class StopRequest:
         for sig, handler in self._previous.items():
             signal.signal(sig, handler)
         self._previous.clear()
+
+    @contextmanager
+    def exit_at_once(self, doing: str) -> Iterator[None]:
+        """While inside, SIGINT/SIGTERM end the process at once with one ``error:`` line.
+
+        For a blocking call that has nothing to save and that Python cannot interrupt:
+        joining the process group waits in C++ for every peer, and a Python signal handler
+        runs only once that returns (after its timeout, or never: torchrun, whose SIGTERM
+        follows a peer's death, SIGKILLs 30 s later). The C-level handler still writes the
+        signal's number to the wakeup descriptor; a thread waiting on it prints the error and
+        ends the process with 128 + the signal's number. A no-op outside the main thread, or
+        when the handlers are not installed.
+
+        Args:
+            doing: what the process was waiting for, for the message ("joining ...").
+        """
+        if not self._previous or threading.current_thread() is not threading.main_thread():
+            yield
+            return
+        read, write = socket.socketpair()
+        write.setblocking(False)
+        previous = signal.set_wakeup_fd(write.fileno(), warn_on_full_buffer=False)
+
+        def watch() -> None:
+            while byte := read.recv(1):
+                signum = byte[0]
+                if signum == 0:  # the context is over
+                    return
+                if signum in self.SIGNALS:
+                    name = signal.Signals(signum).name
+                    print(
+                        f"error: stopped by {name} while {doing}; nothing was saved (under "
+                        "torchrun this follows another rank's exit: its output says why)",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+                    sys.stdout.flush()
+                    os._exit(128 + signum)
+
+        watcher = threading.Thread(target=watch, name="moe-experts-signal-watch", daemon=True)
+        watcher.start()
+        try:
+            yield
+        finally:
+            signal.set_wakeup_fd(previous)
+            write.setblocking(True)
+            write.send(b"\0")
+            watcher.join()
+            read.close()
+            write.close()

@@ -2,8 +2,10 @@
 
 Each optimizer step takes the global batch ``batches.batch(step)`` (a pure function of seed
 and step), splits it into ``--grad-accum`` micro-batches and, under torchrun, each micro-batch
-into one slice per rank. Losses are summed over target tokens and divided once by the step's
-token count, so neither accumulation nor the number of ranks changes the result.
+into one slice per rank. The run's objective (``finetune.objective``: token cross-entropy, or
+DPO/ORPO over preference pairs) gives each slice's contribution already divided by the whole
+step's counts (target tokens, pairs), so neither accumulation nor the number of ranks changes
+the result.
 Checkpoints are taken only at step boundaries, so the accumulation position of every
 checkpoint is 0 and a resumed run starts the next step from its first micro-batch.
 """
@@ -13,6 +15,7 @@ from __future__ import annotations
 import math
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Protocol
@@ -23,7 +26,6 @@ from torch import nn
 
 from lora_core.contracts import ParameterOwnership
 from moe_experts.finetune.config import FinetuneArgs
-from moe_experts.finetune.data import Batch
 from moe_experts.finetune.distributed import Ranks, clip_grad_norm, diagnose_peer_loss
 from moe_experts.finetune.errors import (
     FinetuneError,
@@ -33,7 +35,7 @@ from moe_experts.finetune.errors import (
 )
 from moe_experts.finetune.evaluation import evaluate
 from moe_experts.finetune.interrupts import StopRequest
-from moe_experts.finetune.loss import token_loss_sum
+from moe_experts.finetune.objective import Objective, TokenObjective
 from moe_experts.finetune.reporting import Reporter, TrainLog, plot_losses
 from moe_experts.finetune.schedule import lr_at
 
@@ -51,10 +53,12 @@ __all__ = [
 
 
 class BatchSource(Protocol):
-    """Anything that gives the global batch of an optimizer step (``data.PackedBatches``)."""
+    """Anything that gives the global batch of an optimizer step (``data.PackedBatches``,
+    ``preference_data.PreferenceBatches``)."""
 
-    def model_batch(self, step: int) -> Batch:
-        """The global batch of optimizer step ``step`` (0-based)."""
+    def model_batch(self, step: int) -> Any:
+        """The global batch of optimizer step ``step`` (0-based): a ``data.Batch`` or the
+        batch type of the job's objective (``select``, ``num_targets``, ``num_tokens``)."""
         ...
 
 
@@ -81,13 +85,21 @@ class TrainingJob:
     result: Any  # lora_core.contracts.AdaptationResult
     optimizer: torch.optim.Optimizer
     batches: BatchSource
-    eval_batches: list[Batch]
+    eval_batches: list[Any]  # data.Batch, or the objective's batch type
     ranks: Ranks
     model_source: Path
     first_step: int = 0
     last_eval: float | None = None
     stop: StopRequest | None = None
     last_checkpoint: Path | None = None
+    # More checkpoint fields beside the data position (the fixed hot-expert sets).
+    position_extra: Callable[[], dict[str, Any]] | None = None
+    objective: Objective | None = None  # None: token cross-entropy with args.loss (sft)
+    eval_metrics: dict[str, float] = field(default_factory=dict)
+
+    def step_objective(self) -> Objective:
+        """The objective of this run (``--method``)."""
+        return self.objective if self.objective is not None else TokenObjective(self.args.loss)
 
 
 def _candidates(path: Path) -> list[Path]:
@@ -295,6 +307,7 @@ def _save(job: TrainingJob, done: int) -> Path:
             "seed": job.args.seed,
             "micro_step": 0,
             "eval_loss": last_eval,
+            **(job.position_extra() if job.position_extra is not None else {}),
         },
     )
     try:
@@ -345,7 +358,24 @@ def _check_coverage(job: TrainingJob) -> None:
         raise FinetuneError(f"{exc}\n(--warn-missing-gradients makes this a warning)") from exc
 
 
-def _step(job: TrainingJob, step: int, params: list[nn.Parameter]) -> tuple[float, float, float]:
+@dataclass
+class _StepResult:
+    loss: float
+    norm: float
+    lr: float
+    tokens: int
+    metrics: dict[str, float]
+
+
+def _all_reduce(values: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    if not values:
+        return values
+    flat = torch.stack([values[k] for k in sorted(values)])
+    dist.all_reduce(flat)
+    return dict(zip(sorted(values), flat, strict=True))
+
+
+def _step(job: TrainingJob, step: int, params: list[nn.Parameter]) -> _StepResult:
     from lora_core.fsdp import sync_replicated_lora_gradients
 
     args, ranks = job.args, job.ranks
@@ -359,30 +389,35 @@ def _step(job: TrainingJob, step: int, params: list[nn.Parameter]) -> tuple[floa
     for group in job.optimizer.param_groups:
         group["lr"] = lr
     batch = job.batches.model_batch(step)
+    objective = job.step_objective()
+    totals = objective.totals(batch)
     targets = batch.num_targets
     micro = args.batch_size // args.grad_accum
     per_rank = micro // ranks.world
-    # FSDP averages gradients over ranks, so each rank's share is scaled up by world.
-    scale = ranks.world / max(targets, 1)
-    loss_sum = torch.zeros((), dtype=torch.float64)
+    sums = {"loss": torch.zeros((), dtype=torch.float64)}
     for m in range(args.grad_accum):
         lo = m * micro + ranks.rank * per_rank
-        part = token_loss_sum(job.model, batch.select(lo, lo + per_rank), args.loss)
-        (part * scale).backward()
-        loss_sum += part.detach().double()
+        parts = objective.loss(job.model, batch.select(lo, lo + per_rank), totals)
+        # FSDP averages gradients over ranks, so each rank's share is scaled up by world.
+        (parts.loss * ranks.world).backward()
+        sums["loss"] += parts.loss.detach().double().cpu()
+        for key, value in parts.metrics.items():
+            sums[key] = (
+                sums.get(key, torch.zeros((), dtype=torch.float64)) + value.detach().double().cpu()
+            )
     sync_replicated_lora_gradients(job.result)
     if step == job.first_step:
         _check_coverage(job)
     if ranks.world > 1:
-        dist.all_reduce(loss_sum)
-    loss = float(loss_sum / max(targets, 1))
+        sums = _all_reduce(sums)
+    loss = float(sums.pop("loss"))
     norm = clip_grad_norm(params, args.max_grad_norm)
     vanished = norm == 0.0 and targets > 0 and loss > 0
     if not math.isfinite(loss) or not math.isfinite(norm) or vanished:
         raise TrainingDivergedError(_diverged(job, step + 1, loss, norm, lr))
     job.optimizer.step()
     job.optimizer.zero_grad(set_to_none=True)
-    return loss, norm, lr
+    return _StepResult(loss, norm, lr, batch.num_tokens, {k: float(v) for k, v in sums.items()})
 
 
 def train(job: TrainingJob) -> FinetuneSummary:
@@ -416,10 +451,11 @@ def train(job: TrainingJob) -> FinetuneSummary:
             before = str(args.resume) if args.resume is not None else None
             raise TrainingInterrupted(signum, job.first_step, before)
         for step in range(job.first_step, args.steps):
-            loss, norm, lr = _step(job, step, params)
+            result = _step(job, step, params)
+            loss, norm, lr = result.loss, result.norm, result.lr
             done = step + 1
             losses.append(loss)
-            tokens += args.batch_size * args.seq_len
+            tokens += result.tokens
             elapsed = time.perf_counter() - start
             record: dict[str, Any] = {
                 "step": done,
@@ -428,12 +464,16 @@ def train(job: TrainingJob) -> FinetuneSummary:
                 "lr": lr,
                 "tokens_per_s": tokens / max(elapsed, 1e-9),
                 "elapsed_s": elapsed,
+                **result.metrics,  # TRL's names for preference methods: rewards/chosen ...
             }
             if job.eval_batches and (
                 done == args.steps or (args.eval_every and done % args.eval_every == 0)
             ):
-                job.last_eval = evaluate(job.model, job.eval_batches, args.loss)
+                job.last_eval, job.eval_metrics = evaluate(
+                    job.model, job.eval_batches, job.step_objective()
+                )
                 record["eval_loss"] = job.last_eval
+                record.update({f"eval_{k}": v for k, v in job.eval_metrics.items()})
             if reporter is not None:
                 log.append(record)
                 reporter.log(
@@ -443,6 +483,12 @@ def train(job: TrainingJob) -> FinetuneSummary:
                         "train/grad_norm": norm,
                         "train/lr": lr,
                         "eval/loss": record.get("eval_loss"),
+                        **{f"train/{k}": v for k, v in result.metrics.items()},
+                        **{
+                            f"eval/{k}": v
+                            for k, v in job.eval_metrics.items()
+                            if "eval_loss" in record  # evaluated at this step
+                        },
                     },
                 )
                 if bar is not None:
@@ -485,4 +531,5 @@ def train(job: TrainingJob) -> FinetuneSummary:
         world_size=ranks.world,
         model_source=job.model_source,
         eval_loss=job.last_eval,
+        extra={"eval_metrics": job.eval_metrics} if job.eval_metrics else {},
     )

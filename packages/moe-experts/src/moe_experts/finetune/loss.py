@@ -19,13 +19,14 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
 from torch import nn
 
 from moe_experts.finetune.data import IGNORE_INDEX, Batch
 
-__all__ = ["full_logits_reason", "head_weight", "token_loss_sum"]
+__all__ = ["final_hidden", "full_logits_reason", "head_weight", "on_model_device", "token_loss_sum"]
 
 # Config fields of families whose logits are not plain ``lm_head(hidden)`` (Gemma's
 # soft-capping, Cohere's logit_scale, Granite's logits_scaling); 1.0 or None leaves them so.
@@ -89,17 +90,29 @@ def head_weight(head: nn.Module) -> torch.Tensor:
         head: the model's ``lm_head``, accepted by :func:`full_logits_reason`.
 
     Returns:
-        ``head.weight``, or for a ``LoRALinear`` ``W + scaling * B @ A`` in ``W``'s dtype.
+        ``head.weight``, or for a ``LoRALinear`` ``W + scaling * B @ A`` in ``W``'s dtype
+        (``W`` alone while its adapter is merged or switched off).
     """
     from lora_core import LoRALinear
 
     if not isinstance(head, LoRALinear):
         return _local(head.weight)
     w = _local(head.base_layer.weight)
-    if head.merged:
+    if not head.adds_update:  # merged into W, or switched off (adapters_disabled)
         return w
     a, b = _local(head.lora_A.weight), _local(head.lora_B.weight)
     return w + ((b @ a) * head.scaling).to(w.dtype)
+
+
+def on_model_device(model: nn.Module, batch: Batch) -> Batch:
+    """``batch`` on the device of the model's input embedding (a GPU for ``--device cuda``)."""
+    getter: Any = getattr(model, "get_input_embeddings", None)
+    embed = getter() if callable(getter) else None
+    weight = getattr(embed, "weight", None)
+    if not isinstance(weight, torch.Tensor) or weight.device == batch.input_ids.device:
+        return batch
+    device = _local(weight).device
+    return Batch(batch.input_ids.to(device), batch.labels.to(device), batch.position_ids.to(device))
 
 
 @contextmanager
@@ -110,6 +123,17 @@ def _without_head(model: nn.Module) -> Iterator[nn.Module]:
         yield head
     finally:
         model.lm_head = head
+
+
+def final_hidden(model: nn.Module, batch: Batch) -> tuple[torch.Tensor, torch.Tensor]:
+    """The last hidden states ``[B, L, H]`` of ``batch`` and the ``[V, H]`` head weight.
+
+    For a model that :func:`full_logits_reason` accepts: the head is taken out of the forward
+    (no ``[B, L, V]`` logits) and its weight read afterwards (FSDP2 has gathered it by then).
+    """
+    with _without_head(model) as head:
+        hidden = model(**batch.model_inputs(model)).logits
+    return hidden, head_weight(head)
 
 
 def token_loss_sum(model: nn.Module, batch: Batch, mode: str = "chunked") -> torch.Tensor:
@@ -131,14 +155,14 @@ def token_loss_sum(model: nn.Module, batch: Batch, mode: str = "chunked") -> tor
     """
     if mode not in ("chunked", "full"):
         raise ValueError(f"loss mode {mode!r}: expected 'chunked' or 'full'")
+    batch = on_model_device(model, batch)
     if mode == "chunked" and full_logits_reason(model) is None:
         from moe_experts.losses import chunked_lm_cross_entropy
 
-        with _without_head(model) as head:
-            hidden = model(**batch.model_inputs(model)).logits
+        hidden, weight = final_hidden(model, batch)
         # num_targets=1: the sum, not the mean (the loop divides by the step's count).
         return chunked_lm_cross_entropy(
-            hidden, head_weight(head), batch.labels, num_targets=1, ignore_index=IGNORE_INDEX
+            hidden, weight, batch.labels, num_targets=1, ignore_index=IGNORE_INDEX
         )
     logits = model(**batch.model_inputs(model)).logits
     return nn.functional.cross_entropy(

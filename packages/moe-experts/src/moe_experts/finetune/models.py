@@ -141,6 +141,7 @@ def load_model(
     dtype: torch.dtype = torch.float32,
     weight_dtype: str | None = None,
     share_experts: bool | None = None,
+    dense_device: torch.device | str = "cpu",
 ) -> LoadedModel:
     """Load a built-in model name or a local Hugging Face directory, with its tokenizer.
 
@@ -155,6 +156,8 @@ def load_model(
             and is wrapped. ``None``: plain load.
         share_experts: as in :func:`moe_experts.wrap` (one copy per machine under torchrun);
             every rank must call this together when ``weight_dtype`` is given.
+        dense_device: where the dense weights go (``"cuda:0"``); the experts of a
+            ``weight_dtype`` load stay in the host kernel.
 
     Raises:
         FinetuneError: if the path does not exist or holds no loadable MoE causal LM.
@@ -190,13 +193,18 @@ def load_model(
             storage = f"{weight_dtype} ({plan.reason})" if plan.reason else weight_dtype
         if weight_dtype is not None and cls is AutoModelForCausalLM:
             lm = moe_experts.load_pretrained(
-                source, weight_dtype=weight_dtype, dtype=dtype, share_experts=share_experts
+                source,
+                weight_dtype=weight_dtype,
+                dtype=dtype,
+                share_experts=share_experts,
+                dense_device=dense_device,
             )
         else:
             lm = cls.from_pretrained(source, dtype=dtype)
             find_architecture(lm)
             if weight_dtype is not None:
                 moe_experts.wrap(lm, weight_dtype=weight_dtype, share_experts=share_experts)
+            lm.to(dense_device)  # placeholders move as metadata; kernel storage stays put
     except (LoadError, UnsupportedModelError, WrapError) as exc:
         # e.g. a malformed checkpoint, or no memory for the shared copy: each names the fix
         raise FinetuneError(f"--model {model}: {exc}") from exc

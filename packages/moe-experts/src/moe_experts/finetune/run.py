@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import sys
+from contextlib import nullcontext
 from dataclasses import replace
 from typing import Any
 
@@ -19,11 +20,24 @@ from moe_experts.finetune.data import (
     load_samples,
     tokenize_samples,
 )
-from moe_experts.finetune.distributed import Ranks, init_distributed, shard_dense
+from moe_experts.finetune.devices import (
+    Placement,
+    placement_summary,
+    prepare_hybrid,
+    resolve_placement,
+    restore_gpu_experts,
+)
+from moe_experts.finetune.distributed import (
+    Ranks,
+    diagnose_peer_loss,
+    init_distributed,
+    shard_dense,
+)
 from moe_experts.finetune.errors import FinetuneError
 from moe_experts.finetune.formats import Sample
 from moe_experts.finetune.interrupts import StopRequest
 from moe_experts.finetune.loop import (
+    BatchSource,
     FinetuneSummary,
     TrainingJob,
     check_later_checkpoints,
@@ -37,6 +51,7 @@ from moe_experts.finetune.models import (
     builtin_model_dir,
     load_model,
 )
+from moe_experts.finetune.objective import Objective
 from moe_experts.finetune.targets import resolve_targets
 
 __all__ = ["run_finetune"]
@@ -61,9 +76,15 @@ def _hold_out(
 
 def _read_samples(args: FinetuneArgs) -> tuple[list[Sample], list[Sample]]:
     """Every training and evaluation record, read before the model loads."""
-    samples = load_samples(args.data or default_corpus_path(), args.data_format)
+    from moe_experts.finetune.preference_data import check_preference_samples
+
+    path = args.data or default_corpus_path()
+    samples = load_samples(path, args.data_format)
+    check_preference_samples(path, samples, args.method)  # pairs exactly for dpo/orpo
     if args.eval_data is not None:
-        return samples, load_samples(args.eval_data, args.data_format)
+        held = load_samples(args.eval_data, args.data_format)
+        check_preference_samples(args.eval_data, held, args.method)
+        return samples, held
     if args.eval_split is not None:
         return _hold_out(samples, args.eval_split, args.seed)
     return samples, []
@@ -113,13 +134,31 @@ def _datasets(
     return train_batches, [everything.select(i, min(i + micro, n)) for i in range(0, n, micro)]
 
 
-def _load_on_ranks(args: FinetuneArgs, ranks: Ranks) -> LoadedModel:
-    """Every rank loads together (sharing the experts is collective), experts on kt-kernel."""
+def _load_on_ranks(args: FinetuneArgs, ranks: Ranks, placement: Placement) -> LoadedModel:
+    """Every rank loads together (sharing the experts is collective), experts on kt-kernel.
+
+    Raises:
+        PeerLostError: another rank died meanwhile (named, in place of gloo's error).
+    """
     if ranks.rank == 0 and args.model in BUILTIN_MODELS:
         builtin_model_dir(args.model)  # rank 0 creates the cache directory the others read
-    if ranks.world > 1:
-        dist.barrier()
-    return load_model(args.model, weight_dtype=args.weight_dtype, share_experts=args.share_experts)
+    try:
+        if ranks.world > 1:
+            dist.barrier()
+        return load_model(
+            args.model,
+            dtype=placement.dense_dtype,
+            weight_dtype=args.weight_dtype,
+            share_experts=args.share_experts,
+            dense_device=placement.dense,
+        )
+    except (RuntimeError, FinetuneError) as exc:
+        lost = diagnose_peer_loss(
+            exc, ranks, 0, during="while the ranks loaded the model", lost_only=True
+        )
+        if lost is not None:
+            raise lost from exc
+        raise
 
 
 def _expert_parameters(model: torch.nn.Module) -> set[torch.nn.Parameter]:
@@ -144,8 +183,12 @@ def run_finetune(args: FinetuneArgs, stop: StopRequest | None = None) -> Finetun
 
     lora_config(args)  # a bad lora setting fails before the data and the model load
     samples, eval_samples = _read_samples(args)  # bad records fail before the model loads
-    ranks = init_distributed()
-    loaded = _load_on_ranks(args, ranks)
+    placement = resolve_placement(args.device, args.lora_dtype)  # checked by the CLI already
+    # Nothing to save yet, and joining waits in C++ where no Python handler runs: a peer that
+    # died before the group formed must not leave this rank deaf to torchrun's SIGTERM.
+    with stop.exit_at_once("waiting for the other ranks to join") if stop else nullcontext():
+        ranks = init_distributed(placement.backend, placement.dense if placement.cuda else None)
+    loaded = _load_on_ranks(args, ranks, placement)
     if ranks.rank == 0 and loaded.storage is not None:
         print(f"expert storage: {loaded.storage}", file=sys.stderr)
     args = resolve_targets(args, loaded.model)  # "auto" targets: this model's routers, attention
@@ -175,20 +218,35 @@ def run_finetune(args: FinetuneArgs, stop: StopRequest | None = None) -> Finetun
             print(
                 f"note: --loss chunked uses the full logits for this model: {why}", file=sys.stderr
             )
-    if ranks.world > 1:
-        shard_dense(loaded.model, _expert_parameters(loaded.model))
+    setup = prepare_hybrid(loaded.model, result, args, placement)
+    if ranks.rank == 0:
+        line = placement_summary(setup, loaded.model, checkpointing=args.gradient_checkpointing)
+        print(line, file=sys.stderr)
+    if dist.is_initialized():  # torchrun: several ranks, or one GPU rank on NCCL
+        shard_dense(loaded.model, _expert_parameters(loaded.model), placement.dense.type)
         result = rebind_parameters(result, loaded.model)  # fully_shard made new Parameters
     optimizer = torch.optim.AdamW(result.parameters(), lr=args.lr, weight_decay=0.0)
+    objective: Objective | None = None  # sft: token cross-entropy
+    batches: BatchSource
+    eval_batches: list[Any]
+    # The family decides whether sequences may share a row (SFT examples and DPO sides alike).
     packing = moe_experts.find_architecture(loaded.model).packing
-    batches, eval_batches = _datasets(
-        args, loaded.tokenizer, samples, eval_samples, one_per_row=not packing.shares_rows
-    )
-    if ranks.rank == 0:
-        print(
-            f"packed {batches.rows.shape[0]} rows of {args.seq_len + 1} tokens "
-            f"({batches.padding_fraction:.1%} padding; {packing.description})",
-            file=sys.stderr,
+    if args.method != "sft":
+        from moe_experts.finetune.preference_setup import prepare_preference
+
+        pref = prepare_preference(args, loaded, samples, eval_samples, ranks, packing)
+        batches, eval_batches, objective = pref.batches, pref.eval_batches, pref.objective
+    else:
+        packed, eval_batches = _datasets(
+            args, loaded.tokenizer, samples, eval_samples, one_per_row=not packing.shares_rows
         )
+        batches = packed
+        if ranks.rank == 0:
+            print(
+                f"packed {packed.rows.shape[0]} rows of {args.seq_len + 1} tokens "
+                f"({packed.padding_fraction:.1%} padding; {packing.description})",
+                file=sys.stderr,
+            )
     job = TrainingJob(
         args=args,
         model=loaded.model,
@@ -199,10 +257,13 @@ def run_finetune(args: FinetuneArgs, stop: StopRequest | None = None) -> Finetun
         ranks=ranks,
         model_source=loaded.source,
         stop=stop,
+        position_extra=setup.position,
+        objective=objective,
     )
     if args.resume is not None:
         job.first_step, job.last_eval = restore_checkpoint(
             args.resume, result, optimizer, args.steps, ranks
         )
         check_later_checkpoints(args.output / "checkpoints", job.first_step, args.steps)
+        restore_gpu_experts(setup, args.resume)
     return train(job)

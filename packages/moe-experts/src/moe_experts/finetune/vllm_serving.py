@@ -66,11 +66,18 @@ _TRANSFORMERS_BACKEND = VllmModel(
     "gate_proj/up_proj/down_proj and w1/w2/w3, and PackedLoRALayerWeights.pack_moe asserts "
     "on the half no adapter has); serve it with --format merged"
 )
+_EXPERT_NAMES_UNMATCHED = VllmModel(
+    issue="vLLM's GraniteMoeHybrid names its expert LoRA modules "
+    "block_sparse_moe.experts.{e}.{gate,up,down}_proj, while its LoRA loader compares only "
+    "the part from experts onward (experts.{e}.*), so it refuses every adapter that holds "
+    "expert LoRA (expected target modules ... but received ...); serve it with --format merged"
+)
 # config.architectures[0] -> how vLLM's model class takes LoRA: every architecture of a
 # supported family that vLLM 0.32's registry maps to a model class with LoRA support;
 # tests/serving checks the table against the registry itself. Qwen3.5-MoE is 3-D only as the
 # multimodal checkpoint (the released one); 0.32's text-only Qwen3_5MoeForCausalLM reads 2-D.
 VLLM_LORA_ARCHITECTURES: Mapping[str, VllmModel] = {
+    "AXK1ForCausalLM": _2D,
     "AfmoeForCausalLM": _2D,
     "DeepseekV2ForCausalLM": _2D,
     "DeepseekV3ForCausalLM": _2D,
@@ -82,12 +89,15 @@ VLLM_LORA_ARCHITECTURES: Mapping[str, VllmModel] = {
     "Glm4MoeForCausalLM": _2D,
     "Glm4MoeLiteForCausalLM": _2D,
     "Glm4vMoeForConditionalGeneration": _2D,
+    "GlmMoeDsaForCausalLM": _2D,
     "GptOssForCausalLM": _3D,
     "GraniteMoeForCausalLM": _2D,
+    "GraniteMoeHybridForCausalLM": _EXPERT_NAMES_UNMATCHED,
     "GraniteMoeSWAForCausalLM": _2D,
     "GraniteMoeSharedForCausalLM": _2D,
     "HYV3ForCausalLM": _2D,
     "HunYuanMoEV1ForCausalLM": _TRANSFORMERS_BACKEND,
+    "JambaForCausalLM": _2D,
     "LagunaForCausalLM": _2D,
     "Lfm2MoeForCausalLM": _2D,
     "MellumForCausalLM": _TRANSFORMERS_BACKEND,
@@ -181,6 +191,25 @@ class CheckpointRows(NamedTuple):
     rows: Any
 
 
+_PROBE_WIDTH = 2
+
+
+def _whole_rows(tensor: Any) -> Any:
+    """The row numbers of a reverted probe [rows, 2] or [2, rows], or None if rows were cut.
+
+    The input axis is the one of width 2 whose two slices agree (every row repeats its number
+    there); a tensor without one holds parts of rows.
+    """
+    if tensor.ndim != 2:
+        return None
+    for axis in (1, 0):
+        if tensor.shape[axis] == _PROBE_WIDTH:
+            first, second = tensor.select(axis, 0), tensor.select(axis, 1)
+            if bool((first == second).all()):
+                return first.reshape(-1)
+    return None
+
+
 def checkpoint_rows(
     model: Any, name: str, shape: tuple[int, ...], *, out_dim: int
 ) -> list[CheckpointRows]:
@@ -216,25 +245,29 @@ def checkpoint_rows(
         return [CheckpointRows(name.removesuffix(".weight"), None, None)]
     n_out = shape[out_dim]
     lead = shape[0] if len(shape) == 3 else 1
-    # value = expert * n_out + row; the input dimension is 1 wide, the values are exact.
+    # value = expert * n_out + row, the same in both columns of a 2-wide input dimension: not
+    # 1 wide, as transformers 5.1 squeezes every size-1 dimension of a split expert away.
     numbers = torch.arange(lead * n_out, dtype=torch.float64).reshape(lead, n_out)
     if len(shape) == 2:
-        probe = numbers[0].reshape(n_out, 1)
+        probe = numbers[0].reshape(n_out, 1).expand(n_out, _PROBE_WIDTH)
+    elif out_dim == 1:
+        probe = numbers.unsqueeze(-1).expand(lead, n_out, _PROBE_WIDTH)
     else:
-        probe = numbers.unsqueeze(-1) if out_dim == 1 else numbers.unsqueeze(1)
-    reverted = revert_weight_conversion(model, {name: probe})
+        probe = numbers.unsqueeze(1).expand(lead, _PROBE_WIDTH, n_out)
+    reverted = revert_weight_conversion(model, {name: probe.contiguous()})
     if len(reverted) == 1 and next(iter(reverted.values())).ndim == probe.ndim:
         # Kept whole (perhaps renamed, as GraniteMoe's input_linear / output_linear).
         return [CheckpointRows(next(iter(reverted)).removesuffix(".weight"), None, None)]
     out = []
     for key, tensor in reverted.items():
-        if tensor.ndim != 2 or 1 not in tensor.shape:
+        rows = _whole_rows(tensor)
+        if rows is None:
             raise FinetuneError(
                 f"--format vllm: {name}: transformers saves it as {key} "
                 f"{list(tensor.shape)}, not as whole rows, so its LoRA has no name vLLM "
                 "loads; use --format peft or --format merged"
             )
-        values = tensor.reshape(-1).to(torch.int64)
+        values = rows.to(torch.int64)
         experts = torch.unique(values // n_out)
         if len(experts) != 1:
             raise FinetuneError(
