@@ -1,7 +1,7 @@
-"""Benchmark every expert weight format (bf16, int8, int4, fp8) on the same weights, one process.
+"""Benchmark every expert weight format (bf16, int8, int4, fp8, mxfp4) on the same weights, one process.
 
 Usage: ``python bench_formats.py --out DIR [--quick] [--reps N] [--tokens T ...]
-[--experts E]``. Writes ``DIR/bench_formats.json`` and ``DIR/bench_formats.md``.
+[--experts E] [--formats F ...]`` (``--formats``: a subset; bf16, the baseline, always runs). Writes ``DIR/bench_formats.json`` and ``DIR/bench_formats.md``.
 
 1. The bf16 matmul peak: a square bf16 ``torch.mm`` (best of 3), GFLOP/s, with the same
    threads, measured at the start and again at the end (the larger is the peak: the cores are
@@ -43,7 +43,7 @@ import kt_kernel as kk
 # (name, H, I, E, k, r, token counts); MEDIUM is the shape the targets are stated for.
 MEDIUM = ("medium", 2048, 768, 64, 8, 16, (64, 512, 2048))
 QUICK = ("quick", 1024, 384, 32, 8, 16, (64, 512))
-FORMATS = ("bf16", "int8", "int4", "fp8")
+FORMATS = ("bf16", "int8", "int4", "fp8", "mxfp4")
 DISTINCT = 8  # experts with their own random values; the rest repeat them (own memory)
 CLAMPED = "bf16_clamped_swiglu"  # the bf16 base with GPT-OSS's activation
 CLAMPED_ACT = kk.ClampedSwiGLU(alpha=1.702, limit=7.0)
@@ -51,6 +51,7 @@ TARGETS = {  # speed = t_bf16 / t_format, forward+backward
     "int4_speed_at_2048_min": 0.9,
     "int4_speed_at_64_min": 1.0,  # strictly faster
     "fp8_speed_at_2048_min": 0.85,
+    "mxfp4_speed_at_2048_min": 0.9,
     "clamped_swiglu_time_max": 1.05,  # t_clamped / t_swiglu
 }
 
@@ -136,7 +137,11 @@ def _tiled(parts: tuple[torch.Tensor, ...], e: int) -> tuple[torch.Tensor, ...]:
 
 
 def build_bases(
-    spec: kk.ExpertSpec, gate_up: torch.Tensor, down: torch.Tensor, distinct: int
+    spec: kk.ExpertSpec,
+    gate_up: torch.Tensor,
+    down: torch.Tensor,
+    distinct: int,
+    formats: tuple[str, ...] = FORMATS,
 ) -> tuple[dict[str, kk.ExpertWeights], dict[str, dict]]:
     """Every format's :class:`ExpertWeights` of the same bf16 weights, and their sizes.
 
@@ -146,7 +151,7 @@ def build_bases(
     e = spec.num_experts
     bases: dict[str, kk.ExpertWeights] = {}
     info: dict[str, dict] = {}
-    for name in FORMATS:
+    for name in formats:
         t0 = time.perf_counter()
         if name == "bf16":  # adopt the bf16 tensors as they are: no second copy
             fmt: kk.WeightFormat = kk.Dense(torch.bfloat16)
@@ -167,20 +172,22 @@ def build_bases(
             "weight_rel_fro_error": err,  # max over gate_up and down
         }
         bases[name] = wts
-    for name in FORMATS:
+    for name in formats:
         info[name]["memory_ratio"] = info[name]["bytes"] / info["bf16"]["bytes"]
     return bases, info
 
 
-def run_shape(shape: tuple, tokens_list: tuple[int, ...], reps: int) -> dict:
+def run_shape(
+    shape: tuple, tokens_list: tuple[int, ...], reps: int, formats: tuple[str, ...] = FORMATS
+) -> dict:
     """Accuracy, then the interleaved timings at each token count of ``shape``."""
     name, h, i, e, k, r, _ = shape
     spec = kk.ExpertSpec(e, h, i)
     gate_up, down = tm.make_weights(h, i, e, distinct=DISTINCT)
-    bases, info = build_bases(spec, gate_up, down, DISTINCT)
+    bases, info = build_bases(spec, gate_up, down, DISTINCT, formats)
     lora = tm.make_lora(spec, r)
     acc = accuracy(spec, gate_up, down, bases, lora, min(tokens_list), k)
-    for fmt in FORMATS:
+    for fmt in formats:
         info[fmt]["accuracy_vs_fp32"] = acc[fmt]
     variants = dict(bases)
     clamped_spec = kk.ExpertSpec(e, h, i, CLAMPED_ACT)
@@ -249,6 +256,7 @@ def check_targets(res: dict) -> dict[str, dict[str, bool] | None]:
         "int4 >= 0.9x bf16 at T=2048": (2048, "int4", TARGETS["int4_speed_at_2048_min"], False),
         "int4 faster than bf16 at T=64": (64, "int4", TARGETS["int4_speed_at_64_min"], True),
         "fp8 >= 0.85x bf16 at T=2048": (2048, "fp8", TARGETS["fp8_speed_at_2048_min"], False),
+        "mxfp4 >= 0.9x bf16 at T=2048": (2048, "mxfp4", TARGETS["mxfp4_speed_at_2048_min"], False),
         f"clamped_swiglu within 5% of swiglu at T={largest}": (
             largest,
             CLAMPED,
@@ -259,7 +267,7 @@ def check_targets(res: dict) -> dict[str, dict[str, bool] | None]:
     out: dict[str, dict[str, bool] | None] = {}
     for name, (tokens, v, bound, strict) in checks.items():
         row = by_t.get(tokens)
-        if row is None:
+        if row is None or v not in row:
             out[name] = None
             continue
         out[name] = {
@@ -269,15 +277,19 @@ def check_targets(res: dict) -> dict[str, dict[str, bool] | None]:
                 ("kernel_cpu", "kernel_cpu_speed_vs_bf16"),
             )
         }
-    mem = res["formats"]["int4"]["memory_ratio"] <= 0.30
-    out["int4 memory <= 0.30x bf16"] = {"bytes": mem}
+    for fmt, bound in (("int4", 0.30), ("mxfp4", 0.27)):
+        if fmt in res["formats"]:
+            out[f"{fmt} memory <= {bound:.2f}x bf16"] = {
+                "bytes": res["formats"][fmt]["memory_ratio"] <= bound
+            }
     return out
 
 
 def write_markdown(path: Path, meta: dict, res: dict, targets: dict) -> None:
     """Tables of times per T and variant, of bytes and accuracy per format, and the targets."""
     s = res["shape"]
-    variants = (*FORMATS, CLAMPED)
+    formats = tuple(res["formats"])
+    variants = (*formats, CLAMPED)
     lines = [
         "# kt-kernel: expert weight formats (forward+backward)",
         "",
@@ -313,7 +325,7 @@ def write_markdown(path: Path, meta: dict, res: dict, targets: dict) -> None:
         "| format | expert MiB | bytes vs bf16 | weights | y | dx | LoRA grads |",
         "|---|---|---|---|---|---|---|",
     ]
-    for fmt in FORMATS:
+    for fmt in formats:
         f = res["formats"][fmt]
         a = f["accuracy_vs_fp32"]
         lines.append(
@@ -339,7 +351,11 @@ def main() -> None:
     ap = tm.parser(__doc__)
     ap.add_argument("--tokens", type=int, nargs="+", default=None, help="token counts to time")
     ap.add_argument("--experts", type=int, default=None, help="experts E (a multiple of 8)")
+    ap.add_argument(
+        "--formats", nargs="+", choices=FORMATS, default=None, help="formats (bf16 always runs)"
+    )
     args = ap.parse_args()
+    formats = tuple(f for f in FORMATS if f == "bf16" or f in (args.formats or FORMATS))
     shape = QUICK if args.quick else MEDIUM
     if args.experts is not None:
         if args.experts < DISTINCT or args.experts % DISTINCT:
@@ -351,7 +367,7 @@ def main() -> None:
     loadavg_start = tm.loadavg()
     peak_start = tm.matmul_peak(torch.bfloat16, peak_size)
     print(f"bf16 matmul peak: {peak_start:.0f} GFLOP/s (load {loadavg_start})", flush=True)
-    res = run_shape(shape, tokens, reps)
+    res = run_shape(shape, tokens, reps, formats)
     peak_end = tm.matmul_peak(torch.bfloat16, peak_size)
     meta = {
         "quick": args.quick,
@@ -364,7 +380,7 @@ def main() -> None:
         "loadavg_end": tm.loadavg(),
     }
     for row in res["timings"]:
-        for v in (*FORMATS, CLAMPED):
+        for v in (*formats, CLAMPED):
             row[v]["fraction_of_peak"] = row[v]["gflops"] / meta["peak_gflops"]
     targets = check_targets(res)
     tm.write_results(

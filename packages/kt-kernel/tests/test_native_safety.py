@@ -107,7 +107,7 @@ CASES = [
             "ValueError",
             "out of range of [64, 64]",
         )
-        for fmt in ("int8", "int4_g32", "fp8", "dense")
+        for fmt in ("int8", "int4_g32", "fp8", "mxfp4", "dense")
         for axis, start in (
             ("col", "0, 2**63 - 1, 1, 1"),
             ("row", "2**63 - 1, 0, 1, 64"),
@@ -122,7 +122,7 @@ CASES = [
             "ValueError",
             "",
         )
-        for fmt in ("int4_g32", "fp8")
+        for fmt in ("int4_g32", "fp8", "mxfp4")
         for n in ("2**63 - 1, 64, 0", "64, 2**63 - 1, 0", "-64, 64, 0")
     ],
     (
@@ -221,7 +221,7 @@ def same(a, b):
 dy = torch.randn(37, 64)
 parts = {"int8": [q8, s8], "dense": [gu]}
 for name, fmt in (("int4_g32", kk.Int4Grouped(torch.float32, group_size=32)),
-                  ("fp8", kk.Fp8Block(torch.float32))):
+                  ("fp8", kk.Fp8Block(torch.float32)), ("mxfp4", kk.Mxfp4(torch.float32))):
     parts[name] = list(fmt.native_args(fmt.quantize(gu)))
 
 def project_all():

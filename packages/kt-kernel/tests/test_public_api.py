@@ -29,6 +29,7 @@ EXPECTED_ALL = {
     "Int8PerChannel",
     "Int4Grouped",
     "Fp8Block",
+    "Mxfp4",
     "SwiGLU",
     "SwiGLULimit",
     "WeightFormat",

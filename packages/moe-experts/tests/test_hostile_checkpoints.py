@@ -22,7 +22,12 @@ import torch
 
 from moe_experts import LoadError, WrapError, iter_moe_blocks, load_pretrained, wrap
 from moe_experts.architectures import find_architecture
-from moe_experts.testing import save_fp8_checkpoint, tiny_config, tiny_model
+from moe_experts.testing import (
+    save_fp8_checkpoint,
+    save_mxfp4_checkpoint,
+    tiny_config,
+    tiny_model,
+)
 from moe_experts.validation import (
     HOST_MEMORY_LIMIT,
     ExpertConfig,
@@ -301,6 +306,23 @@ def test_checkpoint_experts_beyond_the_config(copy) -> None:
     _edit_config(path, num_local_experts=6)
     with pytest.raises(LoadError, match=r"holds 8 experts.*num_local_experts = 6"):
         _load(path)
+
+
+def test_shipped_mxfp4_experts_beyond_the_config(tmp_path: Path) -> None:
+    # GPT-OSS as released: MXFP4 experts shipped as ``*_blocks``/``*_scales`` parts.
+    from transformers import AutoModelForCausalLM
+
+    torch.manual_seed(0)
+    config = tiny_config("gpt_oss", hidden_size=64, intermediate_size=96)
+    model = AutoModelForCausalLM.from_config(config)
+    path = save_mxfp4_checkpoint(model, tmp_path / "gpt_oss")
+    held = config.num_local_experts
+    _edit_config(path, num_local_experts=held - 1)
+    with pytest.raises(
+        LoadError,
+        match=rf"experts\.\w+' holds {held} experts.*num_local_experts = {held - 1}",
+    ):
+        load_pretrained(path, weight_dtype="auto")
 
 
 def test_huge_expert_count_is_refused_before_allocating(copy) -> None:

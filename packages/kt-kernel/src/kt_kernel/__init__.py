@@ -34,6 +34,7 @@ from kt_kernel.formats import (
 )
 from kt_kernel.formats_fp8 import Fp8Block
 from kt_kernel.formats_int4 import Int4Grouped
+from kt_kernel.formats_mxfp4 import Mxfp4
 from kt_kernel.lora import FUSED_NAMES, SPLIT_NAMES, LoraBuffers, LoraLayout, lora_shapes
 from kt_kernel.ops import activation_memory_bytes, moe_experts_forward
 from kt_kernel.quant import (
@@ -76,6 +77,7 @@ __all__ = [
     "KernelInputError",
     "LoraBuffers",
     "LoraLayout",
+    "Mxfp4",
     "NativeBackendError",
     "ProjectionQuantError",
     "QuantizationReport",

@@ -118,6 +118,14 @@ class WeightFormat(Protocol):
         """The tensors the native loader receives, in its order (contiguous, expert dim 0)."""
         ...
 
+    def select_rows(self, parts: Parts, index: torch.Tensor) -> Parts:
+        """Parts of ``W[..., index, :]`` (e.g. interleaved gate/up rows put gate first)."""
+        ...
+
+    def fuse_gate_up(self, gate: Parts, up: Parts) -> Parts:
+        """Parts of ``gate_up [..., 2I, H]`` from those of ``gate`` and ``up`` ``[..., I, H]``."""
+        ...
+
 
 def check_parts(
     fmt: WeightFormat, parts: object, leading: tuple[int, ...], n: int, k: int, what: str
@@ -168,6 +176,12 @@ class StackedFormat:
     lossy: ClassVar[bool] = True
     compute_dtypes: ClassVar[tuple[torch.dtype, ...]] = TILED_COMPUTE_DTYPES
 
+    # How a checkpoint ships a parameter ``P`` in this format: the tensors ``P + suffix``, in
+    # the order :meth:`from_checkpoint` takes them (FP8: ``("", "_scale_inv")``; MXFP4:
+    # ``("_blocks", "_scales")``). Empty: no checkpoint ships this format. A loader finds and
+    # adopts shipped parts through these alone, so it holds no table of format names.
+    checkpoint_suffixes: ClassVar[tuple[str, ...]] = ()
+
     @classmethod
     def matches_checkpoint(cls, quantization_config: Mapping[str, Any]) -> bool:
         """Whether a checkpoint with this ``quantization_config`` ships weights in this format.
@@ -176,6 +190,45 @@ class StackedFormat:
         (:func:`auto_format`). Formats a checkpoint can ship override it (FP8 blocks).
         """
         return False
+
+    @classmethod
+    def check_checkpoint_config(cls, quantization_config: Mapping[str, Any]) -> None:
+        """Refuse options of a matching ``quantization_config`` this format cannot read.
+
+        Raises:
+            KernelInputError: naming the option and what is supported (none here).
+        """
+
+    @staticmethod
+    def from_checkpoint(*tensors: torch.Tensor) -> Parts:
+        """Parts from a checkpoint's tensors ``P + suffix`` (:attr:`checkpoint_suffixes`).
+
+        Raises:
+            KernelInputError: this format is not shipped by checkpoints.
+        """
+        raise KernelInputError("this weight format is not read from checkpoints")
+
+    def select_rows(self, parts: Parts, index: torch.Tensor) -> Parts:
+        """Parts of ``W[..., index, :]`` (reordering output rows, e.g. interleaved gate/up).
+
+        Raises:
+            KernelInputError: the format's scales span several rows, so rows cannot move alone.
+        """
+        raise KernelInputError(
+            f"weight format {self.weight_dtype!r} cannot reorder output rows (its scales span "
+            "several rows); dequantise with a dense weight_dtype"
+        )
+
+    def fuse_gate_up(self, gate: Parts, up: Parts) -> Parts:
+        """Parts of ``gate_up [..., 2I, H]``: gate rows, then up rows.
+
+        Raises:
+            KernelInputError: the format cannot stack rows of separately stored parts.
+        """
+        raise KernelInputError(
+            f"weight format {self.weight_dtype!r} cannot fuse separately stored gate and up "
+            "parts; dequantise with a dense weight_dtype"
+        )
 
     def expert(self, parts: Parts, e: int) -> Parts:
         """Expert ``e``'s slice of every part."""
@@ -391,6 +444,15 @@ class FormatFactory(Protocol):
         """Whether a checkpoint with this ``quantization_config`` ships this format."""
         ...
 
+    @property
+    def checkpoint_suffixes(self) -> tuple[str, ...]:
+        """Suffixes of the checkpoint tensors a parameter is shipped as (empty: none)."""
+        ...
+
+    def check_checkpoint_config(self, quantization_config: Mapping[str, Any]) -> None:
+        """Refuse a matching ``quantization_config``'s options the format cannot read."""
+        ...
+
 
 class DenseStorage:
     """The :class:`FormatFactory` of unquantised storage in one dtype (``fp32``, ``bf16``).
@@ -423,6 +485,11 @@ class DenseStorage:
     def matches_checkpoint(self, quantization_config: Mapping[str, Any]) -> bool:
         """Never: a quantised checkpoint is not dense."""
         return False
+
+    checkpoint_suffixes: tuple[str, ...] = ()  # dense checkpoints ship the parameter itself
+
+    def check_checkpoint_config(self, quantization_config: Mapping[str, Any]) -> None:
+        """Nothing to check: never matches a ``quantization_config``."""
 
     def __repr__(self) -> str:
         """Class name and dtype."""

@@ -92,13 +92,44 @@ class Fp8Block(StackedFormat):
         q = q.reshape(*lead, nb * FP8_BLOCK, kb * FP8_BLOCK)[..., :n, :k]
         return q.to(torch.float8_e4m3fn).contiguous(), scale_inv.contiguous()
 
+    checkpoint_suffixes = ("", "_scale_inv")  # ``P.weight`` and ``P.weight_scale_inv``
+
     @classmethod
     def matches_checkpoint(cls, quantization_config: Mapping[str, Any]) -> bool:
         """A FP8-block checkpoint: ``quant_method`` ``"fp8"`` (DeepSeek-V3, Kimi-K2)."""
         return quantization_config.get("quant_method") == "fp8"
 
+    @classmethod
+    def check_checkpoint_config(cls, quantization_config: Mapping[str, Any]) -> None:
+        """Refuse block sizes other than 128x128, static activations and other scale formats.
+
+        Raises:
+            KernelInputError: naming the ``quantization_config`` field and the supported value.
+        """
+        cfg = quantization_config
+        block = cfg.get("weight_block_size")
+        if block is None or list(block) != [FP8_BLOCK, FP8_BLOCK]:
+            raise KernelInputError(
+                f"quantization_config.weight_block_size is {block}; kt-kernel's FP8 format has "
+                f"one scale per [{FP8_BLOCK}, {FP8_BLOCK}] block (DeepSeek-V3's layout) only; "
+                "re-quantise with 128x128 blocks or dequantise the checkpoint"
+            )
+        scheme = cfg.get("activation_scheme", "dynamic")
+        if scheme != "dynamic":
+            raise KernelInputError(
+                f"quantization_config.activation_scheme is {scheme!r}; only 'dynamic' is "
+                "supported (the kernel computes activations in bf16, there are no static "
+                "activation scales to use)"
+            )
+        for field, ok in (("scale_fmt", "float"), ("expert_dtype", "fp8")):
+            if cfg.get(field, ok) != ok:
+                raise KernelInputError(
+                    f"quantization_config.{field} is {cfg[field]!r}; only {ok!r} (float32 or "
+                    "bfloat16 scales over E4M3 weights) is supported"
+                )
+
     @staticmethod
-    def from_checkpoint(weight: torch.Tensor, weight_scale_inv: torch.Tensor) -> Parts:
+    def from_checkpoint(weight: torch.Tensor, weight_scale_inv: torch.Tensor) -> Parts:  # type: ignore[override]
         """Adopt a checkpoint's ``(weight, weight_scale_inv)`` pair as parts, without a copy.
 
         Args:
@@ -174,7 +205,7 @@ class Fp8Block(StackedFormat):
             )
         if gw.shape[-2] % FP8_BLOCK:
             raise KernelInputError(
-                f"fusing FP8 gate and up needs I (= {gw.shape[-2]}) to be a multiple of 128; "
+                f"fusing FP8 gate and up needs I = {gw.shape[-2]} to be a multiple of 128; "
                 "quantise the fused weights with from_fused(..., weight_dtype='fp8') instead"
             )
         return torch.cat([gw, uw], dim=-2), torch.cat([gs, us], dim=-2)
@@ -183,9 +214,22 @@ class Fp8Block(StackedFormat):
         """``weight * scale_inv`` per block in fp32, rounded once to ``dtype`` (default compute)."""
         weight, scale_inv = parts
         n, k = weight.shape[-2:]
-        s = scale_inv.repeat_interleave(FP8_BLOCK, dim=-2)[..., :n, :]
-        s = s.repeat_interleave(FP8_BLOCK, dim=-1)[..., :k]
-        return (weight.to(torch.float32) * s).to(dtype or self.compute_dtype)
+        out = torch.empty(weight.shape, dtype=dtype or self.compute_dtype)
+        # One 128-row slab of one matrix at a time: the fp32 transient stays that small
+        # (load_pretrained dequantises whole checkpoint tensors through here).
+        flat = zip(
+            weight.reshape(-1, n, k),
+            scale_inv.reshape(-1, *scale_inv.shape[-2:]),
+            out.view(-1, n, k),
+            strict=True,
+        )
+        for w, s, o in flat:
+            for i in range(s.shape[0]):
+                rows = slice(i * FP8_BLOCK, (i + 1) * FP8_BLOCK)
+                o[rows] = (w[rows].to(torch.float32) * s[i].repeat_interleave(FP8_BLOCK)[:k]).to(
+                    o.dtype
+                )
+        return out
 
     def part_specs(self, n: int, k: int) -> tuple[tuple[str, tuple[int, ...], torch.dtype], ...]:
         """``weight e4m3 [N, K]`` and ``scale_inv fp32 [ceil(N/128), ceil(K/128)]``."""

@@ -33,11 +33,11 @@ from moe_experts.architectures import (
     require_transformers,
 )
 from moe_experts.errors import LoadError
-from moe_experts.fp8_checkpoint import Fp8Reader, check_quantization_config, read_fp8_bank
 from moe_experts.kernel_experts import KernelExperts, Policy
 from moe_experts.memory import trim_host_heap
 from moe_experts.self_check import BlockCheck
 from moe_experts.sharing import default_kernel_threads, expert_sharing
+from moe_experts.shipped_checkpoint import ShippedReader, shipped_format
 from moe_experts.storage import StoragePlan, build_block, check_policy, storage_name
 from moe_experts.validation import (
     check_expert_count,
@@ -192,7 +192,7 @@ def _slots(site: MoEBlockSite, keys: _ExpertKeys, e: int) -> list[tuple[str, str
 def _assemble(
     site: MoEBlockSite,
     keys: _ExpertKeys,
-    reader: Fp8Reader,
+    reader: ShippedReader,
     meta: dict[str, torch.Tensor],
     storage: torch.dtype,
 ) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
@@ -230,8 +230,14 @@ def _assemble(
             key = keys.fused.get(param)
             if key is None:
                 raise LoadError(f"{name}: the checkpoint has no fused {param} tensor for it")
-            t = reader.read(key, tuple(meta[param].shape), model_dtype)
-            view = arch.kernel_gate_up(t) if param == arch.gate_up_param else arch.kernel_down(t)
+            gu = param == arch.gate_up_param
+            if reader.ships(key):  # dequantised parts: [E, out, in], rows in the family's order
+                shape = (e, 2 * inter, h) if gu else (e, h, inter)
+                t = reader.read(key, shape, model_dtype)
+                view = arch.kernel_rows(t, dim=1).reshape(e, 2, inter, h) if gu else t
+            else:
+                t = reader.read(key, tuple(meta[param].shape), model_dtype)
+                view = arch.kernel_gate_up(t) if gu else arch.kernel_down(t)
             dst.copy_(view)
             del t, view
         return gate_up, down, biases
@@ -282,12 +288,13 @@ class CheckpointSource:
 
     The block's experts module was built on the meta device; its tensors are read from the
     checkpoint straight into kernel storage: dense formats are filled in place (the
-    transient is one expert), quantised ones from one block in the model dtype, and FP8
-    experts of a FP8 checkpoint are adopted as shipped when the plan stores FP8. There is no
-    original module to self-check against; the kernel replaces the meta module.
+    transient is one expert), quantised ones from one block in the model dtype, and the
+    experts of a quantised checkpoint are adopted as shipped when the plan stores them in the
+    shipped format. There is no original module to self-check against; the kernel replaces
+    the meta module.
     """
 
-    def __init__(self, site: MoEBlockSite, keys: _ExpertKeys, reader: Fp8Reader) -> None:
+    def __init__(self, site: MoEBlockSite, keys: _ExpertKeys, reader: ShippedReader) -> None:
         """The block at ``site``, whose checkpoint keys are ``keys``, read through ``reader``."""
         self.site = site
         self.keys = keys
@@ -307,16 +314,23 @@ class CheckpointSource:
 
     def _ships(self, fmt: kt_kernel.WeightFormat) -> bool:
         """Whether the checkpoint holds this block's experts in ``fmt`` already."""
-        shipped = [*self.keys.fused.values(), *self.keys.per_expert.values()]
-        return isinstance(fmt, kt_kernel.Fp8Block) and any(self.reader.is_fp8(k) for k in shipped)
+        shipped = self.reader.shipped
+        keys = [*self.keys.fused.values(), *self.keys.per_expert.values()]
+        return (
+            shipped is not None
+            and fmt.weight_dtype == shipped.name
+            and any(self.reader.ships(k) for k in keys)
+        )
 
     def kernel_weights(
         self, spec: kt_kernel.ExpertSpec, fmt: kt_kernel.WeightFormat
     ) -> kt_kernel.ExpertWeights:
         """The block's experts read from the checkpoint into kernel storage in ``fmt``."""
         site, arch = self.site, self.site.arch
-        if self._ships(fmt):  # the checkpoint's E4M3 bytes and scales, as shipped
-            return _fp8_weights(site, self.keys, self.reader, spec, fmt)
+        if self._ships(fmt):  # the checkpoint's own parts (bytes and scales), as shipped
+            _, bias_kw = _read_biases(site, self.keys, self.reader, self._meta)
+            gu_parts, dn_parts = _shipped_parts(site, self.keys, self.reader, spec, fmt)
+            return kt_kernel.ExpertWeights.from_parts(spec, fmt, gu_parts, dn_parts, **bias_kw)
         dense = isinstance(fmt, kt_kernel.Dense)
         model_dtype = self._meta[arch.gate_up_param].dtype
         storage = fmt.compute_dtype if dense else model_dtype
@@ -349,30 +363,94 @@ class CheckpointSource:
         return False
 
 
-def _fp8_weights(
+def _read_biases(
     site: MoEBlockSite,
     keys: _ExpertKeys,
-    reader: Fp8Reader,
-    spec: kt_kernel.ExpertSpec,
-    fmt: kt_kernel.WeightFormat,
-) -> kt_kernel.ExpertWeights:
-    """A FP8 block's experts as shipped: E4M3 bytes and scales adopted as ``Fp8Block`` parts.
+    reader: ShippedReader,
+    meta: dict[str, torch.Tensor],
+) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor | None]]:
+    """The block's biases as stored (model dtype), and as ``from_parts`` takes them.
 
     Raises:
-        LoadError: a family whose experts are stored transposed, interleaved or with biases
-            (no FP8-block checkpoint of one exists; dequantise with ``weight_dtype="bf16"``).
+        LoadError: a bias the family has is missing.
     """
     arch = site.arch
-    if arch.transposed or arch.interleaved or arch.bias_params:
-        raise LoadError(
-            f"{site.experts_name}: FP8 experts are adopted as shipped only in the [E, 2I, H] "
-            f"gate-then-up layout without biases; {arch.family} stores them otherwise, so load "
-            "with weight_dtype='bf16' to dequantise them"
-        )
+    model_dtype = meta[arch.gate_up_param].dtype
+    stored: dict[str, torch.Tensor] = {}
+    for param in arch.bias_params:
+        key = keys.fused.get(param)
+        if key is None:
+            raise LoadError(f"{site.experts_name}: the checkpoint has no {param} tensor for it")
+        stored[param] = reader.read(key, tuple(meta[param].shape), model_dtype)
+    gate_up_bias = stored.get(arch.gate_up_bias_param or "")
+    if gate_up_bias is not None:
+        gate_up_bias = arch.kernel_rows(gate_up_bias, dim=1)
+    return stored, {
+        "gate_up_bias": gate_up_bias,
+        "down_bias": stored.get(arch.down_bias_param or ""),
+    }
+
+
+def _shipped_parts(
+    site: MoEBlockSite,
+    keys: _ExpertKeys,
+    reader: ShippedReader,
+    spec: kt_kernel.ExpertSpec,
+    fmt: kt_kernel.WeightFormat,
+) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
+    """A block's experts as shipped: the checkpoint's parts adopted as ``fmt``'s, in kernel order.
+
+    Shipped parts are ``[E, out, in]`` whatever the model parameter's orientation, so only the
+    row order of gate_up changes (``fmt.select_rows``, for interleaved gate/up). Per-expert
+    keys are read expert by expert into banks (``fmt.fuse_gate_up`` stacks gate and up).
+
+    Raises:
+        LoadError: naming the key: an expert tensor that is not shipped in the format, parts
+            that do not fit, or gate/up the format cannot fuse or reorder.
+    """
+    arch, name = site.arch, site.experts_name
     e, h, i = spec.num_experts, spec.hidden_size, spec.intermediate_size
     slots = _slots(site, keys, e)
-    gu_parts, dn_parts = read_fp8_bank(reader, slots, ((e, 2 * i, h), (e, h, i)), site.experts_name)
-    return kt_kernel.ExpertWeights.from_parts(spec, fmt, gu_parts, dn_parts)
+    for key, _, _ in slots:
+        if not reader.ships(key):
+            dtype = reader.shards.info(reader.where[key], key)[1]
+            if dtype.is_floating_point and dtype.itemsize == 1:  # 8-bit floats, no scales
+                raise reader.missing_parts(key, dtype)
+            raise LoadError(
+                f"{reader.file(key).name}: expert tensor {key!r} is {dtype}; the experts of a "
+                f"{fmt.weight_dtype} checkpoint must all be shipped as its parts"
+            )
+    try:
+        if all(x is None for _, _, x in slots):
+            gu_key, dn_key = slots[0][0], slots[1][0]
+            gate_up = reader.read_parts(gu_key)
+            if arch.interleaved:
+                order = arch.kernel_rows(torch.arange(2 * i).unsqueeze(0), dim=1)[0]
+                gate_up = fmt.select_rows(gate_up, order)
+            return gate_up, reader.read_parts(dn_key)
+        specs = (fmt.part_specs(2 * i, h), fmt.part_specs(h, i))
+        banks = tuple(
+            tuple(torch.empty((e, *shape), dtype=dtype) for _, shape, dtype in sp) for sp in specs
+        )
+        parts: dict[tuple[str, int | None], tuple[torch.Tensor, ...]] = {}
+        for key, role, x in slots:
+            parts[(role, x)] = reader.read_parts(key)
+            if role == "down":
+                expert = parts.pop((role, x))
+                dst = banks[1]
+            elif ("gate", x) in parts and ("up", x) in parts:
+                expert = fmt.fuse_gate_up(parts.pop(("gate", x)), parts.pop(("up", x)))
+                dst = banks[0]
+            else:
+                continue
+            for bank, src in zip(dst, expert, strict=True):
+                bank[x].copy_(src.reshape(bank[x].shape))
+        return banks[0], banks[1]
+    except kt_kernel.KernelInputError as exc:
+        raise LoadError(
+            f"{name}: the {fmt.weight_dtype} experts of {arch.family} cannot be kept as shipped "
+            f"({exc}); load with weight_dtype='bf16' to dequantise them"
+        ) from exc
 
 
 def _mtp_layers(model: nn.Module, config: Any) -> Callable[[str], bool]:
@@ -417,19 +495,23 @@ def load_pretrained(
     FP8-block checkpoints (DeepSeek-V3 style: ``weight`` in float8_e4m3fn plus
     ``weight_scale_inv`` per 128x128 block, ``quantization_config`` ``quant_method: fp8`` in
     ``config.json``) keep their experts' bytes and scales as kt-kernel's FP8 format (nothing
-    is re-quantised and no bf16 copy is made); their dense FP8 weights are dequantised to
+    is re-quantised and no bf16 copy is made), and GPT-OSS's MXFP4 checkpoints
+    (``*_blocks``/``*_scales``, ``quant_method: mxfp4``) keep theirs as its MXFP4 format: any
+    format of :data:`kt_kernel.FORMATS` that checkpoints ship is read through its own
+    ``checkpoint_suffixes`` and ``from_checkpoint``. Their dense FP8 weights are dequantised to
     ``dtype`` as transformers does (``weight * scale_inv`` in fp32, rounded once).
 
     Args:
         path: a local directory with ``config.json`` and ``model.safetensors`` or a sharded
             ``model.safetensors.index.json``.
         weight_dtype: kernel storage, a name in :data:`kt_kernel.FORMATS` or ``"auto"``.
-            ``"auto"``: the checkpoint's own format (``"fp8"`` for a FP8 checkpoint, the
-            shipped bytes; else dense in its dtype: ``"fp32"`` for float32, otherwise
-            ``"bf16"``). ``None`` (default): ``"fp8"`` for a FP8 checkpoint, else ``"bf16"``.
-            ``"bf16"``/``"fp32"``: dense storage (a FP8 checkpoint is dequantised expert by
-            expert while streaming). ``"int8"``/``"int4"``/``"fp8"`` quantise an unquantised
-            checkpoint as ``wrap`` does; a FP8 checkpoint is never quantised a second time.
+            ``"auto"``: the checkpoint's own format (``"fp8"``/``"mxfp4"`` for a FP8/MXFP4
+            checkpoint, the shipped bytes; else dense in its dtype: ``"fp32"`` for float32,
+            otherwise ``"bf16"``). ``None`` (default): the shipped format of a quantised
+            checkpoint, else ``"bf16"``. ``"bf16"``/``"fp32"``: dense storage (a quantised
+            checkpoint is dequantised while streaming). ``"int8"``/``"int4"``/``"fp8"``/
+            ``"mxfp4"`` quantise an unquantised checkpoint as ``wrap`` does; a quantised
+            checkpoint is never quantised a second time.
         dtype: the model dtype (dense weights, and what ``from_pretrained`` would give experts).
         dense_device: device of the dense (non-expert) weights, e.g. ``"cuda:0"``; the experts
             stay on the CPU kernel and hidden states cross over and back (autograd too).
@@ -479,13 +561,16 @@ def load_pretrained(
         raise LoadError(f"{config_file}: transformers refuses it: {exc}") from exc
     check_sizes(config, config_file)
     quant = getattr(config, "quantization_config", None)
-    fp8 = check_quantization_config(config_file, quant)
+    shipped = shipped_format(config_file, quant)
     plan = StoragePlan.for_checkpoint(path, weight_dtype, policy=policy)
     if quant is not None:
-        # The dense FP8 weights are dequantised here, so the model is built (and later saved)
-        # as a plain one; transformers' FP8 modules would expect the scales as parameters.
+        # Shipped dense weights are dequantised here, so the model is built (and later saved)
+        # as a plain one; transformers' quantised modules would expect the parts as parameters.
         del config.quantization_config
-    quantising = plan.format.lossy and not (fp8 and isinstance(plan.format, kt_kernel.Fp8Block))
+    # A lossy format the checkpoint ships is adopted as shipped; any other one is quantised.
+    quantising = plan.format.lossy and not (
+        shipped is not None and plan.format.weight_dtype == shipped.name
+    )
     counts = check_load_fits(
         config,
         config_file,
@@ -500,15 +585,12 @@ def load_pretrained(
     arch = find_architecture(model)
     sites = list(iter_moe_blocks(model, arch))
     mapper = _KeyMapper(model, sites)
-    reader = Fp8Reader(shards, where, fp8)
-    scale_keys = set(reader.scales.values())
+    reader = ShippedReader(shards, where, shipped)  # the shards whose headers were validated
 
     # Sort every checkpoint key: expert tensors per block, the rest by model name.
     expert_keys: dict[str, _ExpertKeys] = {s.experts_name: _ExpertKeys() for s in sites}
     dense: dict[str, str] = {}
-    for key in where:
-        if key in scale_keys:  # read beside its weight
-            continue
+    for key in reader.param_keys():  # a shipped parameter once, by its name (its parts beside it)
         hit = mapper.expert_key(key)
         if hit is None:
             dense[mapper.rename(key)] = key
@@ -520,9 +602,13 @@ def load_pretrained(
         else:
             keys.per_expert[slot] = key
 
+    # A shipped parameter is counted by its first part (FP8's weight, MXFP4's blocks).
+    first = {k: reader.parts.get(k, (k,))[0] for k in reader.param_keys()}
     for site in sites:  # before any block's storage exists
         keys = expert_keys[site.experts_name]
-        check_expert_count(site, keys.per_expert, keys.fused, shards, where, counts)
+        per_expert = {slot: first[k] for slot, k in keys.per_expert.items()}
+        fused = {p: first[k] for p, k in keys.fused.items()}
+        check_expert_count(site, per_expert, fused, shards, where, counts)
 
     # Experts first, one block at a time, so the meta experts never need storage.
     default_kernel_threads()
@@ -551,7 +637,7 @@ def load_pretrained(
             f"{unexpected[:5]}{' ...' if len(unexpected) > 5 else ''}"
         )
     # Shard by shard, in file order.
-    for name, key in sorted(dense.items(), key=lambda kv: str(where[kv[1]])):
+    for name, key in sorted(dense.items(), key=lambda kv: str(reader.file(kv[1]))):
         current = state[name]
         target = _target_dtype(model, name, current.dtype, dtype)
         t = reader.read(key, tuple(current.shape), target)

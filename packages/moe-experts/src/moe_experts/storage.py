@@ -140,10 +140,11 @@ class StoragePlan:
         """The plan of ``load_pretrained(path, weight_dtype=...)``, from ``config.json``.
 
         A checkpoint whose ``quantization_config`` a registered format reads (FP8 blocks:
-        ``"fp8"``) keeps its shipped bytes under ``"auto"`` and ``None``, may be dequantised
-        (a dense format), and is never quantised a second time. Otherwise ``"auto"`` stores
-        the experts densely in the checkpoint's dtype (``config.json``'s ``dtype`` or
-        ``torch_dtype``, else the dtype most of its tensors have) and ``None`` in bf16.
+        ``"fp8"``; GPT-OSS: ``"mxfp4"``) keeps its shipped bytes under ``"auto"`` and
+        ``None``, may be dequantised (a dense format), and is never quantised a second
+        time. Otherwise ``"auto"`` stores the experts densely in the checkpoint's dtype
+        (``config.json``'s ``dtype`` or ``torch_dtype``, else the dtype most of its tensors
+        have) and ``None`` in bf16.
 
         Raises:
             LoadError: an unreadable ``config.json``, a ``quantization_config`` no format

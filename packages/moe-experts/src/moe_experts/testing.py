@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 
-from moe_experts.architectures import ARCHITECTURES
+from moe_experts.architectures import ARCHITECTURES, find_architecture
 from moe_experts.errors import UnsupportedModelError
 
 __all__ = [
@@ -24,6 +24,7 @@ __all__ = [
     "TINY_CONFIGS",
     "TINY_FAMILIES",
     "save_fp8_checkpoint",
+    "save_mxfp4_checkpoint",
     "tiny_config",
     "tiny_model",
 ]
@@ -545,5 +546,49 @@ def save_fp8_checkpoint(
         index_file.write_text(json.dumps(index, indent=2))
     config = json.loads((path / "config.json").read_text())
     config["quantization_config"] = dict(FP8_QUANTIZATION_CONFIG)
+    (path / "config.json").write_text(json.dumps(config, indent=2))
+    return path
+
+
+# What GPT-OSS's config.json says about its MXFP4 experts.
+MXFP4_QUANTIZATION_CONFIG: dict[str, Any] = {
+    "quant_method": "mxfp4",
+    "modules_to_not_convert": [
+        "model.layers.*.self_attn",
+        "model.layers.*.mlp.router",
+        "model.embed_tokens",
+        "lm_head",
+    ],
+}
+
+
+def save_mxfp4_checkpoint(model: PreTrainedModel, path: str | Path) -> Path:
+    """Save ``model`` as GPT-OSS ships it: fused experts as MXFP4 ``*_blocks``/``*_scales``.
+
+    Each fused expert tensor ``P`` (``gate_up_proj``, ``down_proj``) is stored ``[E, out,
+    in]`` (transposed back for a family that stores ``[E, in, out]``, rows in the family's
+    order) quantised by :meth:`kt_kernel.Mxfp4.quantize` as ``P_blocks`` uint8
+    ``[E, out, in/32, 16]`` and ``P_scales`` uint8 ``[E, out, in/32]``; everything else (biases
+    too) as saved; ``config.json`` gets :data:`MXFP4_QUANTIZATION_CONFIG`.
+    """
+    from safetensors.torch import load_file, save_file
+
+    from kt_kernel import Mxfp4
+
+    path = Path(path)
+    arch = find_architecture(model)
+    model.save_pretrained(path, save_original_format=False)
+    tensors = load_file(str(path / "model.safetensors"))
+    out = {}
+    for key, t in tensors.items():
+        param = key.rsplit(".", 1)[-1]
+        if t.dim() == 3 and param in (arch.gate_up_param, arch.down_param):
+            w = t.transpose(1, 2) if arch.transposed else t
+            out[key + "_blocks"], out[key + "_scales"] = Mxfp4().quantize(w)
+        else:
+            out[key] = t
+    save_file(out, str(path / "model.safetensors"), metadata={"format": "pt"})
+    config = json.loads((path / "config.json").read_text())
+    config["quantization_config"] = dict(MXFP4_QUANTIZATION_CONFIG)
     (path / "config.json").write_text(json.dumps(config, indent=2))
     return path

@@ -105,8 +105,9 @@ OPTIONS: tuple[Option, ...] = (
         "model",
         "weight_dtype",
         str,
-        "kernel storage of the frozen experts: auto (the checkpoint's own: a FP8-block "
-        "checkpoint's shipped bytes, else dense in its dtype) or a weight format registered "
+        "kernel storage of the frozen experts: auto (the checkpoint's own: a quantised "
+        "checkpoint's shipped bytes, FP8 blocks or MXFP4, else dense in its dtype) or a weight "
+        "format registered "
         "in kt_kernel.FORMATS (an unknown name lists them)",
         vocabulary=_weight_formats,
     ),
