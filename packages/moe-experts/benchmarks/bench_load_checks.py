@@ -77,11 +77,11 @@ def _load_once(path: Path, variant: str) -> tuple[float, float, float, float, fl
     from moe_experts.memory import trim_host_heap
 
     scan = _Timed(_safetensors._non_finite)
-    fits = _Timed(loading._check_fits)
+    fits = _Timed(loading.check_load_fits)
     replacement = scan if variant == "checks" else (lambda t: False)
     with (
         _patched(_safetensors, "_non_finite", replacement),
-        _patched(loading, "_check_fits", fits),
+        _patched(loading, "check_load_fits", fits),
     ):
         start, cpu = time.perf_counter(), time.process_time()
         model = moe_experts.load_pretrained(path, dtype=torch.bfloat16)
