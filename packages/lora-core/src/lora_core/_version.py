@@ -1,3 +1,3 @@
 """The single source of this package's version."""
 
-__version__ = "0.2.1"
+__version__ = "0.3.0"
