@@ -10,7 +10,7 @@ whose gradient is missing, non-finite or all zeros.
 from __future__ import annotations
 
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass
 
 import torch
@@ -244,7 +244,7 @@ _FACTOR_PAIRS = {
 }
 
 
-def _partner(name: str, values: dict[str, torch.Tensor]) -> str | None:
+def _partner(name: str, values: Mapping[str, torch.Tensor]) -> str | None:
     """The trainable tensor that multiplies ``name`` in its adapter, if there is one.
 
     Paired by the owning module: the factor is the attribute two or three components from the

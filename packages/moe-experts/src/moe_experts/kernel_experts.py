@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 import torch
 from torch import nn
@@ -22,6 +22,9 @@ from moe_experts.architectures import MoEArchitecture
 from moe_experts.errors import WrapError
 from moe_experts.lora_experts import LoraExperts
 from moe_experts.placeholders import make_placeholder
+
+if TYPE_CHECKING:
+    from peft.tuners.lora.layer import ParamWrapper
 
 __all__ = ["KernelExperts", "Policy", "unwrap_peft"]
 
@@ -49,7 +52,7 @@ class _PeftAdoption:
     """PEFT ``ParamWrapper`` LoRA adopted by a :class:`KernelExperts` (not a submodule)."""
 
     caller: _KernelCall  # kernel buffers that share storage with PEFT's parameters
-    wrappers: tuple[nn.Module, ...]  # the ParamWrapper chain, outermost first
+    wrappers: tuple[ParamWrapper, ...]  # the ParamWrapper chain, outermost first
     adapter: str  # PEFT adapter name, e.g. "default"
     # kernel buffer name -> (PEFT Parameter, "a" | "b"); names absent here are zero (untargeted)
     sources: Mapping[str, tuple[nn.Parameter, str]]
@@ -164,7 +167,7 @@ class KernelExperts(nn.Module):
         """Attach LoRA buffers as the child module ``lora`` (names ``<fqn>.lora.<buffer>``)."""
         self.lora = lora
 
-    def adopt_peft(self, wrappers: tuple[nn.Module, ...], label: str) -> None:
+    def adopt_peft(self, wrappers: tuple[ParamWrapper, ...], label: str) -> None:
         """Use the LoRA of PEFT's ``ParamWrapper`` chain (through views) instead of own buffers.
 
         The chain stays in the tree (PEFT keeps saving and loading its keys); only the
@@ -217,8 +220,9 @@ class KernelExperts(nn.Module):
                 tensors[f"{ours}_lora_a"] = torch.zeros(spec.num_experts, rank, in_dim)
                 tensors[f"{ours}_lora_b"] = torch.zeros(spec.num_experts, out_dim, rank)
                 continue
-            a = wrapper.lora_A[adapter].weight
-            b = wrapper.lora_B[adapter].weight
+            # peft types ModuleDict items as Module; a LoRA factor's ``weight`` is a Parameter.
+            a = cast(nn.Parameter, wrapper.lora_A[adapter].weight)
+            b = cast(nn.Parameter, wrapper.lora_B[adapter].weight)
             sources[f"{ours}_lora_a"] = (a, "a")
             sources[f"{ours}_lora_b"] = (b, "b")
             # Views of PEFT's storage: the kernel's buffers *are* PEFT's memory, no copy.
@@ -233,7 +237,8 @@ class KernelExperts(nn.Module):
             adapter=adapter,
             sources=sources,
         )
-        wrappers[0].forward = self.peft_forward
+        # Instance-level override of PEFT's forward (see the docstring): deliberate.
+        wrappers[0].forward = self.peft_forward  # type: ignore[method-assign, assignment]
 
     def call_lora(self, use_lora: bool = True) -> kt_kernel.LoraBuffers | None:
         """The LoRA as the kernel reads it, differentiable into the trained parameters.
@@ -295,7 +300,7 @@ class KernelExperts(nn.Module):
                     if kind == "a"
                     else peft_mapping.unstack_lora_b(param, e),
                 )
-            y = torch.func.functional_call(
+            y: torch.Tensor = torch.func.functional_call(
                 self._peft.caller, views, (x, ids, w, self.policy), strict=False
             )
         else:
@@ -371,7 +376,7 @@ class KernelExperts(nn.Module):
         )
 
 
-def _peft_param_wrapper_type() -> type[nn.Module] | None:
+def _peft_param_wrapper_type() -> type[ParamWrapper] | None:
     try:
         from peft.tuners.lora.layer import ParamWrapper
     except ImportError:  # peft is optional: without it no model can hold ParamWrappers
@@ -379,10 +384,10 @@ def _peft_param_wrapper_type() -> type[nn.Module] | None:
     return ParamWrapper
 
 
-def unwrap_peft(module: nn.Module) -> tuple[tuple[nn.Module, ...], nn.Module]:
+def unwrap_peft(module: nn.Module) -> tuple[tuple[ParamWrapper, ...], nn.Module]:
     """Split a PEFT ``ParamWrapper`` chain into (wrappers outermost first, innermost base)."""
     wrapper_type = _peft_param_wrapper_type()
-    chain: list[nn.Module] = []
+    chain: list[ParamWrapper] = []
     while wrapper_type is not None and isinstance(module, wrapper_type):
         chain.append(module)
         module = module.base_layer

@@ -18,7 +18,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch import nn
@@ -46,6 +46,9 @@ from moe_experts.validation import (
     check_sizes,
 )
 
+if TYPE_CHECKING:
+    from transformers import PreTrainedModel
+
 __all__ = ["CheckpointSource", "load_pretrained"]
 
 _PER_EXPERT = re.compile(r"^(\d+)\.(.+)$")
@@ -63,7 +66,7 @@ def _parameters_on_meta() -> Iterator[None]:
             param = nn.Parameter(param.to("meta"), requires_grad=param.requires_grad)
         original(module, name, param)
 
-    nn.Module.register_parameter = register  # type: ignore[method-assign]
+    nn.Module.register_parameter = register  # type: ignore[method-assign, assignment]
     try:
         yield
     finally:
@@ -87,7 +90,8 @@ class _KeyMapper:
         from transformers.conversion_mapping import get_model_conversion_mapping
         from transformers.core_model_loading import WeightConverter, WeightRenaming
 
-        transforms = get_model_conversion_mapping(model)
+        # Only transformers models reach here; ``model`` is typed as a plain module.
+        transforms = get_model_conversion_mapping(cast("PreTrainedModel", model))
         self._renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
         self._converters = [t for t in transforms if isinstance(t, WeightConverter)]
         self._sites = {s.experts_name + ".": s for s in sites}
@@ -224,7 +228,8 @@ def _assemble(
         biases[param] = reader.read(key, tuple(meta[param].shape), model_dtype)
     if keys.fused.keys() - set(arch.bias_params):
         for param, dst in (
-            (arch.gate_up_param, gate_up.unflatten(1, (2, inter))),
+            # torch: Tensor.unflatten is unannotated
+            (arch.gate_up_param, gate_up.unflatten(1, (2, inter))),  # type: ignore[no-untyped-call]
             (arch.down_param, down),
         ):
             key = keys.fused.get(param)
@@ -263,7 +268,7 @@ def _set_tensor(model: nn.Module, name: str, value: torch.Tensor) -> None:
     module_name, _, leaf = name.rpartition(".")
     module = model.get_submodule(module_name)
     if leaf in module._parameters:
-        old = module._parameters[leaf]
+        old = cast(nn.Parameter, module._parameters[leaf])
         module._parameters[leaf] = nn.Parameter(value, requires_grad=old.requires_grad)
     else:
         module._buffers[leaf] = value
@@ -300,7 +305,7 @@ class CheckpointSource:
         self.keys = keys
         self.reader = reader
         arch = site.arch
-        self._module = getattr(site.block, arch.experts_attr)
+        self._module: nn.Module = getattr(site.block, arch.experts_attr)
         self._meta = {p: getattr(self._module, p) for p in arch.stored_shapes(0, 0, 0)}
 
     @property
@@ -581,7 +586,8 @@ def load_pretrained(
         share_experts=share_experts,
     )
     with _parameters_on_meta():
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+        # transformers: _BaseAutoModelClass.from_config is unannotated
+        model: nn.Module = AutoModelForCausalLM.from_config(config, dtype=dtype)  # type: ignore[no-untyped-call]
     arch = find_architecture(model)
     sites = list(iter_moe_blocks(model, arch))
     mapper = _KeyMapper(model, sites)

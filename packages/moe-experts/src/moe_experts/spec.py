@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import importlib
 from dataclasses import dataclass
-from typing import Literal
+from typing import Literal, cast
 
 import torch
 from torch import nn
@@ -122,7 +122,7 @@ class MoEArchitecture:
 
     def stored_shapes(self, e: int, i: int, h: int) -> dict[str, tuple[int, ...]]:
         """The shape of every expert tensor this family stores, keyed by parameter name."""
-        shapes = {
+        shapes: dict[str, tuple[int, ...]] = {
             self.gate_up_param: (e, h, 2 * i) if self.transposed else (e, 2 * i, h),
             self.down_param: (e, i, h) if self.transposed else (e, h, i),
         }
@@ -141,11 +141,14 @@ class MoEArchitecture:
         _, i, _ = self.expert_dims(gate_up)
         if self.transposed:  # [E, H, 2I]
             split = (i, 2) if self.interleaved else (2, i)
-            v = gate_up.unflatten(2, split)  # [E, H, (I, 2) | (2, I)]
+            # [E, H, (I, 2) | (2, I)]; torch: Tensor.unflatten is unannotated
+            v: torch.Tensor = gate_up.unflatten(2, split)  # type: ignore[no-untyped-call]
             return v.permute(0, 3, 2, 1) if self.interleaved else v.permute(0, 2, 3, 1)
         if self.interleaved:  # [E, 2I, H] with rows gate0, up0, gate1, ...
-            return gate_up.unflatten(1, (i, 2)).transpose(1, 2)
-        return gate_up.unflatten(1, (2, i))
+            # torch: Tensor.unflatten is unannotated
+            return gate_up.unflatten(1, (i, 2)).transpose(1, 2)  # type: ignore[no-untyped-call, no-any-return]
+        # torch: Tensor.unflatten is unannotated
+        return gate_up.unflatten(1, (2, i))  # type: ignore[no-untyped-call, no-any-return]
 
     def kernel_down(self, down: torch.Tensor) -> torch.Tensor:
         """A view ``[E, H, I]`` (kt-kernel's layout) of a stored down tensor."""
@@ -161,7 +164,8 @@ class MoEArchitecture:
         if not self.interleaved:
             return t
         i = t.shape[dim] // 2
-        return t.unflatten(dim, (i, 2)).transpose(dim, dim + 1).flatten(dim, dim + 1)
+        # torch: Tensor.unflatten is unannotated
+        return t.unflatten(dim, (i, 2)).transpose(dim, dim + 1).flatten(dim, dim + 1)  # type: ignore[no-untyped-call, no-any-return]
 
     def check_transformers(self) -> None:
         """Refuse an installed transformers older than :attr:`min_transformers`.
@@ -195,7 +199,7 @@ class MoEArchitecture:
         self.check_transformers()
         try:
             module = importlib.import_module(self.modeling_module)
-            return getattr(module, self.block_class)
+            return cast("type[nn.Module]", getattr(module, self.block_class))
         except (ImportError, AttributeError) as exc:
             raise UnsupportedModelError(
                 f"architecture {self.family!r} expects {self.modeling_module}.{self.block_class}, "

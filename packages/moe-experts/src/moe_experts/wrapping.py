@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Mapping
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 from torch import nn
@@ -24,6 +25,9 @@ from moe_experts.self_check import self_check as self_check_block
 from moe_experts.sharing import default_kernel_threads, expert_sharing
 from moe_experts.storage import AUTO, StoragePlan, build_block, check_policy, storage_name
 from moe_experts.validation import check_expert_config
+
+if TYPE_CHECKING:
+    from peft.tuners.lora.layer import ParamWrapper
 
 __all__ = ["ModuleSource", "WeightDType", "WrapReport", "experts_sites", "wrap"]
 
@@ -100,7 +104,7 @@ class ModuleSource:
     """
 
     def __init__(
-        self, site: MoEBlockSite, wrappers: tuple[nn.Module, ...], base: nn.Module
+        self, site: MoEBlockSite, wrappers: tuple[ParamWrapper, ...], base: nn.Module
     ) -> None:
         """Read the stored tensors of ``base``, the innermost experts module of ``site``.
 
