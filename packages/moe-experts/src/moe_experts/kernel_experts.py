@@ -309,7 +309,8 @@ class KernelExperts(nn.Module):
                 x, ids, w, self.expert_weights, lora, policy=self.policy
             )
         if use_lora and self.lora_experts is not None:
-            return y.to(hidden.dtype) + self.lora_experts(hidden)
+            # torch types Module.__call__ as returning Any; LoraExperts.forward returns a Tensor.
+            return y.to(hidden.dtype) + cast(torch.Tensor, self.lora_experts(hidden))
         return y.to(hidden.dtype)
 
     def _kernel_factor(self, name: str, t: torch.Tensor) -> torch.Tensor:

@@ -587,7 +587,7 @@ def load_pretrained(
     )
     with _parameters_on_meta():
         # transformers: _BaseAutoModelClass.from_config is unannotated
-        model: nn.Module = AutoModelForCausalLM.from_config(config, dtype=dtype)  # type: ignore[no-untyped-call]
+        model: PreTrainedModel = AutoModelForCausalLM.from_config(config, dtype=dtype)  # type: ignore[no-untyped-call]
     arch = find_architecture(model)
     sites = list(iter_moe_blocks(model, arch))
     mapper = _KeyMapper(model, sites)
@@ -625,7 +625,7 @@ def load_pretrained(
             build_block(site, source, plan, sharing)
             del source
 
-    state = dict(model.named_parameters(remove_duplicate=False))
+    state: dict[str, torch.Tensor] = dict(model.named_parameters(remove_duplicate=False))
     state.update(model.named_buffers(remove_duplicate=False))
     # Keys the model class declares it does not load (DeepSeek-V4's multi-token-prediction
     # ``mtp.*`` layers, DeepSeek-V3's extra layer), skipped as from_pretrained skips them.
@@ -663,5 +663,6 @@ def load_pretrained(
     if dense_device.type != "cpu":
         # Placeholders move as metadata; the kernel's storage is no module state and stays on
         # the CPU, where KernelExperts copies hidden states to and back.
-        model.to(dense_device)
-    return model.eval()
+        # transformers wraps PreTrainedModel.to/.eval, which loses their signatures.
+        model.to(dense_device)  # type: ignore[arg-type]
+    return model.eval()  # type: ignore[no-untyped-call, no-any-return]

@@ -138,7 +138,8 @@ def chunked_lm_cross_entropy(
     flat_y = labels.reshape(-1)
     if num_targets is None:
         num_targets = int((flat_y != ignore_index).sum())
-    total = _ChunkedCE.apply(flat_h, weight, flat_y, chunk_size, ignore_index)
+    # torch: Function.apply is unannotated
+    total: torch.Tensor = _ChunkedCE.apply(flat_h, weight, flat_y, chunk_size, ignore_index)  # type: ignore[no-untyped-call]
     return total / max(num_targets, 1)
 
 

@@ -454,9 +454,10 @@ def tiny_model(family: str, **overrides: Any) -> PreTrainedModel:
     # As the CLI picks (finetune.models.pretrained_class): Mistral 4's causal LM is mapped
     # only as an image-text-to-text model.
     if config.model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
-        model = AutoModelForCausalLM.from_config(config)
+        # transformers: _BaseAutoModelClass.from_config is unannotated
+        model: PreTrainedModel = AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call]
     else:
-        model = AutoModelForImageTextToText.from_config(config)
+        model = AutoModelForImageTextToText.from_config(config)  # type: ignore[no-untyped-call]
     if family in _AFTER_INIT:
         with torch.no_grad():
             _AFTER_INIT[family](model)

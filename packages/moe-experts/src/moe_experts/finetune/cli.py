@@ -294,7 +294,7 @@ def _train(ns: argparse.Namespace, argv: list[str], prog: str) -> tuple[int, obj
 
             from moe_experts.finetune.run import run_finetune
 
-            hf_logging.disable_progress_bar()
+            hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # unannotated in transformers
             summary = run_finetune(args, stop=stop)
     except TrainingInterrupted as exc:
         if lead:

@@ -16,7 +16,7 @@ import sys
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from moe_experts.finetune.errors import FinetuneError
 
@@ -155,8 +155,11 @@ def vllm_tensors(
     for name, module in peft_model.named_modules():
         if not isinstance(module, LoraLayer) or "default" not in module.lora_A:
             continue
-        a = module.lora_A["default"].weight.detach()
-        b = module.lora_B["default"].weight.detach() * (module.scaling["default"] / default_scale)
+        # peft types ModuleDict items as Module; a LoRA factor's ``weight`` is a Tensor.
+        a = cast("torch.Tensor", module.lora_A["default"].weight).detach()
+        b = cast("torch.Tensor", module.lora_B["default"].weight).detach() * (
+            module.scaling["default"] / default_scale
+        )
         if isinstance(module, ParamWrapper):
             param = module.get_base_layer().get_parameter(module.parameter_name)
             owner = _owner(name)
@@ -420,7 +423,7 @@ def export_main(argv: Sequence[str] | None = None) -> int:
     try:
         from transformers.utils import logging as hf_logging
 
-        hf_logging.disable_progress_bar()
+        hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # unannotated in transformers
         notes = export(
             ns.checkpoint, ns.format, ns.output, model=ns.model, max_shard_size=ns.max_shard_size
         )

@@ -6,7 +6,7 @@ import argparse
 import math
 from collections.abc import Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from moe_experts.finetune.config import check_seed
 from moe_experts.finetune.errors import FinetuneError
@@ -115,7 +115,7 @@ def generate(
             streamer=streamer,
             **sampling,
         )
-    return tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True)
+    return cast(str, tok.decode(out[0, ids.shape[1] :], skip_special_tokens=True))
 
 
 def generate_main(argv: Sequence[str] | None = None) -> int:
@@ -126,7 +126,7 @@ def generate_main(argv: Sequence[str] | None = None) -> int:
     try:
         from transformers.utils import logging as hf_logging
 
-        hf_logging.disable_progress_bar()
+        hf_logging.disable_progress_bar()  # type: ignore[no-untyped-call]  # unannotated in transformers
         generate(
             ns.model,
             ns.adapter,

@@ -399,7 +399,7 @@ def _step(job: TrainingJob, step: int, params: list[nn.Parameter]) -> _StepResul
         lo = m * micro + ranks.rank * per_rank
         parts = objective.loss(job.model, batch.select(lo, lo + per_rank), totals)
         # FSDP averages gradients over ranks, so each rank's share is scaled up by world.
-        (parts.loss * ranks.world).backward()
+        (parts.loss * ranks.world).backward()  # type: ignore[no-untyped-call]  # torch: unannotated
         sums["loss"] += parts.loss.detach().double().cpu()
         for key, value in parts.metrics.items():
             sums[key] = (

@@ -19,7 +19,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, cast
 
 import torch
 from torch import nn
@@ -96,7 +96,7 @@ def head_weight(head: nn.Module) -> torch.Tensor:
     from lora_core import LoRALinear
 
     if not isinstance(head, LoRALinear):
-        return _local(head.weight)
+        return _local(cast("torch.Tensor", head.weight))
     w = _local(head.base_layer.weight)
     if not head.adds_update:  # merged into W, or switched off (adapters_disabled)
         return w
@@ -117,7 +117,7 @@ def on_model_device(model: nn.Module, batch: Batch) -> Batch:
 
 @contextmanager
 def _without_head(model: nn.Module) -> Iterator[nn.Module]:
-    head = model.lm_head
+    head = cast(nn.Module, model.lm_head)
     model.lm_head = _Passthrough()
     try:
         yield head

@@ -56,7 +56,7 @@ _ATTENTION_ATTR = "self_attn"
 def _decoder_layers(model: nn.Module) -> list[nn.Module]:
     """Every decoder layer: the children of the ModuleList that holds the MoE blocks."""
     from moe_experts import find_architecture
-    from moe_experts.adaptation import iter_moe_blocks
+    from moe_experts.architectures import iter_moe_blocks
 
     containers: dict[str, None] = {}
     for site in iter_moe_blocks(model, find_architecture(model)):
@@ -142,7 +142,7 @@ def check_peft_loadable(lora: dict[str, Any], model: nn.Module) -> None:
     if not isinstance(modules, (list, tuple)):
         return
     try:
-        from peft.utils.transformers_weight_conversion import (
+        from peft.utils.transformers_weight_conversion import (  # type: ignore[attr-defined]
             _MODEL_TO_CONVERSION_PATTERN,
             _MOE_TARGET_MODULE_MAPPING,
         )
@@ -222,6 +222,7 @@ def model_skeleton(name: str) -> nn.Module:
                 )
             config = AutoConfig.from_pretrained(name)
         with torch.device("meta"):
-            return AutoModelForCausalLM.from_config(config)
+            # transformers: _BaseAutoModelClass.from_config is unannotated
+            return AutoModelForCausalLM.from_config(config)  # type: ignore[no-untyped-call, no-any-return]
     except (OSError, ValueError, KeyError) as exc:
         raise FinetuneError(f"--model {name}: transformers could not load it: {exc}") from exc
