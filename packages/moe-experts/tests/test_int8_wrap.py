@@ -113,6 +113,12 @@ def test_int8_finetune_reaches_bf16_loss(fresh) -> None:
 
 
 def test_bad_weight_dtype_names_the_choices(fresh) -> None:
-    choices = r"'auto' or one of \['fp32', 'bf16', 'int8', 'fp8', 'int4'\]"
+    import re
+
+    import kt_kernel
+
+    # Every registered format is named (mxfp4 came with the registry, and a new one will too).
+    assert {"fp32", "bf16", "int8", "fp8", "int4", "mxfp4"} <= set(kt_kernel.FORMATS)
+    choices = re.escape(f"'auto' or one of {list(kt_kernel.FORMATS)}")
     with pytest.raises(WrapError, match=rf"weight_dtype must be {choices} .*, got 'int2'"):
         wrap(fresh("qwen3_moe"), weight_dtype="int2")  # type: ignore[arg-type]
