@@ -33,10 +33,15 @@ dist.all_reduce(t)
 held = dist.group.WORLD if sys.argv[1] == "held" else None
 
 class Finalised:
-    def __del__(self):
-        print(f"rank {ranks.rank} finalised", flush=True)
+    # Finalisation may already have cleared this module's globals (``ranks``, ``os``) when
+    # __del__ runs, so the line and the writer are held by the object itself.
+    def __init__(self, rank, write=os.write):
+        self.line, self.write = f"rank {rank} finalised\\n".encode(), write
 
-sentinel = Finalised()  # freed (and says so) only by the interpreter's finalisation
+    def __del__(self):
+        self.write(1, self.line)
+
+sentinel = Finalised(ranks.rank)  # freed (and says so) only by the interpreter's finalisation
 atexit.register(lambda: print(f"rank {ranks.rank} atexit", flush=True))
 freed = teardown_distributed()
 gloo = [n for n in os.listdir("/proc/self/task")
