@@ -37,6 +37,7 @@ __all__ = [
     "WeightFormat",
     "auto_format",
     "check_parts",
+    "check_tiled_compute",
     "dequantize_per_channel",
     "format_name",
     "quantize_per_channel",
@@ -368,7 +369,12 @@ def dequantize_per_channel(
     return (q.to(torch.float32) * scale.unsqueeze(-1)).to(dtype)
 
 
-def _check_tiled_compute(fmt: str, dtype: torch.dtype) -> torch.dtype:
+def check_tiled_compute(fmt: str, dtype: torch.dtype) -> torch.dtype:
+    """``dtype`` if the tiled formats can compute in it.
+
+    Raises:
+        KernelDTypeError: naming the format and the accepted dtypes.
+    """
     if dtype not in TILED_COMPUTE_DTYPES:
         raise KernelDTypeError(
             f"with weight_dtype={fmt!r}, dtype (the compute dtype) must be torch.float32 or "
@@ -391,7 +397,7 @@ class Int8PerChannel(StackedFormat):
 
     def __init__(self, compute_dtype: torch.dtype | None = None) -> None:
         """Compute in ``compute_dtype`` (``torch.bfloat16``, the default, or ``torch.float32``)."""
-        self.compute_dtype = _check_tiled_compute("int8", compute_dtype or torch.bfloat16)
+        self.compute_dtype = check_tiled_compute("int8", compute_dtype or torch.bfloat16)
 
     def quantize(self, w: torch.Tensor) -> Parts:
         """``(q int8 [..., N, K], scale fp32 [..., N])`` by :func:`quantize_per_channel`."""

@@ -24,10 +24,10 @@ import torch
 
 from kt_kernel.errors import KernelDTypeError, KernelInputError
 from kt_kernel.formats import (
-    TILED_COMPUTE_DTYPES,
     Parts,
     StackedFormat,
     _check_quantisable,
+    check_tiled_compute,
     register_format,
 )
 
@@ -59,12 +59,7 @@ class Fp8Block(StackedFormat):
         Raises:
             KernelDTypeError: an unusable compute dtype.
         """
-        compute_dtype = compute_dtype or torch.bfloat16
-        if compute_dtype not in TILED_COMPUTE_DTYPES:
-            raise KernelDTypeError(
-                "with weight_dtype='fp8', dtype (the compute dtype) must be torch.float32 or "
-                f"torch.bfloat16, got {compute_dtype}"
-            )
+        compute_dtype = check_tiled_compute("fp8", compute_dtype or torch.bfloat16)
         self.compute_dtype = compute_dtype
 
     def quantize(self, w: torch.Tensor) -> Parts:

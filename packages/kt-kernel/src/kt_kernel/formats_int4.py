@@ -21,12 +21,12 @@ from __future__ import annotations
 
 import torch
 
-from kt_kernel.errors import KernelDTypeError, KernelInputError
+from kt_kernel.errors import KernelInputError
 from kt_kernel.formats import (
-    TILED_COMPUTE_DTYPES,
     Parts,
     StackedFormat,
     _check_quantisable,
+    check_tiled_compute,
     register_format,
 )
 
@@ -80,12 +80,7 @@ class Int4Grouped(StackedFormat):
             KernelDTypeError: an unusable compute dtype.
             KernelInputError: an unsupported group size.
         """
-        compute_dtype = compute_dtype or torch.bfloat16
-        if compute_dtype not in TILED_COMPUTE_DTYPES:
-            raise KernelDTypeError(
-                "with weight_dtype='int4', dtype (the compute dtype) must be torch.float32 or "
-                f"torch.bfloat16, got {compute_dtype}"
-            )
+        compute_dtype = check_tiled_compute("int4", compute_dtype or torch.bfloat16)
         if group_size not in INT4_GROUP_SIZES:
             raise KernelInputError(
                 f"Int4Grouped group_size must be one of {INT4_GROUP_SIZES}, got {group_size!r}"

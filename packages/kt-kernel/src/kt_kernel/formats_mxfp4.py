@@ -28,10 +28,10 @@ import torch
 
 from kt_kernel.errors import KernelDTypeError, KernelInputError
 from kt_kernel.formats import (
-    TILED_COMPUTE_DTYPES,
     Parts,
     StackedFormat,
     _check_quantisable,
+    check_tiled_compute,
     register_format,
 )
 
@@ -102,12 +102,7 @@ class Mxfp4(StackedFormat):
         Raises:
             KernelDTypeError: an unusable compute dtype.
         """
-        compute_dtype = compute_dtype or torch.bfloat16
-        if compute_dtype not in TILED_COMPUTE_DTYPES:
-            raise KernelDTypeError(
-                "with weight_dtype='mxfp4', dtype (the compute dtype) must be torch.float32 or "
-                f"torch.bfloat16, got {compute_dtype}"
-            )
+        compute_dtype = check_tiled_compute("mxfp4", compute_dtype or torch.bfloat16)
         self.compute_dtype = compute_dtype
 
     @classmethod
