@@ -28,10 +28,13 @@ CAUSAL_FAMILIES = tuple(
     f for f in FAMILIES if tiny_config(f).model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 )
 
-# Hub-layout checkpoints whose *dense* weights transformers converts on load (Kimi-Linear's
-# q/k/v_conv1d concatenated into conv1d, Lara-Mini's fused in_proj split in four);
-# load_pretrained converts expert weights only, so it refuses them (key named in the error).
-DENSE_CONVERSIONS = {"kimi_linear": "q_conv1d", "lara_mini": "linear_attn.in_proj.weight"}
+# Hub-layout keys whose *dense* weights transformers converts on load (Kimi-Linear's
+# q/k/v_conv1d concatenated into conv1d and forget-gate renames, Lara-Mini's fused in_proj split
+# in four and out_norm renamed): a per_expert checkpoint must really ship them.
+HUB_DENSE_KEYS = {
+    "kimi_linear": (".self_attn.q_conv1d.weight", ".self_attn.f_a_proj.weight"),
+    "lara_mini": (".linear_attn.in_proj.weight", ".linear_attn.out_norm.weight"),
+}
 
 
 @pytest.fixture(scope="module")
@@ -71,7 +74,15 @@ def _kernels(model) -> dict[str, KernelExperts]:
 def test_checkpoints_really_use_both_layouts(checkpoints) -> None:
     # Families whose hub checkpoints store experts per expert (transformers converts them on
     # save_original_format); the newer families have no such conversion and save fused keys.
-    hub_per_expert = {"qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3", "olmoe", "deepseek_v4"}
+    hub_per_expert = {
+        "qwen3_moe",
+        "qwen2_moe",
+        "mixtral",
+        "deepseek_v3",
+        "olmoe",
+        "deepseek_v4",
+        "kimi_linear",
+    }
     for (family, layout), path in checkpoints.items():
         index = json.loads((path / "model.safetensors.index.json").read_text())
         keys = list(index["weight_map"])
@@ -79,6 +90,9 @@ def test_checkpoints_really_use_both_layouts(checkpoints) -> None:
         if family in hub_per_expert:
             per_expert = any(".experts.0." in k for k in keys)
             assert per_expert == (layout == "per_expert"), family
+        for suffix in HUB_DENSE_KEYS.get(family, ()):
+            shipped = any(k.endswith(suffix) for k in keys)
+            assert shipped == (layout == "per_expert"), (family, suffix)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -90,11 +104,6 @@ def test_bitwise_equal_to_from_pretrained_and_wrap(
     checkpoints, family: str, layout: str, dtype: torch.dtype, weight_dtype: str
 ) -> None:
     path = checkpoints[(family, layout)]
-    if layout == "per_expert" and family in DENSE_CONVERSIONS:
-        # Not streamed yet: refused loudly, naming the keys, never loaded wrong.
-        with pytest.raises(LoadError, match=DENSE_CONVERSIONS[family]):
-            load_pretrained(path, weight_dtype=weight_dtype, dtype=dtype)  # type: ignore[arg-type]
-        return
     ref = _reference(path, dtype, weight_dtype)
     got = load_pretrained(path, weight_dtype=weight_dtype, dtype=dtype)  # type: ignore[arg-type]
     ref_sd, got_sd = ref.state_dict(), got.state_dict()
