@@ -244,6 +244,28 @@ def test_missing_dense_key_and_files(ckpt_copy, tmp_path: Path) -> None:
         load_pretrained(path)
 
 
+def _stored(path: Path, key: str) -> torch.Tensor:
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    with safe_open(str(path / index["weight_map"][key]), framework="pt") as f:
+        return f.get_tensor(key)
+
+
+def test_bad_converted_dense_weights_name_the_keys(ckpt_copy) -> None:
+    # Lara-Mini's in_proj is split by the model's own sizes: one row short cannot split.
+    path = ckpt_copy("lara_mini", "per_expert")
+    key = "model.layers.0.linear_attn.in_proj.weight"
+    shard = _rewrite_shard(path, key, _stored(path, key)[1:]).name
+    expected = rf"\[{re.escape(shard)}: '{re.escape(key)}'\] do not convert to .*in_proj_qkv"
+    with pytest.raises(LoadError, match=expected):
+        load_pretrained(path, weight_dtype="fp32", dtype=torch.float32)
+    # Kimi-Linear's q/k/v_conv1d are concatenated: a missing one gives a short conv1d.
+    path = ckpt_copy("kimi_linear", "per_expert")
+    _rewrite_shard(path, "model.layers.0.self_attn.k_conv1d.weight", None)
+    expected = r"safetensors: '\S+q_conv1d.*v_conv1d\S+\] convert to '\S+self_attn\.conv1d\.weight'"
+    with pytest.raises(LoadError, match=expected + r" of shape \[64, 1, 2\], .* has as \[96"):
+        load_pretrained(path, weight_dtype="fp32", dtype=torch.float32)
+
+
 def test_checkpoint_model_type_reads_config_json_or_names_it(checkpoints, tmp_path: Path) -> None:
     assert checkpoint_model_type(checkpoints[("olmoe", "fused")]) == "olmoe"
     config = tmp_path / "config.json"

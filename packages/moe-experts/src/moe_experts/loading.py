@@ -32,6 +32,7 @@ from moe_experts.architectures import (
     iter_moe_blocks,
     require_transformers,
 )
+from moe_experts.dense_conversions import DenseConversions, read_stored
 from moe_experts.errors import LoadError
 from moe_experts.kernel_experts import KernelExperts, Policy
 from moe_experts.memory import trim_host_heap
@@ -593,13 +594,17 @@ def load_pretrained(
     mapper = _KeyMapper(model, sites)
     reader = ShippedReader(shards, where, shipped)  # the shards whose headers were validated
 
-    # Sort every checkpoint key: expert tensors per block, the rest by model name.
+    # Sort every checkpoint key: expert tensors per block, dense ones transformers converts
+    # (fused, split) per target, the rest by model name.
     expert_keys: dict[str, _ExpertKeys] = {s.experts_name: _ExpertKeys() for s in sites}
     dense: dict[str, str] = {}
+    converted = DenseConversions(model)
     for key in reader.param_keys():  # a shipped parameter once, by its name (its parts beside it)
         hit = mapper.expert_key(key)
         if hit is None:
-            dense[mapper.rename(key)] = key
+            renamed = mapper.rename(key)
+            if not converted.claim(renamed, key):
+                dense[renamed] = key
             continue
         site, slot = hit
         keys = expert_keys[site.experts_name]
@@ -647,6 +652,13 @@ def load_pretrained(
         current = state[name]
         target = _target_dtype(model, name, current.dtype, dtype)
         t = reader.read(key, tuple(current.shape), target)
+        _set_tensor(model, name, t)
+        del t
+
+    def read_source(key: str, target: str) -> torch.Tensor:
+        return read_stored(reader, key, _target_dtype(model, target, state[target].dtype, dtype))
+
+    for name, t in converted.tensors(read_source, reader.file):
         _set_tensor(model, name, t)
         del t
     # As from_pretrained ties: only a head the checkpoint lacks (or ships equal to the
