@@ -5,7 +5,8 @@ float8_e4m3fn + ``weight_scale_inv`` per 128x128 block) and, as the oracle, as a
 checkpoint of the same values dequantised here block by block, which transformers'
 ``from_pretrained`` loads on its own. Dims are chosen so the 128 blocks apply: I = 128, and
 H = 320 for Qwen3-MoE (a partial 64-column block) or 256 for DeepSeek-V3 (whose small MLA
-projections are partial blocks).
+projections are partial blocks) and Lara-Mini (whose FP8 ``linear_attn.in_proj`` is dequantised,
+then split as transformers splits it).
 """
 
 from __future__ import annotations
@@ -32,8 +33,15 @@ from .conftest import token_batch
 SHAPES = {
     "deepseek_v3": {"hidden_size": 256, "moe_intermediate_size": 128, "intermediate_size": 256},
     "qwen3_moe": {"hidden_size": 320, "moe_intermediate_size": 128},
+    # Its hub layout's fused linear_attn.in_proj ships FP8 too: dequantised, then split.
+    "lara_mini": {"hidden_size": 256, "moe_intermediate_size": 128},
 }
-CASES = [("deepseek_v3", "per_expert"), ("qwen3_moe", "per_expert"), ("qwen3_moe", "fused")]
+CASES = [
+    ("deepseek_v3", "per_expert"),
+    ("qwen3_moe", "per_expert"),
+    ("qwen3_moe", "fused"),
+    ("lara_mini", "per_expert"),
+]
 WORKER = Path(__file__).with_name("fp8_memory_worker.py")
 
 
@@ -108,7 +116,7 @@ def test_kernel_storage_is_the_checkpoint_bytes(ckpts, family: str, layout: str)
         assert weights.weight_dtype == "fp8"
         (gu_w, gu_s), (dn_w, dn_s) = weights.storage
         inter = weights.spec.intermediate_size
-        if layout == "fused":
+        if f"{name}.gate_up_proj" in tensors:  # fused: also Lara-Mini's hub ("per_expert") layout
             want = [(gu_w, f"{name}.gate_up_proj"), (dn_w, f"{name}.down_proj")]
             scales = [
                 (gu_s, f"{name}.gate_up_proj_scale_inv"),
