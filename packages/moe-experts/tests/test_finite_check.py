@@ -43,7 +43,9 @@ def _file(tmp_path: Path, t: torch.Tensor) -> Path:
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=lambda d: str(d).removeprefix("torch."))
-@pytest.mark.parametrize("chunk", [64, 200, st.CHUNK_BYTES], ids=["64B", "200B", "default"])
+@pytest.mark.parametrize(
+    "chunk", [64, 100, 200, st.CHUNK_BYTES], ids=["64B", "100B", "200B", "default"]
+)
 def test_every_value_at_every_position_in_every_dtype(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, chunk: int
 ) -> None:

@@ -226,7 +226,8 @@ class Shards:
         checked = out.dtype.is_floating_point and out.element_size() > 1
         flat = out.view(-1)
         buf = memoryview(flat.view(torch.uint8).numpy())
-        size, step = out.element_size(), CHUNK_BYTES
+        size = out.element_size()
+        step = max(size, CHUNK_BYTES - CHUNK_BYTES % size)  # whole elements per chunk
         with file.open("rb") as f:
             f.seek(start)
             for lo in range(0, end - start, step):
