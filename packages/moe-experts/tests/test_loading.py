@@ -12,7 +12,12 @@ import torch
 import transformers
 from safetensors import safe_open
 from safetensors.torch import save_file
-from transformers import AutoModelForCausalLM
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForImageTextToText,
+    PreTrainedModel,
+)
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from moe_experts import KernelExperts, LoadError, is_placeholder, load_pretrained, wrap
@@ -22,38 +27,86 @@ from moe_experts.testing import tiny_config, tiny_model
 from .conftest import FAMILIES, token_batch
 
 LAYOUTS = ("per_expert", "fused")
-# load_pretrained builds AutoModelForCausalLM; the vision-language families (and Mistral 4,
-# which transformers maps only as an image-text-to-text model) are not loadable so.
+# Families transformers builds as a causal LM (the tied-head and MTP checks below look up
+# their causal-LM class); load_pretrained builds the others (Qwen3-VL-MoE, GLM-4.5V,
+# Mistral-Large-3, and Mistral 4, mapped only as image-text-to-text) as lm_class picks them.
 CAUSAL_FAMILIES = tuple(
     f for f in FAMILIES if tiny_config(f).model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 )
+# Multimodal checkpoints of families whose row is tested on the text model: the whole
+# image-text model, vision tower included, in its hub layout (``language_model.model.*``).
+MULTIMODAL_CASES = {"aria+vision": "aria"}
+CASES = (*FAMILIES, *MULTIMODAL_CASES)
+# Qwen3-VL-MoE's hub checkpoints ship their experts transposed (gate_up [E, H, 2I], down
+# [E, I, H]); transformers transposes only a tensor not already of the model's shape, so the
+# expert width must differ from H/2 and H for the transposition to show (and be tested).
+OVERRIDES = {"qwen3_vl_moe": {"moe_intermediate_size": 24}}
 
 # Hub-layout checkpoints whose *dense* weights transformers converts on load (Kimi-Linear's
-# q/k/v_conv1d concatenated into conv1d, Lara-Mini's fused in_proj split in four);
-# load_pretrained converts expert weights only, so it refuses them (key named in the error).
-DENSE_CONVERSIONS = {"kimi_linear": "q_conv1d", "lara_mini": "linear_attn.in_proj.weight"}
+# q/k/v_conv1d concatenated into conv1d, Lara-Mini's fused in_proj split in four,
+# Mistral-Large-3's vision q/k permuted for rotate-half RoPE); load_pretrained converts expert
+# weights only, so it refuses them (key named in the error).
+DENSE_CONVERSIONS = {
+    "kimi_linear": "q_conv1d",
+    "lara_mini": "linear_attn.in_proj.weight",
+    "mistral_large4": r"vision_tower\.transformer\.layers\.0\.attention\.w[kq]\.weight",
+}
+
+
+def _tiny(case: str) -> PreTrainedModel:
+    """The tiny model of a family, or of a multimodal case (its family's text config)."""
+    if case not in MULTIMODAL_CASES:
+        return tiny_model(case, **OVERRIDES.get(case, {}))
+    text = tiny_config(MULTIMODAL_CASES[case])
+    vision = {
+        "hidden_size": 16,
+        "intermediate_size": 16,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "patch_size": 4,
+        "image_size": 16,
+    }
+    config = AutoConfig.for_model("aria", text_config=text.to_dict(), vision_config=vision)
+    return AutoModelForImageTextToText.from_config(config)
+
+
+def _ship_transposed(path: Path) -> None:
+    """Rewrite Qwen3-VL-MoE's fused experts as its hub checkpoints ship them: [E, in, out]."""
+    for shard in sorted(path.glob("*.safetensors")):
+        with safe_open(str(shard), framework="pt") as f:
+            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (no dict)
+        moved = [k for k in tensors if re.search(r"experts\.(gate_up|down)_proj$", k)]
+        for key in moved:
+            tensors[key] = tensors[key].transpose(1, 2).contiguous()
+        if moved:
+            save_file(tensors, str(shard), metadata={"format": "pt"})
 
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], Path]:
-    """Each family saved twice, sharded small: hub-style per-expert keys and fused 3-D keys."""
+    """Each family saved twice, sharded small: the hub layout (per-expert keys where the hub
+    ships them) and fused 3-D keys; multimodal ones whole, vision tower included."""
     out = {}
-    for family in CAUSAL_FAMILIES:
+    for case in CASES:
         torch.manual_seed(1234)
-        model = tiny_model(family)  # random expert biases where the family has them
+        model = _tiny(case)  # random expert biases where the family has them
         for layout in LAYOUTS:
-            path = tmp_path_factory.mktemp(f"ckpt-{family}-{layout}")
+            path = tmp_path_factory.mktemp(f"ckpt-{case}-{layout}")
             model.save_pretrained(
                 path, max_shard_size="16KB", save_original_format=layout == "per_expert"
             )
-            out[(family, layout)] = path
+            if case == "qwen3_vl_moe" and layout == "per_expert":
+                _ship_transposed(path)
+            out[(case, layout)] = path
     return out
 
 
 def _reference(path: Path, dtype: torch.dtype, weight_dtype: str):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+        causal = checkpoint_model_type(path) in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+        auto = AutoModelForCausalLM if causal else AutoModelForImageTextToText
+        model = auto.from_pretrained(path, dtype=dtype).eval()
     wrap(model, weight_dtype=weight_dtype)  # type: ignore[arg-type]
     with torch.no_grad():
         for p in model.parameters():
@@ -71,7 +124,16 @@ def _kernels(model) -> dict[str, KernelExperts]:
 def test_checkpoints_really_use_both_layouts(checkpoints) -> None:
     # Families whose hub checkpoints store experts per expert (transformers converts them on
     # save_original_format); the newer families have no such conversion and save fused keys.
-    hub_per_expert = {"qwen3_moe", "qwen2_moe", "mixtral", "deepseek_v3", "olmoe", "deepseek_v4"}
+    hub_per_expert = {
+        "qwen3_moe",
+        "qwen2_moe",
+        "mixtral",
+        "deepseek_v3",
+        "olmoe",
+        "deepseek_v4",
+        "glm4v_moe",
+        "mistral_large4",
+    }
     for (family, layout), path in checkpoints.items():
         index = json.loads((path / "model.safetensors.index.json").read_text())
         keys = list(index["weight_map"])
@@ -79,13 +141,25 @@ def test_checkpoints_really_use_both_layouts(checkpoints) -> None:
         if family in hub_per_expert:
             per_expert = any(".experts.0." in k for k in keys)
             assert per_expert == (layout == "per_expert"), family
+    # Multimodal hub layouts as released: Aria's language_model.model.*, Qwen3-VL-MoE's
+    # experts transposed (gate_up [E, H, 2I], down [E, I, H]).
+    aria = json.loads(
+        (checkpoints[("aria+vision", "per_expert")] / "model.safetensors.index.json").read_text()
+    )
+    assert any(k.startswith("language_model.model.layers.") for k in aria["weight_map"])
+    path = checkpoints[("qwen3_vl_moe", "per_expert")]
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    for proj, shape in (("gate_up_proj", [8, 32, 48]), ("down_proj", [8, 24, 32])):
+        key = f"model.language_model.layers.0.mlp.experts.{proj}"
+        with safe_open(str(path / index["weight_map"][key]), framework="pt") as f:
+            assert f.get_slice(key).get_shape() == shape
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize(
     ("dtype", "weight_dtype"), [(torch.float32, "fp32"), (torch.bfloat16, "bf16")]
 )
-@pytest.mark.parametrize("family", CAUSAL_FAMILIES)
+@pytest.mark.parametrize("family", CASES)
 def test_bitwise_equal_to_from_pretrained_and_wrap(
     checkpoints, family: str, layout: str, dtype: torch.dtype, weight_dtype: str
 ) -> None:

@@ -44,6 +44,9 @@ class ExpertKeys:
     fused: dict[str, str] = field(default_factory=dict)
     # (expert, "gate" | "up" | "down") -> key
     per_expert: dict[tuple[int, str], str] = field(default_factory=dict)
+    # fused parameter -> the two dims swapped between the stored and the model's layout
+    # (Qwen3-VL-MoE ships gate_up [E, H, 2I] and down [E, I, H]; its model holds [E, 2I, H])
+    transposed: dict[str, tuple[int, int]] = field(default_factory=dict)
 
 
 class KeyMapper:
@@ -74,6 +77,29 @@ class KeyMapper:
         if renamed not in self._names and key in self._names:
             return key
         return renamed
+
+    def stored_transpose(
+        self, key: str, stored: tuple[int, ...], model: tuple[int, ...]
+    ) -> tuple[int, int] | None:
+        """The dims transformers swaps to load fused expert ``key``, or ``None``.
+
+        A family whose converter is one ``Transpose`` (Qwen3-VL-MoE's hub experts) is read
+        as ``from_pretrained`` reads it: with ``check_dims``, a tensor already of the model's
+        shape ``model`` is kept as stored (``stored`` is the checkpoint's shape).
+        """
+        from transformers.core_model_loading import Transpose
+
+        renamed = self.rename(key)
+        for conv in self._converters:
+            if conv.rename_source_key(renamed)[1] is None:
+                continue
+            ops = conv.operations
+            if len(ops) != 1 or not isinstance(ops[0], Transpose):
+                return None
+            if ops[0].check_dims and tuple(stored) == tuple(model):
+                return None
+            return ops[0].dim0, ops[0].dim1
+        return None
 
     def _role(self, site: MoEBlockSite, renamed: str, proj: str) -> str | None:
         """``"gate"``/``"up"``/``"down"`` of a per-expert key, from transformers' converters."""
@@ -204,7 +230,13 @@ def assemble(
                 t = reader.read(key, shape, model_dtype)
                 view = arch.kernel_rows(t, dim=1).reshape(e, 2, inter, h) if gu else t
             else:
-                t = reader.read(key, tuple(meta[param].shape), model_dtype)
+                shape = list(meta[param].shape)
+                dims = keys.transposed.get(param)
+                if dims is not None:  # stored transposed: read so, viewed in the model's layout
+                    shape[dims[0]], shape[dims[1]] = shape[dims[1]], shape[dims[0]]
+                t = reader.read(key, tuple(shape), model_dtype)
+                if dims is not None:
+                    t = t.transpose(*dims)
                 view = arch.kernel_gate_up(t) if gu else arch.kernel_down(t)
             dst.copy_(view)
             del t, view

@@ -29,6 +29,7 @@ from moe_experts.architectures import (
     checkpoint_model_type,
     find_architecture,
     iter_moe_blocks,
+    lm_class,
     require_transformers,
 )
 from moe_experts.checkpoint_experts import (
@@ -269,7 +270,7 @@ def load_pretrained(
         TransformersVersionError: the installed transformers is older than the family needs.
         WrapError: an unknown ``weight_dtype``/``policy`` or an unsupported activation.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     # Bad arguments fail before any file is read.
     weight_dtype = storage_name(weight_dtype) if weight_dtype is not None else None
@@ -316,7 +317,7 @@ def load_pretrained(
     )
     with _parameters_on_meta():
         # transformers: _BaseAutoModelClass.from_config is unannotated
-        model: PreTrainedModel = AutoModelForCausalLM.from_config(config, dtype=dtype)  # type: ignore[no-untyped-call]
+        model: PreTrainedModel = lm_class(model_type).from_config(config, dtype=dtype)
     arch = find_architecture(model)
     sites = list(iter_moe_blocks(model, arch))
     mapper = KeyMapper(model, sites)
@@ -334,6 +335,12 @@ def load_pretrained(
         keys = expert_keys[site.experts_name]
         if isinstance(slot, str):
             keys.fused[slot] = key
+            if not reader.ships(key):
+                stored = shards.info(where[key], key)[0]
+                model_shape = getattr(getattr(site.block, site.arch.experts_attr), slot).shape
+                dims = mapper.stored_transpose(key, stored, tuple(model_shape))
+                if dims is not None:
+                    keys.transposed[slot] = dims
         else:
             keys.per_expert[slot] = key
 

@@ -118,21 +118,9 @@ def pretrained_class(source: Path) -> Any:
     Raises:
         LoadError: ``source`` has no readable ``config.json``.
     """
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
-    from transformers.models.auto.modeling_auto import (
-        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
-        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
-    )
+    from moe_experts.architectures import checkpoint_model_type, lm_class
 
-    from moe_experts.architectures import checkpoint_model_type
-
-    model_type = checkpoint_model_type(source)
-    if (
-        model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-        and model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
-    ):
-        return AutoModelForImageTextToText
-    return AutoModelForCausalLM
+    return lm_class(checkpoint_model_type(source))
 
 
 def load_model(
