@@ -290,6 +290,41 @@ def test_wrong_fused_and_dense_shapes(ckpt_copy) -> None:
         load_pretrained(path, weight_dtype="fp32", dtype=torch.float32)
 
 
+@pytest.mark.parametrize(
+    ("case", "key", "bad"),
+    [
+        ("qwen3_vl_moe", "model.language_model.layers.1.mlp.experts.down_proj", (8, 5, 32)),
+        ("qwen3_vl_moe", "model.visual.blocks.0.attn.qkv.weight", (3, 3)),
+        ("glm4v_moe", "model.language_model.layers.1.mlp.experts.2.up_proj.weight", (5, 7)),
+        ("aria+vision", "language_model.model.layers.0.mlp.experts.fc2.weight", (4, 5, 7)),
+        ("aria+vision", "vision_tower.encoder.layers.0.mlp.fc1.weight", (3, 3)),
+    ],
+)
+def test_multimodal_missing_or_misshaped_tensor_names_file_and_key(
+    ckpt_copy, case: str, key: str, bad: tuple[int, ...]
+) -> None:
+    # Hub layouts (Qwen3-VL-MoE's transposed experts included): one LoadError naming the key
+    # and its file (a wrong shape) or the checkpoint directory (a missing tensor).
+    path = ckpt_copy(case, "per_expert")
+    shard = _rewrite_shard(path, key, torch.zeros(bad))
+    shape = re.escape(str(list(bad)))
+    with pytest.raises(
+        LoadError, match=rf"^{shard.name}: tensor '{re.escape(key)}' has shape {shape}"
+    ):
+        load_pretrained(path, weight_dtype="fp32", dtype=torch.float32)
+    _rewrite_shard(path, key, None)
+    with pytest.raises(LoadError) as info:
+        load_pretrained(path, weight_dtype="fp32", dtype=torch.float32)
+    assert str(path) in str(info.value)
+    model_key = key.replace("language_model.model.", "model.language_model.")
+    model_key = model_key.replace("vision_tower.", "model.vision_tower.")
+    model_key = re.sub(r"experts\.fc2\.weight", "experts.down_proj", model_key)
+    if ".experts.2." in key:  # per-expert: named by expert and role
+        assert "no up weight for expert 2" in str(info.value)
+    else:
+        assert model_key in str(info.value)
+
+
 def test_missing_dense_key_and_files(ckpt_copy, tmp_path: Path) -> None:
     path = ckpt_copy("olmoe", "per_expert")
     _rewrite_shard(path, "model.layers.1.self_attn.q_proj.weight", None)

@@ -36,6 +36,20 @@ __all__ = [
 _PER_EXPERT = re.compile(r"^(\d+)\.(.+)$")
 
 
+def _where(reader: ShippedReader) -> str:
+    """The checkpoint directory, for a message about a tensor it lacks."""
+    dirs = sorted({str(p.parent) for p in reader.where.values()})
+    return dirs[0] if len(dirs) == 1 else "the checkpoint"
+
+
+def _missing(reader: ShippedReader, name: str, what: str) -> LoadError:
+    """The error for a tensor of experts module ``name`` that the checkpoint lacks."""
+    return LoadError(
+        f"{name}: {_where(reader)} has no {what}; the checkpoint is incomplete or was saved "
+        "from a different model (compare its model.safetensors.index.json with the config)"
+    )
+
+
 @dataclass
 class ExpertKeys:
     """Where one experts module's weights are in the checkpoint."""
@@ -142,19 +156,23 @@ class KeyMapper:
         return None
 
 
-def per_expert_key(keys: ExpertKeys, name: str, e: int, x: int, role: str) -> str:
+def per_expert_key(
+    keys: ExpertKeys, reader: ShippedReader, name: str, e: int, x: int, role: str
+) -> str:
     """The checkpoint key of expert ``x``'s ``role`` weight; a missing one names what is there."""
     key = keys.per_expert.get((x, role))
     if key is None:
         raise LoadError(
-            f"{name}: the checkpoint has no {role} weight for expert {x} (expected "
+            f"{name}: {_where(reader)} has no {role} weight for expert {x} (expected "
             f"a key like '{name}.{x}.<{role} proj>.weight'); it holds "
             f"{len(keys.per_expert)} of the {3 * e} per-expert tensors"
         )
     return key
 
 
-def expert_slots(site: MoEBlockSite, keys: ExpertKeys, e: int) -> list[tuple[str, str, int | None]]:
+def expert_slots(
+    site: MoEBlockSite, keys: ExpertKeys, reader: ShippedReader, e: int
+) -> list[tuple[str, str, int | None]]:
     """``(key, "gate"|"up"|"down"|"gate_up", expert or None)`` of one block, in storage order.
 
     Raises:
@@ -171,12 +189,12 @@ def expert_slots(site: MoEBlockSite, keys: ExpertKeys, e: int) -> list[tuple[str
         for part, param in (("gate_up", site.arch.gate_up_param), ("down", site.arch.down_param)):
             key = keys.fused.get(param)
             if key is None:
-                raise LoadError(f"{name}: the checkpoint has no fused {param} tensor for it")
+                raise _missing(reader, name, f"fused tensor for '{name}.{param}'")
             out.append((key, part, None))
         return out
     for x in range(e):
         for role in ("gate", "up", "down"):
-            key = per_expert_key(keys, name, e, x, role)
+            key = per_expert_key(keys, reader, name, e, x, role)
             out.append((key, role, x))
     # Down last, so the first and last slots name one tensor of each bank.
     return sorted(out, key=lambda slot: slot[1] == "down")
@@ -213,7 +231,7 @@ def assemble(
     for param in arch.bias_params:
         key = keys.fused.get(param)
         if key is None:
-            raise LoadError(f"{name}: the checkpoint has no {param} tensor for it")
+            raise _missing(reader, name, f"tensor for '{name}.{param}'")
         biases[param] = reader.read(key, tuple(meta[param].shape), model_dtype)
     if keys.fused.keys() - set(arch.bias_params):
         for param, dst in (
@@ -223,7 +241,7 @@ def assemble(
         ):
             key = keys.fused.get(param)
             if key is None:
-                raise LoadError(f"{name}: the checkpoint has no fused {param} tensor for it")
+                raise _missing(reader, name, f"fused tensor for '{name}.{param}'")
             gu = param == arch.gate_up_param
             if reader.ships(key):  # dequantised parts: [E, out, in], rows in the family's order
                 shape = (e, 2 * inter, h) if gu else (e, h, inter)
@@ -234,9 +252,16 @@ def assemble(
                 dims = keys.transposed.get(param)
                 if dims is not None:  # stored transposed: read so, viewed in the model's layout
                     shape[dims[0]], shape[dims[1]] = shape[dims[1]], shape[dims[0]]
-                t = reader.read(key, tuple(shape), model_dtype)
-                if dims is not None:
-                    t = t.transpose(*dims)
+                if dims is None:
+                    t = reader.read(key, tuple(shape), model_dtype)
+                else:
+                    try:
+                        t = reader.read(key, tuple(shape), model_dtype).transpose(*dims)
+                    except LoadError as exc:
+                        raise LoadError(
+                            f"{exc} (stored transposed, as {arch.family} hub checkpoints ship "
+                            f"it: the model's {list(meta[param].shape)} with dims {dims} swapped)"
+                        ) from exc
                 view = arch.kernel_gate_up(t) if gu else arch.kernel_down(t)
             dst.copy_(view)
             del t, view
@@ -247,7 +272,7 @@ def assemble(
             ("up", gate_up[x, inter:]),
             ("down", down[x]),
         ):
-            key = per_expert_key(keys, name, e, x, role)
+            key = per_expert_key(keys, reader, name, e, x, role)
             t = reader.read(key, tuple(dst.shape), model_dtype)
             dst.copy_(t)
             del t
@@ -271,7 +296,7 @@ def read_biases(
     for param in arch.bias_params:
         key = keys.fused.get(param)
         if key is None:
-            raise LoadError(f"{site.experts_name}: the checkpoint has no {param} tensor for it")
+            raise _missing(reader, site.experts_name, f"tensor for '{site.experts_name}.{param}'")
         stored[param] = reader.read(key, tuple(meta[param].shape), model_dtype)
     gate_up_bias = stored.get(arch.gate_up_bias_param or "")
     if gate_up_bias is not None:
@@ -301,7 +326,7 @@ def shipped_parts(
     """
     arch, name = site.arch, site.experts_name
     e, h, i = spec.num_experts, spec.hidden_size, spec.intermediate_size
-    slots = expert_slots(site, keys, e)
+    slots = expert_slots(site, keys, reader, e)
     for key, _, _ in slots:
         if not reader.ships(key):
             dtype = reader.shards.info(reader.where[key], key)[1]
