@@ -18,7 +18,10 @@ from transformers import (
     AutoModelForImageTextToText,
     PreTrainedModel,
 )
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+from transformers.models.auto.modeling_auto import (
+    MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+    MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+)
 
 from moe_experts import KernelExperts, LoadError, is_placeholder, load_pretrained, wrap
 from moe_experts.architectures import checkpoint_model_type
@@ -458,15 +461,17 @@ def test_shipped_head_is_kept_as_from_pretrained_keeps_it(
         assert torch.equal(got(ids).logits, ref(ids).logits)
 
 
-# Families whose causal LM declares its released checkpoint's multi-token-prediction layer
+# Families whose model class declares its released checkpoint's multi-token-prediction layer
 # (``model\\.layers\\.61.*``: the layer after the last) unexpected-and-ignored.
 MTP_FAMILIES = tuple(
     f
-    for f in CAUSAL_FAMILIES
+    for f in FAMILIES
     if any(
         re.search(r"layers\\\.\d", p)
         for p in getattr(
-            transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[tiny_config(f).model_type]
+            transformers,
+            MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(tiny_config(f).model_type)
+            or MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES[tiny_config(f).model_type],
         )._keys_to_ignore_on_load_unexpected
         or ()
     )
@@ -474,7 +479,7 @@ MTP_FAMILIES = tuple(
 
 
 def test_mtp_families_are_found() -> None:
-    assert {"deepseek_v3", "glm4_moe", "glm4_moe_lite"} <= set(MTP_FAMILIES)
+    assert {"deepseek_v3", "glm4_moe", "glm4_moe_lite", "glm4v_moe"} <= set(MTP_FAMILIES)
 
 
 @pytest.mark.parametrize("family", MTP_FAMILIES)
@@ -486,14 +491,17 @@ def test_multi_token_prediction_layer_is_ignored(ckpt_copy, family: str) -> None
     path = ckpt_copy(family, "per_expert")
     index_file = path / "model.safetensors.index.json"
     index = json.loads(index_file.read_text())
-    config = tiny_config(family)
+    config = tiny_config(family).get_text_config()
     n, h, vocab = config.num_hidden_layers, config.hidden_size, config.vocab_size
-    last = f"model.layers.{n - 1}."
+    # GLM-4.5V ships it in its language model: model.language_model.layers.46 of 46
+    nested = any(k.startswith("model.language_model.layers.") for k in index["weight_map"])
+    layers = "model.language_model.layers" if nested else "model.layers"
+    last = f"{layers}.{n - 1}."
     extra = {}
     for key, shard in index["weight_map"].items():
         if key.startswith(last):
             with safe_open(str(path / shard), framework="pt") as f:
-                extra[key.replace(last, f"model.layers.{n}.")] = f.get_tensor(key).clone()
+                extra[key.replace(last, f"{layers}.{n}.")] = f.get_tensor(key).clone()
     assert any(".mlp.experts.0." in k for k in extra)
     for name, shape in [
         ("eh_proj.weight", (h, 2 * h)),
@@ -503,7 +511,7 @@ def test_multi_token_prediction_layer_is_ignored(ckpt_copy, family: str) -> None
         ("shared_head.head.weight", (vocab, h)),
         ("embed_tokens.weight", (vocab, h)),
     ]:
-        extra[f"model.layers.{n}.{name}"] = torch.randn(shape)
+        extra[f"{layers}.{n}.{name}"] = torch.randn(shape)
     save_file(extra, str(path / "mtp.safetensors"), metadata={"format": "pt"})
     index["weight_map"].update(dict.fromkeys(extra, "mtp.safetensors"))
     index_file.write_text(json.dumps(index))
@@ -513,8 +521,8 @@ def test_multi_token_prediction_layer_is_ignored(ckpt_copy, family: str) -> None
     with torch.no_grad():
         assert torch.equal(got(ids).logits, ref(ids).logits)
     # A layer beyond the MTP one is still a checkpoint of another model: refused by name.
-    save_file({f"model.layers.{n + 1}.enorm.weight": torch.ones(h)}, str(path / "x.safetensors"))
-    index["weight_map"][f"model.layers.{n + 1}.enorm.weight"] = "x.safetensors"
+    save_file({f"{layers}.{n + 1}.enorm.weight": torch.ones(h)}, str(path / "x.safetensors"))
+    index["weight_map"][f"{layers}.{n + 1}.enorm.weight"] = "x.safetensors"
     index_file.write_text(json.dumps(index))
-    with pytest.raises(LoadError, match=rf"does not have: \['model\.layers\.{n + 1}\.enorm"):
+    with pytest.raises(LoadError, match=rf"does not have: \['{re.escape(layers)}\.{n + 1}\.enorm"):
         load_pretrained(path, weight_dtype="fp32", dtype=torch.float32)

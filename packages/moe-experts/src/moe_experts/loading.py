@@ -58,7 +58,8 @@ if TYPE_CHECKING:
 
 __all__ = ["CheckpointSource", "load_pretrained"]
 
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+# GLM-4.5V: model.language_model.layers.N (its causal-LM siblings: model.layers.N)
+_LAYER = re.compile(r"^model\.(?:language_model\.)?layers\.(\d+)\.")
 
 
 @contextmanager
