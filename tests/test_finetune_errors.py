@@ -233,3 +233,40 @@ def test_hostile_model_directory_is_one_error_line(
     assert "transformers could not" not in line
     assert "gradient" not in line
     assert not (tmp_path / "out" / "checkpoints").exists()
+
+
+@pytest.mark.timeout(200)
+def test_run_finetune_from_python_makes_its_output_or_says_why(
+    tmp_path: Path, model_cache: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # The CLI makes --output before the run; a Python caller gets the same, not a raw OSError.
+    monkeypatch.setenv("MOE_EXPERTS_CACHE", str(model_cache))
+    from moe_experts.finetune import FinetuneError
+    from moe_experts.finetune.config import FinetuneArgs
+    from moe_experts.finetune.run import run_finetune
+
+    args = FinetuneArgs(steps=1, batch_size=2, seq_len=16, output=tmp_path / "new" / "run")
+    summary = run_finetune(args)
+    assert summary.checkpoint is not None
+    assert summary.checkpoint.is_dir()
+    assert summary.checkpoint.is_relative_to(tmp_path / "new" / "run")
+    (tmp_path / "file").write_text("x")
+    with pytest.raises(FinetuneError, match=r"output .*file.* is under the file"):
+        run_finetune(FinetuneArgs(steps=1, output=tmp_path / "file" / "run"))
+
+
+@pytest.mark.timeout(200)
+def test_a_failed_run_leaves_no_empty_output_behind(
+    tmp_path: Path, cli, assert_clean_error
+) -> None:
+    # Bad records are found after --output is made; the run removes the directory it made,
+    # and keeps one that was there before.
+    data = tmp_path / "bad.jsonl"
+    data.write_text('{"text": "fine"}\n{"nope": 1}\n')
+    new, old = tmp_path / "new" / "run", tmp_path / "old"
+    old.mkdir()
+    for out in (new, old):
+        args = ["--data", str(data), "--steps", "1", "--output", str(out)]
+        assert_clean_error(cli.run(args), "bad.jsonl")
+    assert not new.exists()
+    assert old.is_dir()

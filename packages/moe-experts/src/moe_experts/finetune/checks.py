@@ -179,7 +179,12 @@ def check_output_path(output: Path, flag: str) -> None:
             break
 
 
-def _writable_dir(output: Path, flag: str) -> None:
+def writable_dir(output: Path, flag: str) -> None:
+    """Make ``output`` (and its parents) a directory this process can write into.
+
+    Raises:
+        FinetuneError: it is, or lies under, a file, or cannot be created or written.
+    """
     check_output_path(output, flag)
     try:
         output.mkdir(parents=True, exist_ok=True)
@@ -204,7 +209,7 @@ def prepare_output(
         FinetuneError: the output is under a file, not writable, or holds another run.
     """
     flag = sources["output"]
-    _writable_dir(args.output, flag)
+    writable_dir(args.output, flag)
     found = existing_checkpoints(args.output)
     if found and args.resume is None and not overwrite:
         raise FinetuneError(

@@ -9,6 +9,7 @@ SIGINT/SIGTERM after saving a checkpoint (the resume command is printed).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import difflib
 import importlib
 import os
@@ -221,8 +222,12 @@ def resume_command(argv: Sequence[str], prog: str, output: Path) -> str:
     return shlex.join([*_launcher(prog), *kept, "--resume", str(output / "checkpoints")])
 
 
-def _prepare(ns: argparse.Namespace) -> FinetuneArgs:
-    """Resolve and check everything that can be checked before a model loads."""
+def _prepare(ns: argparse.Namespace, made: list[Path]) -> FinetuneArgs:
+    """Resolve and check everything that can be checked before a model loads.
+
+    ``made`` receives ``--output`` when this run creates it (removed again if the run fails
+    before writing anything there).
+    """
     from moe_experts.finetune import checks
     from moe_experts.finetune.config import lora_config, render_config, resolve_args
 
@@ -251,6 +256,8 @@ def _prepare(ns: argparse.Namespace) -> FinetuneArgs:
     from moe_experts.finetune.devices import check_devices
 
     check_devices(args, sources)  # --device cuda without CUDA etc.: before the model loads
+    if not args.output.exists():
+        made.append(args.output)
     checks.prepare_output(
         args, sources, overwrite=ns.overwrite, rank=int(os.environ.get("RANK", "0"))
     )
@@ -285,9 +292,10 @@ def _train(ns: argparse.Namespace, argv: list[str], prog: str) -> tuple[int, obj
     from moe_experts.finetune.interrupts import StopRequest
 
     lead = int(os.environ.get("RANK", "0")) == 0
+    made: list[Path] = []
     try:
         with StopRequest() as stop:
-            args = _prepare(ns)
+            args = _prepare(ns, made)
             if ns.print_config:
                 return 0, None
             from transformers.utils import logging as hf_logging
@@ -309,8 +317,17 @@ def _train(ns: argparse.Namespace, argv: list[str], prog: str) -> tuple[int, obj
                 print(f"resume with:\n  {resume_command(argv, prog, args.output)}", file=sys.stderr)
         return 128 + exc.signum, None
     except FinetuneError as exc:
+        if lead:
+            _drop_if_empty(made)
         return report_error(exc, debug=ns.debug), None
     return 0, summary
+
+
+def _drop_if_empty(made: list[Path]) -> None:
+    """Remove an output directory this failed run created and left empty (no litter)."""
+    for path in made:
+        with contextlib.suppress(OSError):  # rmdir only ever removes an empty directory
+            path.rmdir()
 
 
 def _distributed() -> bool:

@@ -11,6 +11,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from moe_experts.finetune.checks import writable_dir
 from moe_experts.finetune.config import FinetuneArgs, lora_config
 from moe_experts.finetune.data import (
     Batch,
@@ -182,6 +183,7 @@ def run_finetune(args: FinetuneArgs, stop: StopRequest | None = None) -> Finetun
     from lora_core import LoraTargetError, rebind_parameters
 
     lora_config(args)  # a bad lora setting fails before the data and the model load
+    writable_dir(args.output, "output")  # the CLI made it already; a Python caller may not have
     samples, eval_samples = _read_samples(args)  # bad records fail before the model loads
     placement = resolve_placement(args.device, args.lora_dtype)  # checked by the CLI already
     # Nothing to save yet, and joining waits in C++ where no Python handler runs: a peer that
