@@ -248,15 +248,14 @@ def assemble(
                 t = reader.read(key, shape, model_dtype)
                 view = arch.kernel_rows(t, dim=1).reshape(e, 2, inter, h) if gu else t
             else:
-                shape = list(meta[param].shape)
                 dims = keys.transposed.get(param)
-                if dims is not None:  # stored transposed: read so, viewed in the model's layout
-                    shape[dims[0]], shape[dims[1]] = shape[dims[1]], shape[dims[0]]
                 if dims is None:
-                    t = reader.read(key, tuple(shape), model_dtype)
-                else:
+                    t = reader.read(key, tuple(meta[param].shape), model_dtype)
+                else:  # stored transposed: read so, viewed in the model's layout
+                    stored = list(meta[param].shape)
+                    stored[dims[0]], stored[dims[1]] = stored[dims[1]], stored[dims[0]]
                     try:
-                        t = reader.read(key, tuple(shape), model_dtype).transpose(*dims)
+                        t = reader.read(key, tuple(stored), model_dtype).transpose(*dims)
                     except LoadError as exc:
                         raise LoadError(
                             f"{exc} (stored transposed, as {arch.family} hub checkpoints ship "
