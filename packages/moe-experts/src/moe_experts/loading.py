@@ -220,13 +220,19 @@ def load_pretrained(
     policy: Policy = "save",
     share_experts: bool | None = None,
 ) -> nn.Module:
-    """Build a causal LM from a local checkpoint with its experts streamed onto kt-kernel.
+    """Build a model with its LM head from a local checkpoint, experts streamed onto kt-kernel.
 
     Equivalent to ``AutoModelForCausalLM.from_pretrained(path, dtype=dtype)`` followed by
     :func:`moe_experts.wrap` ``(model, weight_dtype=weight_dtype, policy=policy)``, bitwise, but
     without ever holding the model's experts in ``dtype``: at most one MoE block's experts are
     resident beyond the final footprint. Checkpoint experts may be per-expert 2-D keys (as hub
-    checkpoints ship them, e.g. ``mlp.experts.{e}.gate_proj.weight``) or fused 3-D tensors.
+    checkpoints ship them, e.g. ``mlp.experts.{e}.gate_proj.weight``) or fused 3-D tensors,
+    also stored transposed where transformers' converter transposes them (Qwen3-VL-MoE).
+
+    A multimodal checkpoint that transformers maps to no causal LM (Qwen3-VL-MoE, GLM-4.5V,
+    Aria, Mistral-Large-3; and Mistral 4) is built with ``AutoModelForImageTextToText``
+    (:func:`moe_experts.architectures.lm_class`) and equals its ``from_pretrained`` + ``wrap``:
+    the vision tower loads like any dense weight, the experts stream.
 
     FP8-block checkpoints (DeepSeek-V3 style: ``weight`` in float8_e4m3fn plus
     ``weight_scale_inv`` per 128x128 block, ``quantization_config`` ``quant_method: fp8`` in
