@@ -432,14 +432,16 @@ inline void act_bwd(const at::Tensor& gu, const at::Tensor& gh, const at::Tensor
   }
 }
 
-// out[t] = sum_j w[t, j] * src[pos[t, j]] (w undefined: weight 1), tokens in parallel.
+// out[t] = sum_j w[t, j] * src[pos[t, j]] (w undefined: weight 1), tokens in parallel;
+// each thread's CPU time is added to *cpu_ns when given (the profile).
 inline at::Tensor scatter(const at::Tensor& src, const at::Tensor& pos, const at::Tensor& w,
-                   int64_t tokens, int64_t k) {
+                   int64_t tokens, int64_t k, std::atomic<int64_t>* cpu_ns = nullptr) {
   const int64_t hidden = src.size(1);
   at::Tensor out = at::empty({tokens, hidden}, src.options());
   const auto& kt = kernels();
   const int64_t* p = pos.data_ptr<int64_t>();
   at::parallel_for(0, tokens, 16, [&](int64_t t0, int64_t t1) {
+    const int64_t c0 = cpu_ns ? thread_ns() : 0;
     switch (src.scalar_type()) {
       case at::kFloat:
         kt.scatter_f32(src.data_ptr<float>(), p, w.defined() ? w.data_ptr<float>() : nullptr,
@@ -457,6 +459,7 @@ inline at::Tensor scatter(const at::Tensor& src, const at::Tensor& pos, const at
       default:
         TORCH_CHECK(false, "unsupported dtype ", src.scalar_type());
     }
+    if (cpu_ns) *cpu_ns += thread_ns() - c0;
   });
   return out;
 }

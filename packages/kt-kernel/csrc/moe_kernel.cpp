@@ -36,13 +36,14 @@ namespace {
 enum Phase {
   kRoute, kPrep, kGather, kGemmGateUp, kLoraGateUp, kAct, kGemmDown, kLoraDown, kScatter,
   kBwdGemmDown, kBwdLoraDown, kActBwd, kBwdLoraGateUp, kBwdGemmGateUp, kWeightGrad,
-  kBwdScatter, kRecompute, kDequant, kPhaseCount
+  kBwdScatter, kRecompute, kDequant, kSetup, kPhaseCount
 };
 const char* kPhaseNames[] = {
     "route", "prepare_lora", "gather", "gemm_gate_up", "lora_gate_up", "activation",
     "gemm_down", "lora_down", "scatter", "bwd_gemm_down", "bwd_lora_down", "activation_bwd",
     "bwd_lora_gate_up", "bwd_gemm_gate_up", "lora_weight_grad", "bwd_scatter", "recompute",
-    "dequantize"};  // dequantize: the tile loaders' part of the gemm phases
+    "dequantize",  // the tile loaders' part of the gemm phases
+    "setup"};      // serial: argument checks, saved-routing check, routing weights per row
 std::atomic<int64_t> g_phase_ns[kPhaseCount];
 
 struct Timer {
@@ -52,6 +53,53 @@ struct Timer {
   ~Timer() { g_phase_ns[phase] += common::thread_ns() - t0; }
 };
 #define KT_TIME(p) Timer kt_timer_##p(p)
+
+// Thread imbalance of the parallel regions, read by profile_regions() for the benchmark: per
+// region, summed over calls, the wall time, threads x wall, the threads' summed and largest
+// busy (thread CPU) time, and the tail (wall from the first thread's last task end to the last's).
+enum Region { kRegFwd, kRegBwd, kRegGrad, kRegionCount };
+const char* kRegionNames[] = {"forward_tasks", "backward_tasks", "lora_weight_grad"};
+const char* kRegionFields[] = {"calls", "threads", "wall", "slots", "busy", "max_busy", "tail"};
+constexpr int kRegionFieldCount = 7;
+std::atomic<int64_t> g_region[kRegionCount][kRegionFieldCount];
+
+inline int64_t wall_ns() {
+  timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return static_cast<int64_t>(ts.tv_sec) * 1000000000 + ts.tv_nsec;
+}
+
+// common::run_tasks with the region's per-thread busy time recorded (two clock reads per task).
+template <typename Fn>
+void run_region(Region rg, int64_t n, const Fn& fn) {
+  if (n == 0) return;
+  const int threads = static_cast<int>(std::min<int64_t>(common::kernel_threads(), n));
+  std::vector<int64_t> busy(threads, 0), done(threads, 0);
+  const int64_t w0 = wall_ns();
+  common::run_tasks(n, [&](int64_t i) {
+    const int tid = omp_get_thread_num();
+    const int64_t t0 = common::thread_ns();
+    fn(i);
+    if (tid < threads) {  // each slot is written by its own thread only
+      busy[tid] += common::thread_ns() - t0;
+      done[tid] = wall_ns();
+    }
+  });
+  const int64_t wall = wall_ns() - w0;
+  int64_t sum = 0, mx = 0, first = std::numeric_limits<int64_t>::max(), last = 0;
+  for (int t = 0; t < threads; ++t) {
+    sum += busy[t];
+    mx = std::max(mx, busy[t]);
+    if (done[t] > 0) {
+      first = std::min(first, done[t]);
+      last = std::max(last, done[t]);
+    }
+  }
+  std::atomic<int64_t>* g = g_region[rg];
+  const int64_t vals[kRegionFieldCount] = {
+      1, threads, wall, threads * wall, sum, mx, last > 0 ? last - first : 0};
+  for (int f = 0; f < kRegionFieldCount; ++f) g[f] += vals[f];
+}
 
 using common::Lora;
 using common::Projection;
@@ -303,9 +351,12 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> forward(
     std::vector<at::Tensor> lora_t, double scaling, bool fused, bool save, int64_t tile_rows) {
   at::NoGradGuard no_grad;
   for (auto& t : lora_t) t = t.defined() ? t.detach() : t;
-  const Call c = prepare(x_in, ids_in, w_in, format, gate_up, down, gate_up_bias, down_bias,
-                         num_experts, intermediate_size, activation, activation_params, lora_t,
-                         fused, tile_rows);
+  const Call c = [&] {
+    KT_TIME(kSetup);
+    return prepare(x_in, ids_in, w_in, format, gate_up, down, gate_up_bias, down_bias,
+                   num_experts, intermediate_size, activation, activation_params, lora_t, fused,
+                   tile_rows);
+  }();
   const at::Tensor& x = c.x;
   const int64_t tokens = c.tokens, hidden = c.hidden, k = c.k, inter = c.inter;
   Routing rt = [&] {
@@ -327,7 +378,7 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> forward(
   at::Tensor zd = l.on ? at::empty({np, l.rank}, opts) : at::empty({0}, opts);
   const int64_t* perm = rt.perm.data_ptr<int64_t>();
   std::vector<Task> tasks = make_tasks(rt.offsets, tile_rows);
-  run_tasks(static_cast<int64_t>(tasks.size()), [&](int64_t i) {
+  run_region(kRegFwd, static_cast<int64_t>(tasks.size()), [&](int64_t i) {
     const Task& tk = tasks[i];
     const int64_t b = tk.begin, m = tk.end - tk.begin, e = tk.expert;
     {
@@ -356,10 +407,8 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> forward(
       o_t.addmm_(zd_t, l.b_down[e].t(), 1.0, l.s);
     }
   });
-  at::Tensor y = [&] {
-    KT_TIME(kScatter);
-    return scatter(out, rt.pos, c.w, tokens, k);
-  }();
+  // Timed inside: scatter runs on torch's threads, which a timer here would not see.
+  at::Tensor y = scatter(out, rt.pos, c.w, tokens, k, &g_phase_ns[kScatter]);
   std::vector<at::Tensor> saved = {rt.perm, rt.pos, rt.offsets};
   if (save) {
     saved.push_back(gu);
@@ -378,6 +427,7 @@ std::tuple<at::Tensor, at::Tensor, std::vector<at::Tensor>> backward(
     std::vector<at::Tensor> lora_t, double scaling, bool fused, std::vector<at::Tensor> saved,
     bool need_dx, int64_t tile_rows) {
   at::NoGradGuard no_grad;
+  std::optional<Timer> setup_timer(std::in_place, kSetup);  // ends before the parallel region
   for (auto& t : lora_t) t = t.defined() ? t.detach() : t;
   const Call c = prepare(x_in, ids_in, w_in, format, gate_up, down, gate_up_bias, down_bias,
                          num_experts, intermediate_size, activation, activation_params, lora_t,
@@ -439,7 +489,8 @@ std::tuple<at::Tensor, at::Tensor, std::vector<at::Tensor>> backward(
   at::Tensor q = l.on ? at::empty({np, r}, opts) : at::Tensor();
   at::Tensor dz = l.on ? at::empty({np, ra}, opts) : at::Tensor();
   std::vector<Task> tasks = make_tasks(rt.offsets, tile_rows);
-  run_tasks(static_cast<int64_t>(tasks.size()), [&](int64_t i) {
+  setup_timer.reset();
+  run_region(kRegBwd, static_cast<int64_t>(tasks.size()), [&](int64_t i) {
     const Task& tk = tasks[i];
     const int64_t b = tk.begin, m = tk.end - tk.begin, e = tk.expert;
     at::Tensor gu_t;
@@ -501,8 +552,9 @@ std::tuple<at::Tensor, at::Tensor, std::vector<at::Tensor>> backward(
 
   std::vector<at::Tensor> grads;
   if (l.on) {
-    KT_TIME(kWeightGrad);
     // Weight gradients: one GEMM per row tile of an expert, summed in order (fixed reduction).
+    // Timed on each thread: a timer around the region would see the calling thread only.
+    std::optional<Timer> prep_timer(std::in_place, kWeightGrad);
     at::Tensor w_col = w_rows.to(opts.dtype()).unsqueeze(1);
     at::Tensor qw = q * w_col;    // dL/d(A_down h) / s, per row
     at::Tensor zdw = zd * w_col;  // routing weight folded into the down LoRA input
@@ -513,7 +565,9 @@ std::tuple<at::Tensor, at::Tensor, std::vector<at::Tensor>> backward(
     at::Tensor d_ad = at::zeros_like(l.a_down);
     at::Tensor d_bd = at::zeros_like(l.b_down);
     const int64_t* off = rt.offsets.data_ptr<int64_t>();
-    run_tasks(num_e, [&](int64_t e) {
+    prep_timer.reset();
+    run_region(kRegGrad, num_e, [&](int64_t e) {
+      KT_TIME(kWeightGrad);
       at::Tensor d_bd_e = d_bd[e], d_ad_e = d_ad[e], d_acat_e = d_acat[e];
       at::Tensor d_bbd_e = fused ? d_bbd[e] : at::Tensor();
       at::Tensor d_bg_e = fused ? at::Tensor() : d_bg[e];
@@ -538,8 +592,9 @@ std::tuple<at::Tensor, at::Tensor, std::vector<at::Tensor>> backward(
       grads = {d_acat.narrow(1, 0, r), d_bg, d_acat.narrow(1, r, r), d_bu, d_ad, d_bd};
     }
   }
+  at::Tensor dx = need_dx ? scatter(dxs, rt.pos, at::Tensor(), tokens, k, &g_phase_ns[kBwdScatter])
+                          : at::empty({0}, opts);
   KT_TIME(kBwdScatter);
-  at::Tensor dx = need_dx ? scatter(dxs, rt.pos, at::Tensor(), tokens, k) : at::empty({0}, opts);
   at::Tensor dw = dw_rows.index_select(0, rt.pos).reshape({tokens, k});
   return {dx, dw, grads};
 }
@@ -568,6 +623,21 @@ std::vector<std::pair<std::string, double>> profile(bool reset) {
   for (int i = 0; i < kPhaseCount; ++i) {
     out.emplace_back(kPhaseNames[i], g_phase_ns[i].load() * 1e-9);
     if (reset) g_phase_ns[i] = 0;
+  }
+  return out;
+}
+
+// Parallel-region statistics (see Region): "<region>.<field>", seconds (counts for calls and
+// threads), summed over calls since the last reset.
+std::vector<std::pair<std::string, double>> profile_regions(bool reset) {
+  std::vector<std::pair<std::string, double>> out;
+  for (int r = 0; r < kRegionCount; ++r) {
+    for (int f = 0; f < kRegionFieldCount; ++f) {
+      const int64_t v = g_region[r][f].load();
+      out.emplace_back(std::string(kRegionNames[r]) + "." + kRegionFields[f],
+                       f < 2 ? static_cast<double>(v) : v * 1e-9);
+      if (reset) g_region[r][f] = 0;
+    }
   }
   return out;
 }
@@ -613,6 +683,17 @@ TORCH_LIBRARY(kt_kernel, m) {
       secs.push_back(s);
     }
     return std::make_tuple(names, secs);
+  });
+  // Parallel-region statistics (see Region): names "<region>.<field>", values in seconds
+  // (counts for calls and threads), summed over calls since the last reset.
+  m.def("profile_regions", [](bool reset) {
+    std::vector<std::string> names;
+    std::vector<double> vals;
+    for (auto& [n, v] : kt_kernel::profile_regions(reset)) {
+      names.push_back(n);
+      vals.push_back(v);
+    }
+    return std::make_tuple(names, vals);
   });
   m.def("torch_version", []() { return std::string(TORCH_VERSION); });
 }
