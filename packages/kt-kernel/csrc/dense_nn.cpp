@@ -17,10 +17,15 @@
 #include "dense_nn.h"
 #include "formats.h"
 
+#ifndef KT_DENSE_NN_COLS
+#define KT_DENSE_NN_COLS 128
+#endif
+
 namespace kt_kernel {
 namespace {
 
-constexpr int64_t kCols = 64;  // columns of W per strip: 4 zmm of fp32 sums per row
+constexpr int64_t kCols = KT_DENSE_NN_COLS;  // columns of W per strip (multiple of 64)
+constexpr int64_t kSub = 64;  // columns per register tile: 4 zmm of fp32 sums per row
 constexpr int kRows = 6;       // rows of `in` per register tile: 6 x 4 = 24 accumulators
 
 #pragma GCC push_options
@@ -35,7 +40,7 @@ void pack_strip(const uint16_t* w, int64_t n, int64_t k, int64_t c0, uint16_t* p
     const uint16_t* r0 = w + (2 * p) * k + c0;
     const uint16_t* r1 = r0 + k;
     __m512i* dst = reinterpret_cast<__m512i*>(packed + p * 2 * kCols);
-    for (int h = 0; h < 2; ++h) {
+    for (int h = 0; h < kCols / 32; ++h) {
       const __m512i a = _mm512_loadu_si512(r0 + 32 * h);
       const __m512i b = _mm512_loadu_si512(r1 + 32 * h);
       _mm512_store_si512(dst + 2 * h, _mm512_unpacklo_epi16(a, b));
@@ -46,7 +51,7 @@ void pack_strip(const uint16_t* w, int64_t n, int64_t k, int64_t c0, uint16_t* p
     const uint16_t* r0 = w + (n - 1) * k + c0;
     __m512i* dst = reinterpret_cast<__m512i*>(packed + pairs * 2 * kCols);
     const __m512i z = _mm512_setzero_si512();
-    for (int h = 0; h < 2; ++h) {
+    for (int h = 0; h < kCols / 32; ++h) {
       const __m512i a = _mm512_loadu_si512(r0 + 32 * h);
       _mm512_store_si512(dst + 2 * h, _mm512_unpacklo_epi16(a, z));
       _mm512_store_si512(dst + 2 * h + 1, _mm512_unpackhi_epi16(a, z));
@@ -63,7 +68,8 @@ void rows_tile(const uint16_t* in, int64_t ldi, int64_t n, const uint16_t* packe
     for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
   const int64_t pairs = n / 2;
   const __m512i* pw = reinterpret_cast<const __m512i*>(packed);
-  for (int64_t p = 0; p < pairs; ++p, pw += 4) {
+  constexpr int64_t step = kCols / 16;  // zmm per packed pair
+  for (int64_t p = 0; p < pairs; ++p, pw += step) {
     const __m512bh w0 = (__m512bh)_mm512_load_si512(pw);
     const __m512bh w1 = (__m512bh)_mm512_load_si512(pw + 1);
     const __m512bh w2 = (__m512bh)_mm512_load_si512(pw + 2);
@@ -114,11 +120,14 @@ void nn_avx512bf16(const uint16_t* in, int64_t ldi, int64_t m, const uint16_t* w
   for (int64_t c0 = 0; c0 < k; c0 += kCols) {
     pack_strip(w, n, k, c0, packed);
     int64_t r0 = 0;
-    for (; r0 + kRows <= m; r0 += kRows) {
-      rows_tile<kRows>(in + r0 * ldi, ldi, n, packed, out + r0 * ldo + c0, ldo);
+    for (int64_t s0 = 0; s0 < kCols; s0 += kSub) {
+    const uint16_t* ps = packed + 2 * s0;
+    for (r0 = 0; r0 + kRows <= m; r0 += kRows) {
+      rows_tile<kRows>(in + r0 * ldi, ldi, n, ps, out + r0 * ldo + c0 + s0, ldo);
     }
     const uint16_t* ir = in + r0 * ldi;
-    uint16_t* orow = out + r0 * ldo + c0;
+    uint16_t* orow = out + r0 * ldo + c0 + s0;
+    const uint16_t* packed = ps;
     switch (m - r0) {
       case 5: rows_tile<5>(ir, ldi, n, packed, orow, ldo); break;
       case 4: rows_tile<4>(ir, ldi, n, packed, orow, ldo); break;
@@ -126,6 +135,7 @@ void nn_avx512bf16(const uint16_t* in, int64_t ldi, int64_t m, const uint16_t* w
       case 2: rows_tile<2>(ir, ldi, n, packed, orow, ldo); break;
       case 1: rows_tile<1>(ir, ldi, n, packed, orow, ldo); break;
       default: break;
+    }
     }
   }
 }
