@@ -18,7 +18,7 @@
 #include "formats.h"
 
 #ifndef KT_DENSE_NN_COLS
-#define KT_DENSE_NN_COLS 128
+#define KT_DENSE_NN_COLS 256
 #endif
 
 namespace kt_kernel {
