@@ -24,7 +24,7 @@
 namespace kt_kernel {
 namespace {
 
-constexpr int64_t kCols = KT_DENSE_NN_COLS;  // columns of W per strip (multiple of 64)
+constexpr int64_t kCols = 256;  // columns of W per strip at most (the last may be 64-192)
 constexpr int64_t kSub = 64;  // columns per register tile: 4 zmm of fp32 sums per row
 constexpr int kRows = 6;       // rows of `in` per register tile: 6 x 4 = 24 accumulators
 
@@ -34,13 +34,14 @@ constexpr int kRows = 6;       // rows of `in` per register tile: 6 x 4 = 24 acc
 // Rows 2p and 2p+1 of W's strip [c0, c0 + 64) interleaved into pairs: packed[p] holds 4 zmm,
 // (lo, hi) of columns 0-31 then of 32-63; unpack{lo,hi}_epi16 permute columns within 128-bit
 // lanes, which store_rows undoes.
-void pack_strip(const uint16_t* w, int64_t n, int64_t k, int64_t c0, uint16_t* packed) {
+void pack_strip(const uint16_t* w, int64_t n, int64_t k, int64_t c0, int64_t cols,
+                uint16_t* packed) {
   const int64_t pairs = n / 2;
   for (int64_t p = 0; p < pairs; ++p) {
     const uint16_t* r0 = w + (2 * p) * k + c0;
     const uint16_t* r1 = r0 + k;
-    __m512i* dst = reinterpret_cast<__m512i*>(packed + p * 2 * kCols);
-    for (int h = 0; h < kCols / 32; ++h) {
+    __m512i* dst = reinterpret_cast<__m512i*>(packed + p * 2 * cols);
+    for (int h = 0; h < cols / 32; ++h) {
       const __m512i a = _mm512_loadu_si512(r0 + 32 * h);
       const __m512i b = _mm512_loadu_si512(r1 + 32 * h);
       _mm512_store_si512(dst + 2 * h, _mm512_unpacklo_epi16(a, b));
@@ -49,9 +50,9 @@ void pack_strip(const uint16_t* w, int64_t n, int64_t k, int64_t c0, uint16_t* p
   }
   if (n % 2) {  // the last row paired with zeros
     const uint16_t* r0 = w + (n - 1) * k + c0;
-    __m512i* dst = reinterpret_cast<__m512i*>(packed + pairs * 2 * kCols);
+    __m512i* dst = reinterpret_cast<__m512i*>(packed + pairs * 2 * cols);
     const __m512i z = _mm512_setzero_si512();
-    for (int h = 0; h < kCols / 32; ++h) {
+    for (int h = 0; h < cols / 32; ++h) {
       const __m512i a = _mm512_loadu_si512(r0 + 32 * h);
       _mm512_store_si512(dst + 2 * h, _mm512_unpacklo_epi16(a, z));
       _mm512_store_si512(dst + 2 * h + 1, _mm512_unpackhi_epi16(a, z));
@@ -62,13 +63,13 @@ void pack_strip(const uint16_t* w, int64_t n, int64_t k, int64_t c0, uint16_t* p
 // R rows of `in` against the packed strip: out[r, c0 : c0 + 64].
 template <int R>
 void rows_tile(const uint16_t* in, int64_t ldi, int64_t n, const uint16_t* packed,
-               uint16_t* out, int64_t ldo) {
+               int64_t cols, uint16_t* out, int64_t ldo) {
   __m512 acc[R][4];
   for (int r = 0; r < R; ++r)
     for (int j = 0; j < 4; ++j) acc[r][j] = _mm512_setzero_ps();
   const int64_t pairs = n / 2;
   const __m512i* pw = reinterpret_cast<const __m512i*>(packed);
-  constexpr int64_t step = kCols / 16;  // zmm per packed pair
+  const int64_t step = cols / 16;  // zmm per packed pair
   for (int64_t p = 0; p < pairs; ++p, pw += step) {
     const __m512bh w0 = (__m512bh)_mm512_load_si512(pw);
     const __m512bh w1 = (__m512bh)_mm512_load_si512(pw + 1);
@@ -110,7 +111,7 @@ void rows_tile(const uint16_t* in, int64_t ldi, int64_t n, const uint16_t* packe
 
 void nn_avx512bf16(const uint16_t* in, int64_t ldi, int64_t m, const uint16_t* w, int64_t n,
                    int64_t k, uint16_t* out, int64_t ldo) {
-  // Per thread; grows to the largest N seen (N x 64 bf16: 360 KiB at N = 2816).
+  // Per thread; grows to the largest N seen (N x 256 bf16: 1.4 MiB at N = 2816).
   // (std::vector of __m512i is not 64-byte aligned here, so the pointer is aligned by hand.)
   thread_local std::vector<uint16_t> buf;
   const size_t need = static_cast<size_t>((n + 1) / 2) * 2 * kCols + 32;
@@ -118,22 +119,23 @@ void nn_avx512bf16(const uint16_t* in, int64_t ldi, int64_t m, const uint16_t* w
   const uintptr_t base = reinterpret_cast<uintptr_t>(buf.data());
   uint16_t* packed = reinterpret_cast<uint16_t*>((base + 63) & ~uintptr_t{63});
   for (int64_t c0 = 0; c0 < k; c0 += kCols) {
-    pack_strip(w, n, k, c0, packed);
+    const int64_t cols = std::min(kCols, k - c0);
+    pack_strip(w, n, k, c0, cols, packed);
     int64_t r0 = 0;
-    for (int64_t s0 = 0; s0 < kCols; s0 += kSub) {
+    for (int64_t s0 = 0; s0 < cols; s0 += kSub) {
     const uint16_t* ps = packed + 2 * s0;
     for (r0 = 0; r0 + kRows <= m; r0 += kRows) {
-      rows_tile<kRows>(in + r0 * ldi, ldi, n, ps, out + r0 * ldo + c0 + s0, ldo);
+      rows_tile<kRows>(in + r0 * ldi, ldi, n, ps, cols, out + r0 * ldo + c0 + s0, ldo);
     }
     const uint16_t* ir = in + r0 * ldi;
     uint16_t* orow = out + r0 * ldo + c0 + s0;
     const uint16_t* packed = ps;
     switch (m - r0) {
-      case 5: rows_tile<5>(ir, ldi, n, packed, orow, ldo); break;
-      case 4: rows_tile<4>(ir, ldi, n, packed, orow, ldo); break;
-      case 3: rows_tile<3>(ir, ldi, n, packed, orow, ldo); break;
-      case 2: rows_tile<2>(ir, ldi, n, packed, orow, ldo); break;
-      case 1: rows_tile<1>(ir, ldi, n, packed, orow, ldo); break;
+      case 5: rows_tile<5>(ir, ldi, n, packed, cols, orow, ldo); break;
+      case 4: rows_tile<4>(ir, ldi, n, packed, cols, orow, ldo); break;
+      case 3: rows_tile<3>(ir, ldi, n, packed, cols, orow, ldo); break;
+      case 2: rows_tile<2>(ir, ldi, n, packed, cols, orow, ldo); break;
+      case 1: rows_tile<1>(ir, ldi, n, packed, cols, orow, ldo); break;
       default: break;
     }
     }
@@ -146,7 +148,7 @@ void nn_avx512bf16(const uint16_t* in, int64_t ldi, int64_t m, const uint16_t* w
 
 bool dense_bf16_nn(const void* in, int64_t ldi, int64_t m, const void* w, int64_t n, int64_t k,
                    void* out, int64_t ldo) {
-  if (!has_avx512_bf16() || k % kCols != 0 || n < 1 || m < 1) return false;
+  if (!has_avx512_bf16() || k % kSub != 0 || n < 1 || m < 1) return false;
   nn_avx512bf16(static_cast<const uint16_t*>(in), ldi, m, static_cast<const uint16_t*>(w), n,
                 k, static_cast<uint16_t*>(out), ldo);
   return true;

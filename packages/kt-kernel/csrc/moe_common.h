@@ -130,7 +130,7 @@ inline int64_t gemv_rows() { return gemv_rows_setting().load(std::memory_order_r
 // Rows of a task up to which the dense bf16 "nn" product (dx, dh) runs dense_bf16_nn instead of
 // ATen's GEMM. Overridable for tuning and tests: KT_KERNEL_DENSE_NN_ROWS (0: never; read once)
 // or set_dense_nn_rows() (a negative value restores the default).
-constexpr int64_t kDefaultDenseNnRows = 64;
+constexpr int64_t kDefaultDenseNnRows = 128;
 inline std::atomic<int64_t>& dense_nn_rows_setting() {
   static std::atomic<int64_t> v{[] {
     const char* s = std::getenv("KT_KERNEL_DENSE_NN_ROWS");
