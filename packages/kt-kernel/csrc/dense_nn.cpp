@@ -3,10 +3,12 @@
 //
 // Why: at 16-64 rows per expert oneDNN's bf16 GEMM on weights streamed from memory reaches
 // about half the single-thread peak for this product (benchmarks/results/bench_profile.md).
-// Here each 64-column strip of W is read from memory once, interleaved into row pairs (the
-// operand layout of vdpbf16ps) in a per-thread buffer of N x 64 bf16 that stays in L2, and
-// every row of `in` is multiplied against it from there, 6 rows at a time in registers.
-// The sums are fp32 over N in a fixed order (no dependence on threads), rounded once to bf16.
+// Here each strip of up to 256 columns of W is read from memory once, interleaved into row
+// pairs (the operand layout of vdpbf16ps) in a per-thread buffer of N x 256 bf16 (0.8-1.4 MiB
+// at N = 1536-2816, mostly in L2), and every row of `in` is multiplied against it from there,
+// 6 rows x 64 columns at a time in registers. Strips of 64 and 128 columns were 1.0-1.2x and
+// 512 no better than 256 (one-thread cold-weight rates, 2026-12-05). Sums are fp32 over N in
+// a fixed order (row pairs, odd row first; no dependence on threads), rounded once to bf16.
 #include <immintrin.h>
 
 #include <algorithm>
