@@ -18,7 +18,6 @@
 
 #include <time.h>
 
-#include "dense_nn.h"
 #include "elementwise.h"
 #include "formats.h"
 
@@ -127,19 +126,6 @@ inline std::atomic<int64_t>& gemv_rows_setting() {
 }
 inline int64_t gemv_rows() { return gemv_rows_setting().load(std::memory_order_relaxed); }
 
-// Rows of a task up to which the dense bf16 "nn" product (dx, dh) runs dense_bf16_nn instead of
-// ATen's GEMM. Overridable for tuning and tests: KT_KERNEL_DENSE_NN_ROWS (0: never; read once)
-// or set_dense_nn_rows() (a negative value restores the default).
-constexpr int64_t kDefaultDenseNnRows = 128;
-inline std::atomic<int64_t>& dense_nn_rows_setting() {
-  static std::atomic<int64_t> v{[] {
-    const char* s = std::getenv("KT_KERNEL_DENSE_NN_ROWS");
-    return s ? std::max<int64_t>(0, std::atoll(s)) : kDefaultDenseNnRows;
-  }()};
-  return v;
-}
-inline int64_t dense_nn_rows() { return dense_nn_rows_setting().load(std::memory_order_relaxed); }
-
 // A per-thread scratch tile; only one is alive per thread at a time (dequantise, GEMM, next).
 inline at::Tensor scratch_tile(int64_t rows, int64_t cols, at::ScalarType dt) {
   thread_local std::vector<char> buf;
@@ -206,15 +192,6 @@ struct Projection {
   // out [m, K] = in [m, N] @ W_e (column blocks of W_e): dx and the gradient into down's input.
   void nn(at::Tensor& out, const at::Tensor& in, int64_t e) const {
     if (fmt->load == nullptr) {
-      const at::Tensor& w = parts[0];
-      if (in.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kBFloat16 &&
-          out.scalar_type() == at::kBFloat16 && in.size(0) <= dense_nn_rows() &&
-          in.stride(1) == 1 && out.stride(1) == 1 && w.is_contiguous() &&
-          dense_bf16_nn(in.data_ptr(), in.stride(0), in.size(0),
-                        static_cast<const char*>(w.data_ptr()) + e * w.stride(0) * 2, n, k,
-                        out.data_ptr(), out.stride(0))) {
-        return;
-      }
       at::mm_out(out, in, parts[0][e]);
       return;
     }

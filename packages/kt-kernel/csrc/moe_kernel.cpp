@@ -668,11 +668,6 @@ TORCH_LIBRARY(kt_kernel, m) {
     kt_kernel::common::thread_override().store(n > 0 ? static_cast<int>(n) : 0);
   });
   m.def("gemv_rows", []() { return kt_kernel::common::gemv_rows(); });
-  m.def("set_dense_nn_rows", [](int64_t n) {
-    kt_kernel::common::dense_nn_rows_setting().store(
-        n >= 0 ? n : kt_kernel::common::kDefaultDenseNnRows);
-  });
-  m.def("dense_nn_rows", []() { return kt_kernel::common::dense_nn_rows(); });
   m.def("isa", []() { return std::string(kt_kernel::isa_name(kt_kernel::isa_level())); });
   m.def("int8_isa", []() { return kt_kernel::formats::int8_isa(); });
   m.def("formats", []() { return kt_kernel::formats::format_names(); });
