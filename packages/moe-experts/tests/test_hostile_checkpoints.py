@@ -101,11 +101,13 @@ def _edit(path: Path, key: str, edit: Callable[[dict[str, Any], dict[str, Any]],
     return file
 
 
-def _poke(path: Path, key: str, value: float, dtype: torch.dtype = torch.float32) -> Path:
-    """Overwrite the first element of ``key`` with ``value`` (stored as ``dtype``)."""
+def _poke(
+    path: Path, key: str, value: float, dtype: torch.dtype = torch.float32, index: int = 0
+) -> Path:
+    """Overwrite element ``index`` (flat) of ``key`` with ``value`` (stored as ``dtype``)."""
     file = _shard(path, key)
     header, data = _split(file)
-    start = header[key]["data_offsets"][0]
+    start = header[key]["data_offsets"][0] + index * dtype.itemsize
     raw = torch.tensor([value], dtype=dtype).view(torch.uint8).numpy().tobytes()
     data = data[:start] + raw + data[start + len(raw) :]
     _join(file, header, data)

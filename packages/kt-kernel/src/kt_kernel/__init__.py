@@ -20,6 +20,7 @@ from kt_kernel.activations import (
 )
 from kt_kernel.attention import causal_attention, causal_attention_reference
 from kt_kernel.errors import KernelDTypeError, KernelInputError, NativeBackendError
+from kt_kernel.finite import FINITE_DTYPES, all_finite
 from kt_kernel.formats import (
     FORMAT_ALIASES,
     FORMATS,
@@ -56,6 +57,7 @@ from kt_kernel.weights import ExpertWeights
 
 __all__ = [
     "ACTIVATIONS",
+    "FINITE_DTYPES",
     "FORMATS",
     "FORMAT_ALIASES",
     "FUSED_NAMES",
@@ -88,6 +90,7 @@ __all__ = [
     "WeightFormat",
     "__version__",
     "activation_memory_bytes",
+    "all_finite",
     "auto_format",
     "backend_info",
     "causal_attention",
