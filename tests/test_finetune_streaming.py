@@ -88,6 +88,47 @@ def test_cli_fine_tunes_without_from_pretrained(
     assert (resolve_checkpoint(run / "checkpoints") / "adapter_model.safetensors").is_file()
 
 
+def test_load_model_streams_a_multimodal_checkpoint(tmp_path: Path, monkeypatch) -> None:
+    # Qwen3-VL-MoE as the hub ships it (experts transposed: gate_up [E, H, 2I]); the whole
+    # image-text model would hold every expert before wrap copies it, so the CLI must stream
+    # it through load_pretrained, with --weight-dtype auto resolved from the checkpoint.
+    from safetensors.torch import load_file, save_file
+    from transformers import AutoModelForImageTextToText
+
+    path = tmp_path / "qwen3_vl_moe"
+    model = tiny_model(
+        "qwen3_vl_moe", vocab_size=ByteTokenizer.vocab_size, moe_intermediate_size=24
+    )
+    model.save_pretrained(path)
+    save_byte_tokenizer(path)
+    tensors = load_file(path / "model.safetensors")
+    for key in [k for k in tensors if k.endswith(("experts.gate_up_proj", "experts.down_proj"))]:
+        tensors[key] = tensors[key].transpose(1, 2).contiguous()
+    save_file(tensors, path / "model.safetensors", metadata={"format": "pt"})
+    want = AutoModelForImageTextToText.from_pretrained(path, dtype=torch.float32).eval()
+    moe_experts.wrap(want, weight_dtype="fp32")
+    with torch.no_grad():  # own the weights (not views of the file mapping): same BLAS paths
+        for p in want.parameters():
+            if not moe_experts.is_placeholder(p):
+                p.data = p.data.clone()
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the CLI loaded the whole model with from_pretrained")
+
+    monkeypatch.setattr(AutoModelForImageTextToText, "from_pretrained", refuse)
+    loaded = load_model(str(path), weight_dtype="auto")
+    assert loaded.storage == "fp32 (auto: the checkpoint's float32 weights)"
+    assert type(loaded.model) is type(want)
+    kernels = _kernels(loaded.model)
+    assert len(kernels) == len(_kernels(want)) > 0
+    for got, ref in zip(kernels, _kernels(want), strict=True):
+        assert torch.equal(got.expert_weights.gate_up, ref.expert_weights.gate_up)
+        assert torch.equal(got.expert_weights.down, ref.expert_weights.down)
+    ids = torch.tensor([[256, *b"streamed vision-language experts"]])
+    with torch.no_grad():
+        assert torch.equal(loaded.model(ids).logits, want(ids).logits)
+
+
 def test_cli_fine_tunes_fp8_checkpoint_on_its_shipped_bytes(tmp_path: Path, capsys) -> None:
     path = save_fp8_checkpoint(
         tiny_model(

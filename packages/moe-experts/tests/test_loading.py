@@ -12,8 +12,16 @@ import torch
 import transformers
 from safetensors import safe_open
 from safetensors.torch import save_file
-from transformers import AutoModelForCausalLM
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForImageTextToText,
+    PreTrainedModel,
+)
+from transformers.models.auto.modeling_auto import (
+    MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+    MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+)
 
 from moe_experts import KernelExperts, LoadError, is_placeholder, load_pretrained, wrap
 from moe_experts.architectures import checkpoint_model_type
@@ -22,41 +30,86 @@ from moe_experts.testing import tiny_config, tiny_model
 from .conftest import FAMILIES, token_batch
 
 LAYOUTS = ("per_expert", "fused")
-# load_pretrained builds AutoModelForCausalLM; the vision-language families (and Mistral 4,
-# which transformers maps only as an image-text-to-text model) are not loadable so.
+# Families transformers builds as a causal LM (the tied-head and MTP checks below look up
+# their causal-LM class); load_pretrained builds the others (Qwen3-VL-MoE, GLM-4.5V,
+# Mistral-Large-3, and Mistral 4, mapped only as image-text-to-text) as lm_class picks them.
 CAUSAL_FAMILIES = tuple(
     f for f in FAMILIES if tiny_config(f).model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 )
+# Multimodal checkpoints of families whose row is tested on the text model: the whole
+# image-text model, vision tower included, in its hub layout (``language_model.model.*``).
+MULTIMODAL_CASES = {"aria+vision": "aria"}
+CASES = (*FAMILIES, *MULTIMODAL_CASES)
+# Qwen3-VL-MoE's hub checkpoints ship their experts transposed (gate_up [E, H, 2I], down
+# [E, I, H]); transformers transposes only a tensor not already of the model's shape, so the
+# expert width must differ from H/2 and H for the transposition to show (and be tested).
+OVERRIDES = {"qwen3_vl_moe": {"moe_intermediate_size": 24}}
 
 # Hub-layout keys whose *dense* weights transformers converts on load (Kimi-Linear's
 # q/k/v_conv1d concatenated into conv1d and forget-gate renames, Lara-Mini's fused in_proj split
-# in four and out_norm renamed): a per_expert checkpoint must really ship them.
+# in four and out_norm renamed, Mistral-Large-3's vision q/k permuted for rotate-half RoPE): a
+# per_expert checkpoint must really ship them.
 HUB_DENSE_KEYS = {
     "kimi_linear": (".self_attn.q_conv1d.weight", ".self_attn.f_a_proj.weight"),
     "lara_mini": (".linear_attn.in_proj.weight", ".linear_attn.out_norm.weight"),
+    "mistral_large4": (".transformer.layers.0.attention.wq.weight",),
 }
+
+
+def _tiny(case: str) -> PreTrainedModel:
+    """The tiny model of a family, or of a multimodal case (its family's text config)."""
+    if case not in MULTIMODAL_CASES:
+        return tiny_model(case, **OVERRIDES.get(case, {}))
+    text = tiny_config(MULTIMODAL_CASES[case])
+    vision = {
+        "hidden_size": 16,
+        "intermediate_size": 16,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 2,
+        "patch_size": 4,
+        "image_size": 16,
+    }
+    config = AutoConfig.for_model("aria", text_config=text.to_dict(), vision_config=vision)
+    return AutoModelForImageTextToText.from_config(config)
+
+
+def _ship_transposed(path: Path) -> None:
+    """Rewrite Qwen3-VL-MoE's fused experts as its hub checkpoints ship them: [E, in, out]."""
+    for shard in sorted(path.glob("*.safetensors")):
+        with safe_open(str(shard), framework="pt") as f:
+            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (no dict)
+        moved = [k for k in tensors if re.search(r"experts\.(gate_up|down)_proj$", k)]
+        for key in moved:
+            tensors[key] = tensors[key].transpose(1, 2).contiguous()
+        if moved:
+            save_file(tensors, str(shard), metadata={"format": "pt"})
 
 
 @pytest.fixture(scope="module")
 def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], Path]:
-    """Each family saved twice, sharded small: hub-style per-expert keys and fused 3-D keys."""
+    """Each family saved twice, sharded small: the hub layout (per-expert keys where the hub
+    ships them) and fused 3-D keys; multimodal ones whole, vision tower included."""
     out = {}
-    for family in CAUSAL_FAMILIES:
+    for case in CASES:
         torch.manual_seed(1234)
-        model = tiny_model(family)  # random expert biases where the family has them
+        model = _tiny(case)  # random expert biases where the family has them
         for layout in LAYOUTS:
-            path = tmp_path_factory.mktemp(f"ckpt-{family}-{layout}")
+            path = tmp_path_factory.mktemp(f"ckpt-{case}-{layout}")
             model.save_pretrained(
                 path, max_shard_size="16KB", save_original_format=layout == "per_expert"
             )
-            out[(family, layout)] = path
+            if case == "qwen3_vl_moe" and layout == "per_expert":
+                _ship_transposed(path)
+            out[(case, layout)] = path
     return out
 
 
 def _reference(path: Path, dtype: torch.dtype, weight_dtype: str):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+        causal = checkpoint_model_type(path) in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+        auto = AutoModelForCausalLM if causal else AutoModelForImageTextToText
+        model = auto.from_pretrained(path, dtype=dtype).eval()
     wrap(model, weight_dtype=weight_dtype)  # type: ignore[arg-type]
     with torch.no_grad():
         for p in model.parameters():
@@ -82,6 +135,8 @@ def test_checkpoints_really_use_both_layouts(checkpoints) -> None:
         "olmoe",
         "deepseek_v4",
         "kimi_linear",
+        "glm4v_moe",
+        "mistral_large4",
     }
     for (family, layout), path in checkpoints.items():
         index = json.loads((path / "model.safetensors.index.json").read_text())
@@ -93,13 +148,25 @@ def test_checkpoints_really_use_both_layouts(checkpoints) -> None:
         for suffix in HUB_DENSE_KEYS.get(family, ()):
             shipped = any(k.endswith(suffix) for k in keys)
             assert shipped == (layout == "per_expert"), (family, suffix)
+    # Multimodal hub layouts as released: Aria's language_model.model.*, Qwen3-VL-MoE's
+    # experts transposed (gate_up [E, H, 2I], down [E, I, H]).
+    aria = json.loads(
+        (checkpoints[("aria+vision", "per_expert")] / "model.safetensors.index.json").read_text()
+    )
+    assert any(k.startswith("language_model.model.layers.") for k in aria["weight_map"])
+    path = checkpoints[("qwen3_vl_moe", "per_expert")]
+    index = json.loads((path / "model.safetensors.index.json").read_text())
+    for proj, shape in (("gate_up_proj", [8, 32, 48]), ("down_proj", [8, 24, 32])):
+        key = f"model.language_model.layers.0.mlp.experts.{proj}"
+        with safe_open(str(path / index["weight_map"][key]), framework="pt") as f:
+            assert f.get_slice(key).get_shape() == shape
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize(
     ("dtype", "weight_dtype"), [(torch.float32, "fp32"), (torch.bfloat16, "bf16")]
 )
-@pytest.mark.parametrize("family", CAUSAL_FAMILIES)
+@pytest.mark.parametrize("family", CASES)
 def test_bitwise_equal_to_from_pretrained_and_wrap(
     checkpoints, family: str, layout: str, dtype: torch.dtype, weight_dtype: str
 ) -> None:
@@ -223,6 +290,41 @@ def test_wrong_fused_and_dense_shapes(ckpt_copy) -> None:
     _rewrite_shard(path, "model.norm.weight", torch.zeros(3))
     with pytest.raises(LoadError, match=r"'model\.norm\.weight' has shape \[3\]"):
         load_pretrained(path, weight_dtype="fp32", dtype=torch.float32)
+
+
+@pytest.mark.parametrize(
+    ("case", "key", "bad"),
+    [
+        ("qwen3_vl_moe", "model.language_model.layers.1.mlp.experts.down_proj", (8, 5, 32)),
+        ("qwen3_vl_moe", "model.visual.blocks.0.attn.qkv.weight", (3, 3)),
+        ("glm4v_moe", "model.language_model.layers.1.mlp.experts.2.up_proj.weight", (5, 7)),
+        ("aria+vision", "language_model.model.layers.0.mlp.experts.fc2.weight", (4, 5, 7)),
+        ("aria+vision", "vision_tower.encoder.layers.0.mlp.fc1.weight", (3, 3)),
+    ],
+)
+def test_multimodal_missing_or_misshaped_tensor_names_file_and_key(
+    ckpt_copy, case: str, key: str, bad: tuple[int, ...]
+) -> None:
+    # Hub layouts (Qwen3-VL-MoE's transposed experts included): one LoadError naming the key
+    # and its file (a wrong shape) or the checkpoint directory (a missing tensor).
+    path = ckpt_copy(case, "per_expert")
+    shard = _rewrite_shard(path, key, torch.zeros(bad))
+    shape = re.escape(str(list(bad)))
+    with pytest.raises(
+        LoadError, match=rf"^{shard.name}: tensor '{re.escape(key)}' has shape {shape}"
+    ):
+        load_pretrained(path, weight_dtype="fp32", dtype=torch.float32)
+    _rewrite_shard(path, key, None)
+    with pytest.raises(LoadError) as info:
+        load_pretrained(path, weight_dtype="fp32", dtype=torch.float32)
+    assert str(path) in str(info.value)
+    model_key = key.replace("language_model.model.", "model.language_model.")
+    model_key = model_key.replace("vision_tower.", "model.vision_tower.")
+    model_key = re.sub(r"experts\.fc2\.weight", "experts.down_proj", model_key)
+    if ".experts.2." in key:  # per-expert: named by expert and role
+        assert "no up weight for expert 2" in str(info.value)
+    else:
+        assert model_key in str(info.value)
 
 
 def test_missing_dense_key_and_files(ckpt_copy, tmp_path: Path) -> None:
@@ -380,15 +482,17 @@ def test_shipped_head_is_kept_as_from_pretrained_keeps_it(
         assert torch.equal(got(ids).logits, ref(ids).logits)
 
 
-# Families whose causal LM declares its released checkpoint's multi-token-prediction layer
+# Families whose model class declares its released checkpoint's multi-token-prediction layer
 # (``model\\.layers\\.61.*``: the layer after the last) unexpected-and-ignored.
 MTP_FAMILIES = tuple(
     f
-    for f in CAUSAL_FAMILIES
+    for f in FAMILIES
     if any(
         re.search(r"layers\\\.\d", p)
         for p in getattr(
-            transformers, MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[tiny_config(f).model_type]
+            transformers,
+            MODEL_FOR_CAUSAL_LM_MAPPING_NAMES.get(tiny_config(f).model_type)
+            or MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES[tiny_config(f).model_type],
         )._keys_to_ignore_on_load_unexpected
         or ()
     )
@@ -396,7 +500,7 @@ MTP_FAMILIES = tuple(
 
 
 def test_mtp_families_are_found() -> None:
-    assert {"deepseek_v3", "glm4_moe", "glm4_moe_lite"} <= set(MTP_FAMILIES)
+    assert {"deepseek_v3", "glm4_moe", "glm4_moe_lite", "glm4v_moe"} <= set(MTP_FAMILIES)
 
 
 @pytest.mark.parametrize("family", MTP_FAMILIES)
@@ -408,14 +512,17 @@ def test_multi_token_prediction_layer_is_ignored(ckpt_copy, family: str) -> None
     path = ckpt_copy(family, "per_expert")
     index_file = path / "model.safetensors.index.json"
     index = json.loads(index_file.read_text())
-    config = tiny_config(family)
+    config = tiny_config(family).get_text_config()
     n, h, vocab = config.num_hidden_layers, config.hidden_size, config.vocab_size
-    last = f"model.layers.{n - 1}."
+    # GLM-4.5V ships it in its language model: model.language_model.layers.46 of 46
+    nested = any(k.startswith("model.language_model.layers.") for k in index["weight_map"])
+    layers = "model.language_model.layers" if nested else "model.layers"
+    last = f"{layers}.{n - 1}."
     extra = {}
     for key, shard in index["weight_map"].items():
         if key.startswith(last):
             with safe_open(str(path / shard), framework="pt") as f:
-                extra[key.replace(last, f"model.layers.{n}.")] = f.get_tensor(key).clone()
+                extra[key.replace(last, f"{layers}.{n}.")] = f.get_tensor(key).clone()
     assert any(".mlp.experts.0." in k for k in extra)
     for name, shape in [
         ("eh_proj.weight", (h, 2 * h)),
@@ -425,7 +532,7 @@ def test_multi_token_prediction_layer_is_ignored(ckpt_copy, family: str) -> None
         ("shared_head.head.weight", (vocab, h)),
         ("embed_tokens.weight", (vocab, h)),
     ]:
-        extra[f"model.layers.{n}.{name}"] = torch.randn(shape)
+        extra[f"{layers}.{n}.{name}"] = torch.randn(shape)
     save_file(extra, str(path / "mtp.safetensors"), metadata={"format": "pt"})
     index["weight_map"].update(dict.fromkeys(extra, "mtp.safetensors"))
     index_file.write_text(json.dumps(index))
@@ -435,8 +542,8 @@ def test_multi_token_prediction_layer_is_ignored(ckpt_copy, family: str) -> None
     with torch.no_grad():
         assert torch.equal(got(ids).logits, ref(ids).logits)
     # A layer beyond the MTP one is still a checkpoint of another model: refused by name.
-    save_file({f"model.layers.{n + 1}.enorm.weight": torch.ones(h)}, str(path / "x.safetensors"))
-    index["weight_map"][f"model.layers.{n + 1}.enorm.weight"] = "x.safetensors"
+    save_file({f"{layers}.{n + 1}.enorm.weight": torch.ones(h)}, str(path / "x.safetensors"))
+    index["weight_map"][f"{layers}.{n + 1}.enorm.weight"] = "x.safetensors"
     index_file.write_text(json.dumps(index))
-    with pytest.raises(LoadError, match=rf"does not have: \['model\.layers\.{n + 1}\.enorm"):
+    with pytest.raises(LoadError, match=rf"does not have: \['{re.escape(layers)}\.{n + 1}\.enorm"):
         load_pretrained(path, weight_dtype="fp32", dtype=torch.float32)

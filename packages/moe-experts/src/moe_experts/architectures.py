@@ -12,6 +12,7 @@ import os
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 from torch import nn
 
@@ -28,6 +29,7 @@ __all__ = [
     "checkpoint_model_type",
     "find_architecture",
     "iter_moe_blocks",
+    "lm_class",
     "require_transformers",
 ]
 
@@ -48,6 +50,34 @@ def require_transformers(model_type: str | None) -> None:
     spec = _by_model_type(model_type)
     if spec is not None:
         spec.check_transformers()
+
+
+def lm_class(model_type: str | None) -> Any:
+    """The transformers auto class that builds ``model_type`` with its language-model head.
+
+    ``AutoModelForCausalLM`` where transformers maps ``model_type`` to a causal LM; a multimodal
+    type that it maps only to an image-text-to-text model (Qwen3-VL-MoE, GLM-4.5V, Aria,
+    Mistral-Large-3) and Mistral 4 get ``AutoModelForImageTextToText``: the whole model, vision
+    tower included, called with ``input_ids`` only.
+
+    Args:
+        model_type: ``config.model_type`` (e.g. from :func:`checkpoint_model_type`).
+
+    Returns:
+        ``AutoModelForCausalLM`` or ``AutoModelForImageTextToText``.
+    """
+    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+    from transformers.models.auto.modeling_auto import (
+        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
+        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
+    )
+
+    if (
+        model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+        and model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
+    ):
+        return AutoModelForImageTextToText
+    return AutoModelForCausalLM
 
 
 def _by_model_type(model_type: str | None) -> MoEArchitecture | None:

@@ -16,7 +16,6 @@ from __future__ import annotations
 import re
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, cast
 
@@ -30,7 +29,15 @@ from moe_experts.architectures import (
     checkpoint_model_type,
     find_architecture,
     iter_moe_blocks,
+    lm_class,
     require_transformers,
+)
+from moe_experts.checkpoint_experts import (
+    ExpertKeys,
+    KeyMapper,
+    assemble,
+    read_biases,
+    shipped_parts,
 )
 from moe_experts.dense_conversions import DenseConversions, read_stored
 from moe_experts.errors import LoadError
@@ -52,8 +59,8 @@ if TYPE_CHECKING:
 
 __all__ = ["CheckpointSource", "load_pretrained"]
 
-_PER_EXPERT = re.compile(r"^(\d+)\.(.+)$")
-_LAYER = re.compile(r"^model\.layers\.(\d+)\.")
+# GLM-4.5V: model.language_model.layers.N (its causal-LM siblings: model.layers.N)
+_LAYER = re.compile(r"^model\.(?:language_model\.)?layers\.(\d+)\.")
 
 
 @contextmanager
@@ -72,192 +79,6 @@ def _parameters_on_meta() -> Iterator[None]:
         yield
     finally:
         nn.Module.register_parameter = original  # type: ignore[method-assign]
-
-
-@dataclass
-class _ExpertKeys:
-    """Where one experts module's weights are in the checkpoint."""
-
-    # stored parameter name (gate_up_proj, down_proj, a bias) -> key
-    fused: dict[str, str] = field(default_factory=dict)
-    # (expert, "gate" | "up" | "down") -> key
-    per_expert: dict[tuple[int, str], str] = field(default_factory=dict)
-
-
-class _KeyMapper:
-    """Checkpoint key -> model key, with transformers' own renamings and expert converters."""
-
-    def __init__(self, model: nn.Module, sites: list[MoEBlockSite]) -> None:
-        from transformers.conversion_mapping import get_model_conversion_mapping
-        from transformers.core_model_loading import WeightConverter, WeightRenaming
-
-        # Only transformers models reach here; ``model`` is typed as a plain module.
-        transforms = get_model_conversion_mapping(cast("PreTrainedModel", model))
-        self._renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
-        self._converters = [t for t in transforms if isinstance(t, WeightConverter)]
-        self._sites = {s.experts_name + ".": s for s in sites}
-        self._names = {n for n, _ in model.named_parameters(remove_duplicate=False)}
-        self._names.update(n for n, _ in model.named_buffers(remove_duplicate=False))
-
-    def rename(self, key: str) -> str:
-        """Apply every renaming (e.g. Mixtral's ``block_sparse_moe`` -> ``mlp``).
-
-        As transformers does, a key the model already has is kept when the renamings would
-        turn it into one it lacks (DeepSeek-V4's ``.norm.`` -> ``.kv_norm.`` also matches the
-        final ``model.norm.weight``).
-        """
-        from transformers.core_model_loading import rename_source_key
-
-        renamed = rename_source_key(key, self._renamings, [])[0]
-        if renamed not in self._names and key in self._names:
-            return key
-        return renamed
-
-    def _role(self, site: MoEBlockSite, renamed: str, proj: str) -> str | None:
-        """``"gate"``/``"up"``/``"down"`` of a per-expert key, from transformers' converters."""
-        arch = site.arch
-        for conv in self._converters:
-            _, pattern = conv.rename_source_key(renamed)
-            if pattern is None:
-                continue
-            target = conv.target_patterns[0]
-            if target.endswith(arch.down_param):
-                return "down"
-            if target.endswith(arch.gate_up_param):
-                return ("gate", "up")[conv.source_patterns.index(pattern)]
-        return None
-
-    def expert_key(self, key: str) -> tuple[MoEBlockSite, tuple[int, str] | str] | None:
-        """``(site, (expert, role))`` / ``(site, stored parameter name)`` for an expert key.
-
-        Returns ``None`` for a key outside every experts module.
-
-        Raises:
-            LoadError: a key under an experts module that is neither layout.
-        """
-        renamed = self.rename(key)
-        for prefix, site in self._sites.items():
-            if not renamed.startswith(prefix):
-                continue
-            rest = renamed[len(prefix) :]
-            if rest in site.arch.stored_shapes(0, 0, 0):  # gate_up, down and any bias
-                return site, rest
-            match = _PER_EXPERT.match(rest)
-            role = self._role(site, renamed, match.group(2)) if match else None
-            if match is None or role is None:
-                raise LoadError(
-                    f"checkpoint key {key!r} is under {site.experts_name} but is neither a fused "
-                    f"{site.arch.gate_up_param}/{site.arch.down_param} tensor nor a per-expert "
-                    "gate/up/down weight this family's transformers converter knows"
-                )
-            return site, (int(match.group(1)), role)
-        return None
-
-
-def _per_expert_key(keys: _ExpertKeys, name: str, e: int, x: int, role: str) -> str:
-    """The checkpoint key of expert ``x``'s ``role`` weight; a missing one names what is there."""
-    key = keys.per_expert.get((x, role))
-    if key is None:
-        raise LoadError(
-            f"{name}: the checkpoint has no {role} weight for expert {x} (expected "
-            f"a key like '{name}.{x}.<{role} proj>.weight'); it holds "
-            f"{len(keys.per_expert)} of the {3 * e} per-expert tensors"
-        )
-    return key
-
-
-def _slots(site: MoEBlockSite, keys: _ExpertKeys, e: int) -> list[tuple[str, str, int | None]]:
-    """``(key, "gate"|"up"|"down"|"gate_up", expert or None)`` of one block, in storage order.
-
-    Raises:
-        LoadError: both layouts, or a missing tensor.
-    """
-    name = site.experts_name
-    if keys.fused and keys.per_expert:
-        raise LoadError(
-            f"{name}: the checkpoint holds both fused ({sorted(keys.fused.values())[0]!r}) "
-            "and per-expert keys; it must use one layout per experts module"
-        )
-    out: list[tuple[str, str, int | None]] = []
-    if keys.fused:
-        for part, param in (("gate_up", site.arch.gate_up_param), ("down", site.arch.down_param)):
-            key = keys.fused.get(param)
-            if key is None:
-                raise LoadError(f"{name}: the checkpoint has no fused {param} tensor for it")
-            out.append((key, part, None))
-        return out
-    for x in range(e):
-        for role in ("gate", "up", "down"):
-            key = _per_expert_key(keys, name, e, x, role)
-            out.append((key, role, x))
-    # Down last, so the first and last slots name one tensor of each bank.
-    return sorted(out, key=lambda slot: slot[1] == "down")
-
-
-def _assemble(
-    site: MoEBlockSite,
-    keys: _ExpertKeys,
-    reader: ShippedReader,
-    meta: dict[str, torch.Tensor],
-    storage: torch.dtype,
-) -> tuple[torch.Tensor, torch.Tensor, dict[str, torch.Tensor]]:
-    """One block's ``gate_up [E, 2I, H]``, ``down [E, H, I]`` (kernel layout) and biases.
-
-    Each tensor is first cast to the model dtype (what ``from_pretrained`` holds), then to
-    ``storage`` (what ``wrap`` copies it to), so the values are exactly those of that path. A
-    family with another stored layout (``MoEArchitecture.transposed``/``interleaved``) is
-    converted while copying into the kernel-layout buffers; biases stay in the stored order,
-    in the model dtype (``wrap`` reads them from the module).
-    """
-    arch = site.arch
-    gu_meta = meta[arch.gate_up_param]
-    e, inter, h = arch.expert_dims(gu_meta)
-    model_dtype = gu_meta.dtype
-    name = site.experts_name
-    if keys.fused and keys.per_expert:
-        raise LoadError(
-            f"{name}: the checkpoint holds both fused ({sorted(keys.fused.values())[0]!r}) "
-            "and per-expert keys; it must use one layout per experts module"
-        )
-    gate_up = torch.empty((e, 2 * inter, h), dtype=storage)
-    down = torch.empty((e, h, inter), dtype=storage)
-    biases: dict[str, torch.Tensor] = {}
-    for param in arch.bias_params:
-        key = keys.fused.get(param)
-        if key is None:
-            raise LoadError(f"{name}: the checkpoint has no {param} tensor for it")
-        biases[param] = reader.read(key, tuple(meta[param].shape), model_dtype)
-    if keys.fused.keys() - set(arch.bias_params):
-        for param, dst in (
-            # torch: Tensor.unflatten is unannotated
-            (arch.gate_up_param, gate_up.unflatten(1, (2, inter))),  # type: ignore[no-untyped-call]
-            (arch.down_param, down),
-        ):
-            key = keys.fused.get(param)
-            if key is None:
-                raise LoadError(f"{name}: the checkpoint has no fused {param} tensor for it")
-            gu = param == arch.gate_up_param
-            if reader.ships(key):  # dequantised parts: [E, out, in], rows in the family's order
-                shape = (e, 2 * inter, h) if gu else (e, h, inter)
-                t = reader.read(key, shape, model_dtype)
-                view = arch.kernel_rows(t, dim=1).reshape(e, 2, inter, h) if gu else t
-            else:
-                t = reader.read(key, tuple(meta[param].shape), model_dtype)
-                view = arch.kernel_gate_up(t) if gu else arch.kernel_down(t)
-            dst.copy_(view)
-            del t, view
-        return gate_up, down, biases
-    for x in range(e):
-        for role, dst in (
-            ("gate", gate_up[x, :inter]),
-            ("up", gate_up[x, inter:]),
-            ("down", down[x]),
-        ):
-            key = _per_expert_key(keys, name, e, x, role)
-            t = reader.read(key, tuple(dst.shape), model_dtype)
-            dst.copy_(t)
-            del t
-    return gate_up, down, biases
 
 
 def _like(meta: torch.Tensor) -> torch.Tensor:
@@ -300,7 +121,7 @@ class CheckpointSource:
     the meta module.
     """
 
-    def __init__(self, site: MoEBlockSite, keys: _ExpertKeys, reader: ShippedReader) -> None:
+    def __init__(self, site: MoEBlockSite, keys: ExpertKeys, reader: ShippedReader) -> None:
         """The block at ``site``, whose checkpoint keys are ``keys``, read through ``reader``."""
         self.site = site
         self.keys = keys
@@ -334,13 +155,13 @@ class CheckpointSource:
         """The block's experts read from the checkpoint into kernel storage in ``fmt``."""
         site, arch = self.site, self.site.arch
         if self._ships(fmt):  # the checkpoint's own parts (bytes and scales), as shipped
-            _, bias_kw = _read_biases(site, self.keys, self.reader, self._meta)
-            gu_parts, dn_parts = _shipped_parts(site, self.keys, self.reader, spec, fmt)
+            _, bias_kw = read_biases(site, self.keys, self.reader, self._meta)
+            gu_parts, dn_parts = shipped_parts(site, self.keys, self.reader, spec, fmt)
             return kt_kernel.ExpertWeights.from_parts(spec, fmt, gu_parts, dn_parts, **bias_kw)
         dense = isinstance(fmt, kt_kernel.Dense)
         model_dtype = self._meta[arch.gate_up_param].dtype
         storage = fmt.compute_dtype if dense else model_dtype
-        gate_up, down, biases = _assemble(site, self.keys, self.reader, self._meta, storage)
+        gate_up, down, biases = assemble(site, self.keys, self.reader, self._meta, storage)
         gate_up_bias = biases.get(arch.gate_up_bias_param or "")
         if gate_up_bias is not None:
             gate_up_bias = arch.kernel_rows(gate_up_bias, dim=1)
@@ -367,96 +188,6 @@ class CheckpointSource:
         """Replace the meta experts module by ``kernel``."""
         setattr(self.site.block, self.site.arch.experts_attr, kernel)
         return False
-
-
-def _read_biases(
-    site: MoEBlockSite,
-    keys: _ExpertKeys,
-    reader: ShippedReader,
-    meta: dict[str, torch.Tensor],
-) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor | None]]:
-    """The block's biases as stored (model dtype), and as ``from_parts`` takes them.
-
-    Raises:
-        LoadError: a bias the family has is missing.
-    """
-    arch = site.arch
-    model_dtype = meta[arch.gate_up_param].dtype
-    stored: dict[str, torch.Tensor] = {}
-    for param in arch.bias_params:
-        key = keys.fused.get(param)
-        if key is None:
-            raise LoadError(f"{site.experts_name}: the checkpoint has no {param} tensor for it")
-        stored[param] = reader.read(key, tuple(meta[param].shape), model_dtype)
-    gate_up_bias = stored.get(arch.gate_up_bias_param or "")
-    if gate_up_bias is not None:
-        gate_up_bias = arch.kernel_rows(gate_up_bias, dim=1)
-    return stored, {
-        "gate_up_bias": gate_up_bias,
-        "down_bias": stored.get(arch.down_bias_param or ""),
-    }
-
-
-def _shipped_parts(
-    site: MoEBlockSite,
-    keys: _ExpertKeys,
-    reader: ShippedReader,
-    spec: kt_kernel.ExpertSpec,
-    fmt: kt_kernel.WeightFormat,
-) -> tuple[tuple[torch.Tensor, ...], tuple[torch.Tensor, ...]]:
-    """A block's experts as shipped: the checkpoint's parts adopted as ``fmt``'s, in kernel order.
-
-    Shipped parts are ``[E, out, in]`` whatever the model parameter's orientation, so only the
-    row order of gate_up changes (``fmt.select_rows``, for interleaved gate/up). Per-expert
-    keys are read expert by expert into banks (``fmt.fuse_gate_up`` stacks gate and up).
-
-    Raises:
-        LoadError: naming the key: an expert tensor that is not shipped in the format, parts
-            that do not fit, or gate/up the format cannot fuse or reorder.
-    """
-    arch, name = site.arch, site.experts_name
-    e, h, i = spec.num_experts, spec.hidden_size, spec.intermediate_size
-    slots = _slots(site, keys, e)
-    for key, _, _ in slots:
-        if not reader.ships(key):
-            dtype = reader.shards.info(reader.where[key], key)[1]
-            if dtype.is_floating_point and dtype.itemsize == 1:  # 8-bit floats, no scales
-                raise reader.missing_parts(key, dtype)
-            raise LoadError(
-                f"{reader.file(key).name}: expert tensor {key!r} is {dtype}; the experts of a "
-                f"{fmt.weight_dtype} checkpoint must all be shipped as its parts"
-            )
-    try:
-        if all(x is None for _, _, x in slots):
-            gu_key, dn_key = slots[0][0], slots[1][0]
-            gate_up = reader.read_parts(gu_key)
-            if arch.interleaved:
-                order = arch.kernel_rows(torch.arange(2 * i).unsqueeze(0), dim=1)[0]
-                gate_up = fmt.select_rows(gate_up, order)
-            return gate_up, reader.read_parts(dn_key)
-        specs = (fmt.part_specs(2 * i, h), fmt.part_specs(h, i))
-        banks = tuple(
-            tuple(torch.empty((e, *shape), dtype=dtype) for _, shape, dtype in sp) for sp in specs
-        )
-        parts: dict[tuple[str, int | None], tuple[torch.Tensor, ...]] = {}
-        for key, role, x in slots:
-            parts[(role, x)] = reader.read_parts(key)
-            if role == "down":
-                expert = parts.pop((role, x))
-                dst = banks[1]
-            elif ("gate", x) in parts and ("up", x) in parts:
-                expert = fmt.fuse_gate_up(parts.pop(("gate", x)), parts.pop(("up", x)))
-                dst = banks[0]
-            else:
-                continue
-            for bank, src in zip(dst, expert, strict=True):
-                bank[x].copy_(src.reshape(bank[x].shape))
-        return banks[0], banks[1]
-    except kt_kernel.KernelInputError as exc:
-        raise LoadError(
-            f"{name}: the {fmt.weight_dtype} experts of {arch.family} cannot be kept as shipped "
-            f"({exc}); load with weight_dtype='bf16' to dequantise them"
-        ) from exc
 
 
 def _mtp_layers(model: nn.Module, config: Any) -> Callable[[str], bool]:
@@ -490,13 +221,19 @@ def load_pretrained(
     policy: Policy = "save",
     share_experts: bool | None = None,
 ) -> nn.Module:
-    """Build a causal LM from a local checkpoint with its experts streamed onto kt-kernel.
+    """Build a model with its LM head from a local checkpoint, experts streamed onto kt-kernel.
 
     Equivalent to ``AutoModelForCausalLM.from_pretrained(path, dtype=dtype)`` followed by
     :func:`moe_experts.wrap` ``(model, weight_dtype=weight_dtype, policy=policy)``, bitwise, but
     without ever holding the model's experts in ``dtype``: at most one MoE block's experts are
     resident beyond the final footprint. Checkpoint experts may be per-expert 2-D keys (as hub
-    checkpoints ship them, e.g. ``mlp.experts.{e}.gate_proj.weight``) or fused 3-D tensors.
+    checkpoints ship them, e.g. ``mlp.experts.{e}.gate_proj.weight``) or fused 3-D tensors,
+    also stored transposed where transformers' converter transposes them (Qwen3-VL-MoE).
+
+    A multimodal checkpoint that transformers maps to no causal LM (Qwen3-VL-MoE, GLM-4.5V,
+    Aria, Mistral-Large-3; and Mistral 4) is built with ``AutoModelForImageTextToText``
+    (:func:`moe_experts.architectures.lm_class`) and equals its ``from_pretrained`` + ``wrap``:
+    the vision tower loads like any dense weight, the experts stream.
 
     FP8-block checkpoints (DeepSeek-V3 style: ``weight`` in float8_e4m3fn plus
     ``weight_scale_inv`` per 128x128 block, ``quantization_config`` ``quant_method: fp8`` in
@@ -541,7 +278,7 @@ def load_pretrained(
         TransformersVersionError: the installed transformers is older than the family needs.
         WrapError: an unknown ``weight_dtype``/``policy`` or an unsupported activation.
     """
-    from transformers import AutoConfig, AutoModelForCausalLM
+    from transformers import AutoConfig
 
     # Bad arguments fail before any file is read.
     weight_dtype = storage_name(weight_dtype) if weight_dtype is not None else None
@@ -588,15 +325,15 @@ def load_pretrained(
     )
     with _parameters_on_meta():
         # transformers: _BaseAutoModelClass.from_config is unannotated
-        model: PreTrainedModel = AutoModelForCausalLM.from_config(config, dtype=dtype)  # type: ignore[no-untyped-call]
+        model: PreTrainedModel = lm_class(model_type).from_config(config, dtype=dtype)
     arch = find_architecture(model)
     sites = list(iter_moe_blocks(model, arch))
-    mapper = _KeyMapper(model, sites)
+    mapper = KeyMapper(model, sites)
     reader = ShippedReader(shards, where, shipped)  # the shards whose headers were validated
 
     # Sort every checkpoint key: expert tensors per block, dense ones transformers converts
     # (fused, split) per target, the rest by model name.
-    expert_keys: dict[str, _ExpertKeys] = {s.experts_name: _ExpertKeys() for s in sites}
+    expert_keys: dict[str, ExpertKeys] = {s.experts_name: ExpertKeys() for s in sites}
     dense: dict[str, str] = {}
     converted = DenseConversions(model)
     for key in reader.param_keys():  # a shipped parameter once, by its name (its parts beside it)
@@ -610,6 +347,12 @@ def load_pretrained(
         keys = expert_keys[site.experts_name]
         if isinstance(slot, str):
             keys.fused[slot] = key
+            if not reader.ships(key):
+                stored = shards.info(where[key], key)[0]
+                model_shape = getattr(getattr(site.block, site.arch.experts_attr), slot).shape
+                dims = mapper.stored_transpose(key, stored, tuple(model_shape))
+                if dims is not None:
+                    keys.transposed[slot] = dims
         else:
             keys.per_expert[slot] = key
 

@@ -29,6 +29,7 @@ from moe_experts.architectures import (
     MoEBlockSite,
     find_architecture,
     iter_moe_blocks,
+    lm_class,
 )
 from moe_experts.errors import LoadError
 from moe_experts.sharing import SHARE_ENV
@@ -332,9 +333,8 @@ def check_load_fits(
             token (naming the key), or more memory than the host has (naming both figures).
         UnsupportedModelError: the config is not a supported MoE family.
     """
-    from transformers import AutoModelForCausalLM
-
-    build: Callable[..., nn.Module] = AutoModelForCausalLM.from_config  # unannotated upstream
+    # The class load_pretrained builds: a multimodal checkpoint's is image-text-to-text.
+    build: Callable[..., nn.Module] = lm_class(config.model_type).from_config
     try:
         with torch.device("meta"):
             meta = build(config, dtype=dtype)

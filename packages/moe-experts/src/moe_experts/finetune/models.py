@@ -106,8 +106,9 @@ def pretrained_class(source: Path) -> Any:
 
     ``AutoModelForCausalLM`` where transformers maps the checkpoint's ``model_type`` to a causal
     LM; a multimodal checkpoint that it maps only to an image-text-to-text model (Qwen3-VL-MoE,
-    GLM-4.5V, Aria) gets ``AutoModelForImageTextToText``: the whole model loads, vision tower
-    included and frozen, and trains on text (it is called with ``input_ids`` only).
+    GLM-4.5V, Aria, Mistral-Large-3; Mistral 4) gets ``AutoModelForImageTextToText``
+    (:func:`moe_experts.architectures.lm_class`): the model, vision tower included and frozen,
+    trains on text (it is called with ``input_ids`` only).
 
     Args:
         source: a local Hugging Face model directory.
@@ -118,21 +119,9 @@ def pretrained_class(source: Path) -> Any:
     Raises:
         LoadError: ``source`` has no readable ``config.json``.
     """
-    from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
-    from transformers.models.auto.modeling_auto import (
-        MODEL_FOR_CAUSAL_LM_MAPPING_NAMES,
-        MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES,
-    )
+    from moe_experts.architectures import checkpoint_model_type, lm_class
 
-    from moe_experts.architectures import checkpoint_model_type
-
-    model_type = checkpoint_model_type(source)
-    if (
-        model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
-        and model_type in MODEL_FOR_IMAGE_TEXT_TO_TEXT_MAPPING_NAMES
-    ):
-        return AutoModelForImageTextToText
-    return AutoModelForCausalLM
+    return lm_class(checkpoint_model_type(source))
 
 
 def load_model(
@@ -150,10 +139,10 @@ def load_model(
         dtype: the dense weights' dtype.
         weight_dtype: when given, the routed experts come up on kt-kernel in this storage
             (``"auto"`` or a name in ``kt_kernel.FORMATS``, resolved once by
-            :meth:`moe_experts.storage.StoragePlan.for_checkpoint`): a causal-LM checkpoint
-            streams them straight from its safetensors (:func:`moe_experts.load_pretrained`,
-            never holding the experts twice); any other (a multimodal checkpoint) loads whole
-            and is wrapped. ``None``: plain load.
+            :meth:`moe_experts.storage.StoragePlan.for_checkpoint`): they stream straight
+            from the checkpoint's safetensors (:func:`moe_experts.load_pretrained`, never
+            holding the experts twice), a multimodal checkpoint's too (its vision tower loads
+            as transformers loads it, frozen). ``None``: plain load of the whole model.
         share_experts: as in :func:`moe_experts.wrap` (one copy per machine under torchrun);
             every rank must call this together when ``weight_dtype`` is given.
         dense_device: where the dense weights go (``"cuda:0"``); the experts of a
@@ -162,7 +151,7 @@ def load_model(
     Raises:
         FinetuneError: if the path does not exist or holds no loadable MoE causal LM.
     """
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     builtin = model in BUILTIN_MODELS
     if builtin:
@@ -184,14 +173,13 @@ def load_model(
         require_transformers(checkpoint_model_type(source))
     except (LoadError, UnsupportedModelError) as exc:
         raise FinetuneError(f"--model {model}: {exc}") from exc
-    cls = pretrained_class(source)
     shared_by = storage = None
     try:
         if weight_dtype is not None:  # "auto" resolved once, from the checkpoint
             plan = StoragePlan.for_checkpoint(source, weight_dtype)
             weight_dtype = plan.weight_dtype
             storage = f"{weight_dtype} ({plan.reason})" if plan.reason else weight_dtype
-        if weight_dtype is not None and cls is AutoModelForCausalLM:
+            # Streamed, multimodal checkpoints included (built with pretrained_class's class).
             lm = moe_experts.load_pretrained(
                 source,
                 weight_dtype=weight_dtype,
@@ -200,11 +188,9 @@ def load_model(
                 dense_device=dense_device,
             )
         else:
-            lm = cls.from_pretrained(source, dtype=dtype)
+            lm = pretrained_class(source).from_pretrained(source, dtype=dtype)
             find_architecture(lm)
-            if weight_dtype is not None:
-                moe_experts.wrap(lm, weight_dtype=weight_dtype, share_experts=share_experts)
-            lm.to(dense_device)  # placeholders move as metadata; kernel storage stays put
+            lm.to(dense_device)
     except (LoadError, UnsupportedModelError, WrapError) as exc:
         # e.g. a malformed checkpoint, or no memory for the shared copy: each names the fix
         raise FinetuneError(f"--model {model}: {exc}") from exc
