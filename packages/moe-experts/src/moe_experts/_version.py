@@ -1,3 +1,3 @@
 """The single source of this package's version."""
 
-__version__ = "0.4.0"
+__version__ = "0.4.1"
