@@ -39,35 +39,23 @@ import shlex
 import statistics
 import sys
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict
 from datetime import UTC, datetime
 from pathlib import Path
 
 import torch
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling _timing module (a script)
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling _timing, _impls modules
 import _timing as tm
+from _impls import Shape  # issue 25's expert layers, rank 16
 
 import kt_kernel as kk
 
-
-@dataclass(frozen=True)
-class Shape:
-    """One expert layer of issue 25's table."""
-
-    name: str
-    hidden: int
-    inter: int
-    experts: int
-    top_k: int
-    rank: int = 16
-
-
 SHAPES = {
-    "e64_i1408_k6": Shape("e64_i1408_k6", 2048, 1408, 64, 6),
-    "qwen3_30b_a3b": Shape("qwen3_30b_a3b", 2048, 768, 128, 8),
+    "e64_i1408_k6": Shape("e64_i1408_k6", 2048, 1408, 64, 6, 16),
+    "qwen3_30b_a3b": Shape("qwen3_30b_a3b", 2048, 768, 128, 8, 16),
 }
-QUICK = Shape("quick", 512, 256, 16, 4)
+QUICK = Shape("quick", 512, 256, 16, 4, 16)
 TOKENS = (512, 2048)
 DISTINCT = 8  # experts with their own random values; the rest repeat them (own memory)
 GEMM_ROWS = (16, 32, 64, 128, 256)
