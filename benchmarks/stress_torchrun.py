@@ -42,6 +42,10 @@ TESTS = [
     "test_a_failure_on_one_rank_outside_the_hand_over_stops_every_rank"
     "[wrap-fail-selfcheck-SelfCheckError-model.layers.1.mlp.experts: ]",
     "tests/test_finetune_distributed.py::test_sigterm_under_torchrun_saves_one_step_on_all_ranks",
+    # Seen aborting in CI on 2026-12-05 (rank 1 of the fsdp x2 scenario), after the fix above:
+    # the test workers of lora-core and lora-checkpoint, which end FSDP runs themselves.
+    "packages/lora-core/tests/test_fsdp.py",
+    "packages/lora-checkpoint/tests/test_distributed.py",
 ]
 ABORT_TEXT = re.compile(r"terminate called without an active exception|SIGABRT|Signal 6\b")
 # The mechanism alone, without our code: a one-rank gloo world runs collectives and exits. With
@@ -203,7 +207,7 @@ def _write(
     ]
     for row in rows:
         lines.append(
-            f"| `{row['test'].split('::')[1]}` | {row['reps']} | {row['passed']} | "
+            f"| `{row['test'].split('::')[-1]}` | {row['reps']} | {row['passed']} | "
             f"{row['aborted_runs']} | {row['cores']} | {row['median_s']} |"
         )
     if mechanism:
@@ -257,7 +261,7 @@ def main() -> None:
                 aborted = r["cores"] or r["abort_text"]
                 print(
                     f"rep {rep + 1}/{args.reps} rc={r['rc']} cores={r['cores']} "
-                    f"abort_text={r['abort_text']} {r['seconds']}s {test.split('::')[1][:70]}",
+                    f"abort_text={r['abort_text']} {r['seconds']}s {test.split('::')[-1][:70]}",
                     flush=True,
                 )
                 if aborted and r["evidence"]:

@@ -156,6 +156,12 @@ def worker(rank: int, root: str, port: int) -> None:
         dist.barrier()
     finally:
         dist.destroy_process_group()
+    # The mesh stays referenced from torch's DTensor caches, so its gloo threads outlive
+    # destroy_process_group; one still running in the interpreter's finalisation aborts the
+    # process (SIGABRT). A rank that got here passed: end it without the finalisation.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)
 
 
 if __name__ == "__main__":
