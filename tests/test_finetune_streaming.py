@@ -95,6 +95,11 @@ def test_load_model_streams_a_multimodal_checkpoint(tmp_path: Path, monkeypatch)
     from safetensors.torch import load_file, save_file
     from transformers import AutoModelForImageTextToText
 
+    from moe_experts.checkpoint_experts import streams_with_installed_transformers
+
+    if not streams_with_installed_transformers("qwen3_vl_moe"):
+        pytest.skip("this transformers has Qwen3-VL-MoE's older expert layout: the CLI loads whole")
+
     path = tmp_path / "qwen3_vl_moe"
     model = tiny_model(
         "qwen3_vl_moe", vocab_size=ByteTokenizer.vocab_size, moe_intermediate_size=24

@@ -366,3 +366,23 @@ def shipped_parts(
             f"{name}: the {fmt.weight_dtype} experts of {arch.family} cannot be kept as shipped "
             f"({exc}); load with weight_dtype='bf16' to dequantise them"
         ) from exc
+
+
+def streams_with_installed_transformers(model_type: str | None) -> bool:
+    """Whether ``load_pretrained`` follows this transformers' expert conversions for the type.
+
+    Before transformers' ``Transpose`` gained ``check_dims`` (5.1 has none), Qwen3-VL-MoE's
+    experts had another model layout and conversion chain, which the streaming reader does not
+    follow; callers then load whole and wrap (the CLI does).
+    """
+    import inspect
+
+    from transformers.conversion_mapping import get_checkpoint_conversion_mapping
+    from transformers.core_model_loading import Transpose
+
+    if "check_dims" in inspect.signature(Transpose.__init__).parameters:
+        return True
+    converters = get_checkpoint_conversion_mapping(model_type) or []  # type: ignore[no-untyped-call]
+    return not any(
+        isinstance(op, Transpose) for c in converters for op in getattr(c, "operations", [])
+    )

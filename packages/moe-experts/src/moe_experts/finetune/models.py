@@ -166,6 +166,7 @@ def load_model(
     import moe_experts
     from moe_experts import LoadError, UnsupportedModelError, WrapError, find_architecture
     from moe_experts.architectures import checkpoint_model_type, require_transformers
+    from moe_experts.checkpoint_experts import streams_with_installed_transformers
     from moe_experts.storage import StoragePlan
 
     try:
@@ -179,6 +180,9 @@ def load_model(
             plan = StoragePlan.for_checkpoint(source, weight_dtype)
             weight_dtype = plan.weight_dtype
             storage = f"{weight_dtype} ({plan.reason})" if plan.reason else weight_dtype
+        if weight_dtype is not None and streams_with_installed_transformers(
+            checkpoint_model_type(source)
+        ):
             # Streamed, multimodal checkpoints included (built with pretrained_class's class).
             lm = moe_experts.load_pretrained(
                 source,
@@ -187,6 +191,11 @@ def load_model(
                 share_experts=share_experts,
                 dense_device=dense_device,
             )
+        elif weight_dtype is not None:  # an older transformers' layout: load whole, then wrap
+            lm = pretrained_class(source).from_pretrained(source, dtype=dtype)
+            find_architecture(lm)
+            moe_experts.wrap(lm, weight_dtype=weight_dtype, share_experts=share_experts)
+            lm.to(dense_device)  # placeholders move as metadata; kernel storage stays put
         else:
             lm = pretrained_class(source).from_pretrained(source, dtype=dtype)
             find_architecture(lm)
