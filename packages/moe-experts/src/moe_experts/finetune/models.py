@@ -170,8 +170,9 @@ def load_model(
     from moe_experts.storage import StoragePlan
 
     try:
+        model_type = checkpoint_model_type(source)
         # Before transformers parses the config: an old release does not know a new type.
-        require_transformers(checkpoint_model_type(source))
+        require_transformers(model_type)
     except (LoadError, UnsupportedModelError) as exc:
         raise FinetuneError(f"--model {model}: {exc}") from exc
     shared_by = storage = None
@@ -180,9 +181,7 @@ def load_model(
             plan = StoragePlan.for_checkpoint(source, weight_dtype)
             weight_dtype = plan.weight_dtype
             storage = f"{weight_dtype} ({plan.reason})" if plan.reason else weight_dtype
-        if weight_dtype is not None and streams_with_installed_transformers(
-            checkpoint_model_type(source)
-        ):
+        if weight_dtype is not None and streams_with_installed_transformers(model_type):
             # Streamed, multimodal checkpoints included (built with pretrained_class's class).
             lm = moe_experts.load_pretrained(
                 source,
@@ -191,15 +190,12 @@ def load_model(
                 share_experts=share_experts,
                 dense_device=dense_device,
             )
-        elif weight_dtype is not None:  # an older transformers' layout: load whole, then wrap
+        else:  # a plain load, or an older transformers' layout: load whole, then wrap
             lm = pretrained_class(source).from_pretrained(source, dtype=dtype)
             find_architecture(lm)
-            moe_experts.wrap(lm, weight_dtype=weight_dtype, share_experts=share_experts)
+            if weight_dtype is not None:
+                moe_experts.wrap(lm, weight_dtype=weight_dtype, share_experts=share_experts)
             lm.to(dense_device)  # placeholders move as metadata; kernel storage stays put
-        else:
-            lm = pretrained_class(source).from_pretrained(source, dtype=dtype)
-            find_architecture(lm)
-            lm.to(dense_device)
     except (LoadError, UnsupportedModelError, WrapError) as exc:
         # e.g. a malformed checkpoint, or no memory for the shared copy: each names the fix
         raise FinetuneError(f"--model {model}: {exc}") from exc
