@@ -2,7 +2,8 @@
 
 The public surface is tensors plus small typed specs: :class:`ExpertSpec` (with its
 activation), :class:`ExpertWeights` (in a :class:`WeightFormat`), :class:`LoraBuffers`,
-:func:`moe_experts_forward`, :func:`causal_attention` and :func:`backend_info`.
+:func:`moe_experts_forward`, :func:`causal_attention`, :func:`logit_rows` (the elementwise
+half of a chunked LM-head loss) and :func:`backend_info`.
 ``kt_kernel.reference`` holds the plain-PyTorch oracle.
 """
 
@@ -36,6 +37,7 @@ from kt_kernel.formats import (
 from kt_kernel.formats_fp8 import Fp8Block
 from kt_kernel.formats_int4 import Int4Grouped
 from kt_kernel.formats_mxfp4 import Mxfp4
+from kt_kernel.logit_rows import LOGIT_ROWS_DTYPES, LogitRows, logit_rows
 from kt_kernel.lora import FUSED_NAMES, SPLIT_NAMES, LoraBuffers, LoraLayout, lora_shapes
 from kt_kernel.ops import activation_memory_bytes, moe_experts_forward
 from kt_kernel.quant import (
@@ -61,6 +63,7 @@ __all__ = [
     "FORMATS",
     "FORMAT_ALIASES",
     "FUSED_NAMES",
+    "LOGIT_ROWS_DTYPES",
     "SPLIT_NAMES",
     "Activation",
     "ActivationClass",
@@ -77,6 +80,7 @@ __all__ = [
     "Int8PerChannel",
     "KernelDTypeError",
     "KernelInputError",
+    "LogitRows",
     "LoraBuffers",
     "LoraLayout",
     "Mxfp4",
@@ -99,6 +103,7 @@ __all__ = [
     "format_name",
     "get_num_threads",
     "int8_isa",
+    "logit_rows",
     "lora_shapes",
     "map_shared",
     "moe_experts_forward",
