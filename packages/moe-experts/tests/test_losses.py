@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from moe_experts import ChunkedLossError, chunked_lm_cross_entropy
+from moe_experts.losses import chunked_token_logprobs
 
 
 def _reference(
@@ -94,6 +95,10 @@ def test_no_grad_forward_matches() -> None:
         ({"labels": torch.zeros(2, 18, dtype=torch.long)}, "labels"),
         ({"labels": torch.zeros(2, 19)}, "int64"),
         ({"chunk_size": 0}, "chunk_size"),
+        (
+            {"labels": torch.full((2, 19), 70)},
+            r"labels\[0, 0\] = 70 is not a token id of the 70-row head nor ignore_index",
+        ),
     ],
 )
 def test_bad_inputs_name_the_argument(kwargs: dict, match: str) -> None:
@@ -102,3 +107,29 @@ def test_bad_inputs_name_the_argument(kwargs: dict, match: str) -> None:
     chunk = args.pop("chunk_size", 16)
     with pytest.raises(ChunkedLossError, match=match):
         chunked_lm_cross_entropy(args["hidden"], args["weight"], args["labels"], chunk_size=chunk)
+
+
+def test_bf16_token_logprobs_match_upcast_log_softmax_with_trained_head() -> None:
+    hidden, weight, labels = _inputs(torch.bfloat16, seed=3)
+    h, y = hidden.detach().reshape(-1, 24).requires_grad_(), labels.reshape(-1).clamp(min=0)
+    up = torch.randn(len(y), generator=torch.Generator().manual_seed(4))
+    got = chunked_token_logprobs(h, weight, y, chunk_size=7)
+    want = (h @ weight.t()).float().log_softmax(-1).gather(1, y[:, None]).squeeze(1)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    for a, b in zip(
+        torch.autograd.grad((got * up).sum(), (h, weight)),
+        torch.autograd.grad((want * up).sum(), (h, weight)),
+        strict=True,
+    ):
+        assert a.dtype == torch.bfloat16
+        assert (a.float() - b.float()).abs().max() <= 2e-2 * b.float().abs().max()
+
+
+def test_token_logprobs_label_outside_the_head_names_the_row() -> None:
+    hidden, weight, _ = _inputs(torch.float32)
+    y = torch.zeros(19, dtype=torch.long)
+    y[4] = -100
+    with pytest.raises(
+        ChunkedLossError, match=r"labels\[4\] = -100 is not a token id of the 70-row head$"
+    ):
+        chunked_token_logprobs(hidden[0], weight, y)

@@ -7,7 +7,9 @@ bf16 hidden states and the head weight instead, and per chunk of rows computes t
 logits, their fp32 log-sum-exp, the loss and at once the gradient of the hidden states (the
 softmax minus the one-hot target, times the weight). Only ``[chunk, V]`` is ever alive and
 the head runs the same two matmuls per row as the plain path; backward only scales the saved
-gradient by the incoming one.
+gradient by the incoming one. The per-row elementwise work (log-sum-exp, label logit,
+softmax - onehot) is one fused pass of :func:`kt_kernel.logit_rows` over each chunk's logits,
+which reads each row once and writes its gradient once.
 
 The loss equals ``cross_entropy(lm_head(hidden).float(), labels)`` up to fp32 rounding; the
 gradients are those of that expression to the rounding of the input dtype.
@@ -19,6 +21,8 @@ from typing import Any
 
 import torch
 
+from kt_kernel import LOGIT_ROWS_DTYPES, LogitRows, logit_rows
+
 __all__ = [
     "DEFAULT_CHUNK",
     "IGNORE_INDEX",
@@ -29,13 +33,21 @@ __all__ = [
 
 IGNORE_INDEX = -100  # torch.nn.functional.cross_entropy's default ignore_index
 DEFAULT_CHUNK = 1024  # rows per chunk: 1024 x 32000 fp32 is 128 MB, small next to the model
+# chunked_token_logprobs scores every row; its labels are checked to be ids, so never this.
+_NO_IGNORE = -1
 
 
 class ChunkedLossError(ValueError):
     """Bad arguments to :func:`chunked_lm_cross_entropy` (shape, dtype or chunk size)."""
 
 
-def _check(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chunk: int) -> None:
+def _check(
+    hidden: torch.Tensor,
+    weight: torch.Tensor,
+    labels: torch.Tensor,
+    chunk: int,
+    ignore_index: int | None = None,
+) -> None:
     if hidden.shape[-1] != weight.shape[-1] or weight.dim() != 2:
         raise ChunkedLossError(
             f"hidden's last dim {tuple(hidden.shape)} must equal weight's [V, H] "
@@ -51,6 +63,24 @@ def _check(hidden: torch.Tensor, weight: torch.Tensor, labels: torch.Tensor, chu
         raise ChunkedLossError(f"labels must be int64 token ids, got {labels.dtype}")
     if chunk < 1:
         raise ChunkedLossError(f"chunk_size must be a positive number of rows, got {chunk}")
+    vocab = weight.shape[0]
+    bad = (labels < 0) | (labels >= vocab)
+    if ignore_index is not None:
+        bad &= labels != ignore_index
+    if bool(bad.any()):
+        at = tuple(int(i) for i in bad.nonzero()[0])
+        raise ChunkedLossError(
+            f"labels{list(at)} = {int(labels[at])} is not a token id of the {vocab}-row head"
+            + ("" if ignore_index is None else f" nor ignore_index ({ignore_index})")
+        )
+
+
+def _rows(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int, grad: bool) -> LogitRows:
+    # The head matmul's output dtype is the one lm_head(h) has; fp16/fp64 go through fp32,
+    # where the torch chain computed them too.
+    if logits.dtype not in LOGIT_ROWS_DTYPES:
+        logits = logits.float()
+    return logit_rows(logits, labels.long(), ignore_index=ignore_index, want_grad=grad)
 
 
 class _ChunkedCE(torch.autograd.Function):
@@ -74,19 +104,13 @@ class _ChunkedCE(torch.autograd.Function):
         for start in range(0, hidden.shape[0], chunk):
             h = hidden[start : start + chunk]
             y = labels[start : start + chunk]
-            logits = (h @ weight.t()).float()  # same rounding as lm_head(h).float()
-            lse = torch.logsumexp(logits, dim=-1)
-            valid = y != ignore_index
-            safe = torch.where(valid, y, 0).long()
-            target = logits.gather(1, safe[:, None]).squeeze(1)
-            total += torch.where(valid, lse - target, 0.0).sum()
-            if grad_h is None and grad_w is None:
+            # h @ W.T rounds as lm_head(h) does; d(lse - target)/d logits = softmax - onehot,
+            # zero on ignored rows
+            rows = _rows(h @ weight.t(), y, ignore_index, grad_h is not None or grad_w is not None)
+            total += torch.where(y != ignore_index, rows.lse - rows.target, 0.0).sum()
+            if rows.grad is None:
                 continue
-            # d(lse - target)/d logits = softmax - onehot, zero on ignored rows
-            logits.sub_(lse[:, None]).exp_()
-            logits.scatter_add_(1, safe[:, None], torch.full_like(lse, -1.0)[:, None])
-            logits.mul_(valid[:, None])
-            g = logits.to(hidden.dtype)
+            g = rows.grad.to(hidden.dtype)
             if grad_h is not None:
                 torch.matmul(g, weight, out=grad_h[start : start + chunk])
             if grad_w is not None:
@@ -133,7 +157,7 @@ def chunked_lm_cross_entropy(
     Raises:
         ChunkedLossError: shapes that do not fit, non-integer labels or a bad chunk size.
     """
-    _check(hidden, weight, labels, chunk_size)
+    _check(hidden, weight, labels, chunk_size, ignore_index)
     flat_h = hidden.reshape(-1, hidden.shape[-1])
     flat_y = labels.reshape(-1)
     if num_targets is None:
@@ -152,19 +176,17 @@ class _ChunkedLogProbs(torch.autograd.Function):
     ) -> torch.Tensor:
         need_h = ctx.needs_input_grad[0]
         out = torch.empty(hidden.shape[0], dtype=torch.float32, device=hidden.device)
-        # d logp / d h for each row (the gradient at an upstream weight of 1), [N, H].
+        # -d logp / d h for each row (the gradient at an upstream weight of -1), [N, H]: the
+        # fused op gives softmax - onehot = -d logp / d logits, and backward folds the sign
+        # into its scale rather than negating a [chunk, V] tensor.
         grad_h = torch.empty_like(hidden) if need_h else None
         for start in range(0, hidden.shape[0], chunk):
             h = hidden[start : start + chunk]
-            y = labels[start : start + chunk].long()
-            logits = (h @ weight.t()).float()  # same rounding as lm_head(h).float()
-            lse = torch.logsumexp(logits, dim=-1)
-            out[start : start + chunk] = logits.gather(1, y[:, None]).squeeze(1) - lse
-            if grad_h is not None:
-                # d(target - lse)/d logits = onehot - softmax
-                logits.sub_(lse[:, None]).exp_().neg_()
-                logits.scatter_add_(1, y[:, None], torch.ones_like(lse)[:, None])
-                torch.matmul(logits.to(hidden.dtype), weight, out=grad_h[start : start + chunk])
+            y = labels[start : start + chunk]
+            rows = _rows(h @ weight.t(), y, _NO_IGNORE, grad_h is not None)
+            out[start : start + chunk] = rows.target - rows.lse
+            if grad_h is not None and rows.grad is not None:
+                torch.matmul(rows.grad.to(hidden.dtype), weight, out=grad_h[start : start + chunk])
         ctx.save_for_backward(hidden, weight, labels, *(() if grad_h is None else (grad_h,)))
         ctx.chunk = chunk
         return out
@@ -172,20 +194,20 @@ class _ChunkedLogProbs(torch.autograd.Function):
     @staticmethod
     def backward(ctx: Any, grad_out: torch.Tensor) -> tuple[torch.Tensor | None, ...]:
         hidden, weight, labels, *kept = ctx.saved_tensors
-        scale = grad_out.to(hidden.dtype)[:, None]
-        gh = kept[0] * scale if kept else None
+        neg = -grad_out  # kept holds -d logp / d h; negating [N] is exact
+        gh = kept[0] * neg.to(hidden.dtype)[:, None] if kept else None
         gw = None
         if ctx.needs_input_grad[1]:  # a trained head (LoRA on lm_head): one more pass
             gw32 = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
             for start in range(0, hidden.shape[0], ctx.chunk):
                 h = hidden[start : start + ctx.chunk]
-                y = labels[start : start + ctx.chunk].long()
-                logits = (h @ weight.t()).float()
-                lse = torch.logsumexp(logits, dim=-1)
-                logits.sub_(lse[:, None]).exp_().neg_()
-                logits.scatter_add_(1, y[:, None], torch.ones_like(lse)[:, None])
-                logits.mul_(grad_out[start : start + ctx.chunk, None].float())
-                gw32.addmm_(logits.t(), h.float())
+                y = labels[start : start + ctx.chunk]
+                # fp32 logits give an fp32 softmax - onehot, as precise as the torch chain was;
+                # the row scale goes on the small [chunk, H] side of the product.
+                rows = _rows((h @ weight.t()).float(), y, _NO_IGNORE, True)
+                assert rows.grad is not None
+                hs = h.float() * neg[start : start + ctx.chunk, None].float()
+                gw32.addmm_(rows.grad.t(), hs)
             gw = gw32.to(weight.dtype)
         return gh, gw, None, None
 
