@@ -11,6 +11,7 @@
 #include <cstdint>
 #include <string>
 #include <tuple>
+#include <vector>
 
 #include "formats.h"
 
@@ -19,9 +20,9 @@ namespace {
 
 struct LogitRowsKernels {
   void (*bf16)(const uint16_t*, const int64_t*, int64_t, int64_t, int64_t, int64_t, float*, float*,
-               uint16_t*);
+               uint16_t*, float*);
   void (*f32)(const float*, const int64_t*, int64_t, int64_t, int64_t, int64_t, float*, float*,
-              float*);
+              float*, float*);
   const char* isa;
 };
 
@@ -99,12 +100,15 @@ std::tuple<at::Tensor, at::Tensor, std::optional<at::Tensor>> logit_rows(
   const void* xp = logits.const_data_ptr();
   void* gp = want_grad ? grad->data_ptr() : nullptr;
   at::parallel_for(0, n, 1, [&](int64_t r0, int64_t r1) {
+    // One fp32 row of exp(x - max) per thread's range, reused row after row (stays in L2).
+    std::vector<float> scratch(want_grad ? V : 0);
+    float* ex = scratch.data();
     if (bf16) {
       k.bf16(static_cast<const uint16_t*>(xp), yp, r0, r1, V, ignore_index, lp, tp,
-             static_cast<uint16_t*>(gp));
+             static_cast<uint16_t*>(gp), ex);
     } else {
       k.f32(static_cast<const float*>(xp), yp, r0, r1, V, ignore_index, lp, tp,
-            static_cast<float*>(gp));
+            static_cast<float*>(gp), ex);
     }
   });
   return {lse, target, grad};
