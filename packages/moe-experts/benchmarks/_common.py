@@ -8,6 +8,7 @@ weights, ``--quick``: 16 experts instead of 128) and read the same per-process m
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,21 @@ def config(quick: bool, layers: int) -> Any:
     from moe_experts.testing import tiny_config
 
     return tiny_config("qwen3_moe", **shape(quick), num_hidden_layers=layers)
+
+
+def matmul_peak(size: int = 2048) -> float:
+    """GFLOP/s of a square bf16 ``torch.mm`` with this process's threads (best of 3): the peak."""
+    import torch
+
+    a = torch.randn(size, size).to(torch.bfloat16)
+    b = torch.randn(size, size).to(torch.bfloat16)
+    a @ b
+    best = float("inf")
+    for _ in range(3):
+        start = time.perf_counter()
+        a @ b
+        best = min(best, time.perf_counter() - start)
+    return 2.0 * size**3 / best / 1e9
 
 
 def rollup_bytes(field: str) -> int:
