@@ -134,6 +134,27 @@ def test_load_model_streams_a_multimodal_checkpoint(tmp_path: Path, monkeypatch)
         assert torch.equal(loaded.model(ids).logits, want(ids).logits)
 
 
+def test_load_pretrained_names_transformers_when_it_cannot_stream_qwen3_vl(tmp_path: Path) -> None:
+    # transformers 5.1 (the lowest cell) converts Qwen3-VL-MoE's experts by a chain the
+    # streaming reader does not follow: one error naming the version and the fix, not a
+    # shape mismatch deep in the load.
+    import transformers
+
+    from moe_experts.checkpoint_experts import streams_with_installed_transformers
+
+    if streams_with_installed_transformers("qwen3_vl_moe"):
+        pytest.skip("this transformers streams Qwen3-VL-MoE (the test above loads it)")
+    path = tmp_path / "qwen3_vl_moe"
+    tiny_model("qwen3_vl_moe", moe_intermediate_size=24).save_pretrained(path)
+    with pytest.raises(moe_experts.TransformersVersionError) as err:
+        moe_experts.load_pretrained(path)
+    msg = str(err.value)
+    assert str(path / "config.json") in msg
+    assert "'qwen3_vl_moe'" in msg
+    assert f"transformers {transformers.__version__}" in msg
+    assert "transformers>=5.17" in msg
+
+
 def test_cli_fine_tunes_fp8_checkpoint_on_its_shipped_bytes(tmp_path: Path, capsys) -> None:
     path = save_fp8_checkpoint(
         tiny_model(

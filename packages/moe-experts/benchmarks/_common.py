@@ -8,6 +8,7 @@ weights, ``--quick``: 16 experts instead of 128) and read the same per-process m
 from __future__ import annotations
 
 import json
+import sys
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -42,6 +43,17 @@ def config(quick: bool, layers: int) -> Any:
     from moe_experts.testing import tiny_config
 
     return tiny_config("qwen3_moe", **shape(quick), num_hidden_layers=layers)
+
+
+def matmul_peak(size: int = 2048) -> float:
+    """GFLOP/s of a square bf16 ``torch.mm`` with this process's threads: the peak."""
+    import torch
+
+    # kt-kernel's benchmark helper, so every benchmark measures the peak the same way.
+    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "kt-kernel" / "benchmarks"))
+    from _timing import matmul_peak as kernel_matmul_peak
+
+    return kernel_matmul_peak(torch.bfloat16, size)
 
 
 def rollup_bytes(field: str) -> int:

@@ -41,7 +41,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling _common module
-from _common import DENSE, RANK, shape, write_results
+from _common import DENSE, RANK, matmul_peak, shape, write_results
 
 VARIANTS = ("ours", "ours+pre", "trl", "trl+pre")
 PROMPT = 64  # prompt tokens of each sequence; the rest of --seq is the response
@@ -84,6 +84,30 @@ def _record(seq: int) -> dict[str, str]:
         "chosen": text(seq - PROMPT - 1),
         "rejected": text(seq - PROMPT - 1),
     }
+
+
+def _step_gflop(cfg: dict[str, Any], layers: int, seq: int, reference: bool) -> float:
+    """The matmul work (GFLOP) a DPO step cannot avoid: forwards, backward to the inputs only.
+
+    Per forward over the pair's ``2 seq`` tokens: q/k/v/o, the router, ``k`` experts' gate, up
+    and down, causal attention (``QK^T`` and ``PV`` below the diagonal) and the head over the
+    scored response rows. Backward: the same products once more (the input gradients of the
+    frozen weights; attention's four products count twice its forward two), nothing recomputed.
+    LoRA's rank-16 products are left out (under 3%): a lower bound for every implementation.
+    """
+    h, heads, d = cfg["hidden_size"], cfg["num_attention_heads"], cfg["head_dim"]
+    kv, e, k, i, v = (
+        cfg["num_key_value_heads"], cfg["num_experts"], cfg["num_experts_per_tok"],
+        cfg["moe_intermediate_size"], cfg["vocab_size"],
+    )  # fmt: skip
+    t, rows = 2 * seq, 2 * (seq - PROMPT)
+    dense = 2 * t * h * (2 * heads * d + 2 * kv * d + e)  # q and o, k and v, the router
+    experts = 2 * t * k * 3 * h * i
+    attention = 2 * 2 * heads * d * seq * (seq + 1) / 2  # two sequences, causal
+    head = 2 * rows * h * v
+    forward = layers * (dense + experts + attention) + head
+    backward = forward + layers * attention  # attention's backward is twice its forward
+    return (forward * (2 if reference else 1) + backward) / 1e9
 
 
 def _model(cfg: dict[str, Any], layers: int) -> torch.nn.Module:
@@ -207,6 +231,7 @@ def _time(step: Any, steps: int, ref_s: float | None, tokens: int) -> dict[str, 
             times.append(time.perf_counter() - start)
     step_s = statistics.median(times)
     return {
+        "matmul_peak_gflops": matmul_peak(),
         "step_s": step_s,
         "steps_s": times,
         "tokens": tokens,
@@ -285,6 +310,13 @@ def main() -> None:
         twin = base.get(r["variant"].replace("ours", "trl"))
         r["x_trl_tokens_per_s"] = r["tokens_per_s"] / twin["tokens_per_s"] if twin else None
         r["x_trl_peak"] = r["peak_rss_gib"] / twin["peak_rss_gib"] if twin else None
+        # The fraction of the machine's bf16 matmul peak (measured in the same child) that the
+        # step's unavoidable matmul work reaches, and the ratio to TRL a step at 100% would give.
+        r["gflop"] = _step_gflop(cfg, args.layers, args.seq, not r["variant"].endswith("+pre"))
+        r["matmul_peak_gflops"] = statistics.median(x["matmul_peak_gflops"] for x in r["runs"])
+        r["fraction_of_peak"] = r["gflop"] / (r["step_s"] * r["matmul_peak_gflops"])
+        floor_s = r["gflop"] / r["matmul_peak_gflops"]
+        r["x_trl_at_peak"] = twin["step_s"] / floor_s if twin else None
     meta = {
         "date": date.today().isoformat(),
         "machine": f"{platform.node()} {platform.machine()}, {os.cpu_count()} CPUs, "
@@ -300,7 +332,10 @@ def main() -> None:
         f"k={cfg['num_experts_per_tok']}, I={cfg['moe_intermediate_size']}, "
         f"V={cfg['vocab_size']}, bf16, LoRA rank {RANK} on q/k/v/o + router + experts; one pair, "
         f"T={args.seq} per sequence; {meta['machine']}.\nCommand: `{meta['command']}`. "
-        "`+pre`: reference log-probs precomputed (the one-off pass is the last column)."
+        "`+pre`: reference log-probs precomputed (the one-off pass is timed alone). "
+        "`matmul GFLOP`: the products a step cannot avoid (`_step_gflop`); `% of peak`: that "
+        "work over the step time and the same child's bf16 matmul peak; `x TRL at 100% of "
+        "peak`: the ratio a step doing that work at the peak would reach."
     )
 
     def fmt(x: float | None, spec: str) -> str:
@@ -313,11 +348,14 @@ def main() -> None:
         rows,
         title,
         ["variant", "step (s)", "tokens/s", "x TRL tokens/s", "peak RSS (GiB)", "x TRL peak",
-         "reference pass (s)"],
+         "reference pass (s)", "matmul GFLOP", "bf16 peak (GFLOP/s)", "% of peak",
+         "x TRL at 100% of peak"],
         lambda r: [
             r["variant"], f"{r['step_s']:.2f}", f"{r['tokens_per_s']:.0f}",
             fmt(r["x_trl_tokens_per_s"], ".2f"), f"{r['peak_rss_gib']:.2f}",
             fmt(r["x_trl_peak"], ".2f"), fmt(r["reference_pass_s"], ".2f"),
+            f"{r['gflop']:.0f}", f"{r['matmul_peak_gflops']:.0f}",
+            f"{100 * r['fraction_of_peak']:.0f}%", fmt(r["x_trl_at_peak"], ".2f"),
         ],
     )  # fmt: skip
 

@@ -38,9 +38,10 @@ from moe_experts.checkpoint_experts import (
     assemble,
     read_biases,
     shipped_parts,
+    streams_with_installed_transformers,
 )
 from moe_experts.dense_conversions import DenseConversions, read_stored
-from moe_experts.errors import LoadError
+from moe_experts.errors import LoadError, TransformersVersionError
 from moe_experts.kernel_experts import KernelExperts, Policy
 from moe_experts.memory import trim_host_heap
 from moe_experts.self_check import BlockCheck
@@ -275,7 +276,9 @@ def load_pretrained(
             are invalid or disagree with the checkpoint (naming the key), or a load needing
             more than 90% of the available host memory (naming both figures).
         UnsupportedModelError: the checkpoint is not a supported MoE family.
-        TransformersVersionError: the installed transformers is older than the family needs.
+        TransformersVersionError: the installed transformers is older than the family needs,
+            or converts this type's stored experts in a way the streaming reader does not follow
+            (Qwen3-VL-MoE before transformers 5.17).
         WrapError: an unknown ``weight_dtype``/``policy`` or an unsupported activation.
     """
     from transformers import AutoConfig
@@ -295,6 +298,16 @@ def load_pretrained(
     config_file = path / "config.json"
     model_type = checkpoint_model_type(path)  # LoadError: no readable config.json
     require_transformers(model_type)
+    if not streams_with_installed_transformers(model_type):
+        import transformers
+
+        raise TransformersVersionError(
+            f"{config_file}: streaming the experts of {model_type!r} needs a transformers whose "
+            f"checkpoint conversion this loader follows (5.17 and later); transformers "
+            f"{transformers.__version__} converts them another way. Upgrade with: pip install -U "
+            "'transformers>=5.17', or load the model whole with from_pretrained and call "
+            "moe_experts.wrap"
+        )
     check_model_type(config_file, model_type)
     shards = Shards()
     where = weight_map(path, shards)
