@@ -64,7 +64,8 @@ const LogitRowsKernels& logit_rows_kernels() {
 }
 
 std::tuple<at::Tensor, at::Tensor, std::optional<at::Tensor>> logit_rows(
-    const at::Tensor& logits, const at::Tensor& labels, int64_t ignore_index, bool want_grad) {
+    const at::Tensor& logits, const at::Tensor& labels, int64_t ignore_index, bool want_grad,
+    const std::optional<at::Tensor>& out) {
   TORCH_CHECK_VALUE(logits.device().is_cpu() && labels.device().is_cpu(),
                     "logit_rows: expected CPU tensors, got logits on ", logits.device(),
                     " and labels on ", labels.device());
@@ -91,7 +92,18 @@ std::tuple<at::Tensor, at::Tensor, std::optional<at::Tensor>> logit_rows(
   at::Tensor lse = at::empty({n}, f32);
   at::Tensor target = at::empty({n}, f32);
   std::optional<at::Tensor> grad;
-  if (want_grad) grad = at::empty({n, V}, logits.options());
+  if (want_grad && out.has_value()) {
+    // A caller's buffer reused chunk after chunk: a fresh [n, V] tensor costs page faults and
+    // the kernel's zeroing on every call (glibc maps allocations this large anew each time),
+    // which took longer than the op's own passes.
+    TORCH_CHECK_VALUE(out->device().is_cpu() && out->is_contiguous() &&
+                          out->scalar_type() == logits.scalar_type() && out->sizes() == logits.sizes(),
+                      "logit_rows: out must be a contiguous CPU ", logits.scalar_type(), " tensor of ",
+                      logits.sizes(), ", got ", out->scalar_type(), " ", out->sizes());
+    grad = *out;
+  } else if (want_grad) {
+    grad = at::empty({n, V}, logits.options());
+  }
   if (n == 0) return {lse, target, grad};
   const auto& k = logit_rows_kernels();
   float* lp = lse.data_ptr<float>();
@@ -119,8 +131,8 @@ std::tuple<at::Tensor, at::Tensor, std::optional<at::Tensor>> logit_rows(
 
 TORCH_LIBRARY_FRAGMENT(kt_kernel, m) {
   m.def(
-      "logit_rows(Tensor logits, Tensor labels, int ignore_index, bool want_grad) "
-      "-> (Tensor, Tensor, Tensor?)",
+      "logit_rows(Tensor logits, Tensor labels, int ignore_index, bool want_grad, "
+      "Tensor(a!)? out=None) -> (Tensor, Tensor, Tensor?)",
       &kt_kernel::logit_rows);
   m.def("logit_rows_isa", []() { return std::string(kt_kernel::logit_rows_kernels().isa); });
 }

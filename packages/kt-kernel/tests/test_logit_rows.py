@@ -209,3 +209,21 @@ def test_each_narrower_isa_path_matches_oracle(isa: str) -> None:
     got_isa, bad = json.loads(out.stdout.strip().splitlines()[-1])
     assert got_isa == isa
     assert bad == []
+
+
+def test_out_receives_the_gradient_and_is_checked() -> None:
+    for contiguous in (True, False):
+        x = _logits(6, 301, 3.0, 0.0, torch.bfloat16)
+        x = x if contiguous else x.t().contiguous().t()
+        y = _labels(6, 301, -100)
+        want = kk.logit_rows(x, y)
+        buf = torch.full((6, 301), 7.0, dtype=torch.bfloat16)
+        got = kk.logit_rows(x, y, out=buf)
+        assert got.grad is not None
+        assert got.grad.data_ptr() == buf.data_ptr()
+        assert torch.equal(buf, want.grad)
+        assert torch.equal(got.lse, want.lse)
+    with pytest.raises(kk.KernelInputError, match=r"out must be a contiguous torch\.bfloat16"):
+        kk.logit_rows(x, y, out=torch.empty(6, 301))
+    with pytest.raises(kk.KernelInputError, match="not contiguous"):
+        kk.logit_rows(x, y, out=torch.empty(301, 6, dtype=torch.bfloat16).t())

@@ -62,8 +62,21 @@ def _check_range(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int) 
         )
 
 
+def _check_out(logits: torch.Tensor, out: torch.Tensor) -> None:
+    if out.dtype != logits.dtype or out.shape != logits.shape or not out.is_contiguous():
+        raise KernelInputError(
+            f"logit_rows: out must be a contiguous {logits.dtype} tensor of "
+            f"{list(logits.shape)}, got {out.dtype} {list(out.shape)}"
+            + ("" if out.is_contiguous() else " (not contiguous)")
+        )
+
+
 def _logit_rows_torch(
-    logits: torch.Tensor, labels: torch.Tensor, ignore_index: int, want_grad: bool
+    logits: torch.Tensor,
+    labels: torch.Tensor,
+    ignore_index: int,
+    want_grad: bool,
+    out: torch.Tensor | None,
 ) -> LogitRows:
     # A copy even for fp32 input: the gradient is built in place.
     x = logits.to(torch.float32, copy=want_grad)
@@ -76,7 +89,7 @@ def _logit_rows_torch(
     g = x.sub_(lse[:, None]).exp_()
     g.scatter_add_(1, safe[:, None], torch.full_like(lse, -1.0)[:, None])
     g.mul_(valid[:, None])
-    return LogitRows(lse, target, g.to(logits.dtype))
+    return LogitRows(lse, target, g.to(logits.dtype) if out is None else out.copy_(g))
 
 
 def logit_rows(
@@ -85,8 +98,12 @@ def logit_rows(
     *,
     ignore_index: int = -100,
     want_grad: bool = True,
+    out: torch.Tensor | None = None,
 ) -> LogitRows:
     """Per row of ``logits`` [n, V]: fp32 log-sum-exp, logit at ``labels`` [n], softmax - onehot.
+
+    ``out`` (contiguous, the shape and dtype of ``logits``) receives the gradient instead of a
+    new tensor: a loop over chunks reuses one buffer rather than paying for fresh pages.
 
     Raises:
         KernelDTypeError: ``logits`` is not bf16/fp32 or ``labels`` is not int64.
@@ -94,18 +111,23 @@ def logit_rows(
             ``ignore_index`` (the message names the row).
     """
     _check(logits, labels)
+    if out is not None and want_grad:
+        _check_out(logits, out)
+    else:
+        out = None
     if (
         native_module() is not None
         and logits.device.type == "cpu"
         and labels.device.type == "cpu"
         and logits.is_contiguous()
+        and (out is None or out.device.type == "cpu")
     ):
         try:
             lse, target, grad = torch.ops.kt_kernel.logit_rows(
-                logits, labels, ignore_index, want_grad
+                logits, labels, ignore_index, want_grad, out
             )
         except ValueError as exc:  # the op's own TORCH_CHECK_VALUE, e.g. a label out of range
             raise KernelInputError(str(exc).splitlines()[0]) from exc
         return LogitRows(lse, target, grad)
     _check_range(logits, labels, ignore_index)
-    return _logit_rows_torch(logits, labels, ignore_index, want_grad)
+    return _logit_rows_torch(logits, labels, ignore_index, want_grad, out)
