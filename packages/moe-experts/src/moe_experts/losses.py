@@ -75,12 +75,31 @@ def _check(
         )
 
 
-def _rows(logits: torch.Tensor, labels: torch.Tensor, ignore_index: int, grad: bool) -> LogitRows:
-    # The head matmul's output dtype is the one lm_head(h) has; fp16/fp64 go through fp32,
-    # where the torch chain computed them too.
-    if logits.dtype not in LOGIT_ROWS_DTYPES:
-        logits = logits.float()
-    return logit_rows(logits, labels.long(), ignore_index=ignore_index, want_grad=grad)
+class _Rows:
+    """``kt_kernel.logit_rows`` over a loop of chunks, writing every gradient into one buffer.
+
+    A fresh ``[chunk, V]`` tensor per chunk costs page faults and the kernel's zeroing each
+    time, about as long as the fused op itself; each gradient is consumed before the next chunk.
+    """
+
+    def __init__(self, ignore_index: int, grad: bool) -> None:
+        self.ignore_index, self.grad = ignore_index, grad
+        self.buf: torch.Tensor | None = None
+
+    def __call__(self, logits: torch.Tensor, labels: torch.Tensor) -> LogitRows:
+        # The head matmul's output dtype is the one lm_head(h) has; fp16/fp64 go through fp32,
+        # where the torch chain computed them too.
+        if logits.dtype not in LOGIT_ROWS_DTYPES:
+            logits = logits.float()
+        out = None
+        if self.grad and self.buf is not None and self.buf.dtype == logits.dtype:
+            out = self.buf[: logits.shape[0]]
+        rows = logit_rows(
+            logits, labels.long(), ignore_index=self.ignore_index, want_grad=self.grad, out=out
+        )
+        if self.buf is None or (rows.grad is not None and len(rows.grad) > len(self.buf)):
+            self.buf = rows.grad
+        return rows
 
 
 class _ChunkedCE(torch.autograd.Function):
@@ -101,12 +120,13 @@ class _ChunkedCE(torch.autograd.Function):
         grad_w = (
             torch.zeros(weight.shape, dtype=torch.float32, device=weight.device) if need_w else None
         )
+        per_chunk = _Rows(ignore_index, grad_h is not None or grad_w is not None)
         for start in range(0, hidden.shape[0], chunk):
             h = hidden[start : start + chunk]
             y = labels[start : start + chunk]
             # h @ W.T rounds as lm_head(h) does; d(lse - target)/d logits = softmax - onehot,
             # zero on ignored rows
-            rows = _rows(h @ weight.t(), y, ignore_index, grad_h is not None or grad_w is not None)
+            rows = per_chunk(h @ weight.t(), y)
             total += torch.where(y != ignore_index, rows.lse - rows.target, 0.0).sum()
             if rows.grad is None:
                 continue
@@ -180,10 +200,11 @@ class _ChunkedLogProbs(torch.autograd.Function):
         # fused op gives softmax - onehot = -d logp / d logits, and backward folds the sign
         # into its scale rather than negating a [chunk, V] tensor.
         grad_h = torch.empty_like(hidden) if need_h else None
+        per_chunk = _Rows(_NO_IGNORE, grad_h is not None)
         for start in range(0, hidden.shape[0], chunk):
             h = hidden[start : start + chunk]
             y = labels[start : start + chunk]
-            rows = _rows(h @ weight.t(), y, _NO_IGNORE, grad_h is not None)
+            rows = per_chunk(h @ weight.t(), y)
             out[start : start + chunk] = rows.target - rows.lse
             if grad_h is not None and rows.grad is not None:
                 torch.matmul(rows.grad.to(hidden.dtype), weight, out=grad_h[start : start + chunk])
@@ -199,12 +220,13 @@ class _ChunkedLogProbs(torch.autograd.Function):
         gw = None
         if ctx.needs_input_grad[1]:  # a trained head (LoRA on lm_head): one more pass
             gw32 = torch.zeros(weight.shape, dtype=torch.float32, device=weight.device)
+            per_chunk = _Rows(_NO_IGNORE, True)
             for start in range(0, hidden.shape[0], ctx.chunk):
                 h = hidden[start : start + ctx.chunk]
                 y = labels[start : start + ctx.chunk]
                 # fp32 logits give an fp32 softmax - onehot, as precise as the torch chain was;
                 # the row scale goes on the small [chunk, H] side of the product.
-                rows = _rows((h @ weight.t()).float(), y, _NO_IGNORE, True)
+                rows = per_chunk((h @ weight.t()).float(), y)
                 assert rows.grad is not None
                 hs = h.float() * neg[start : start + ctx.chunk, None].float()
                 gw32.addmm_(rows.grad.t(), hs)
