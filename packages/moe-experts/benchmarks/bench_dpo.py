@@ -130,7 +130,7 @@ def _ours(variant: str, cfg: dict[str, Any], layers: int, seq: int, steps: int) 
     from moe_experts.finetune.preference import DPOObjective, reference_logps
     from moe_experts.finetune.preference_data import PreferenceBatches, tokenize_pairs
     from moe_experts.finetune.tokenizer import build_byte_tokenizer
-    from moe_experts.memory import trim_host_heap
+    from moe_experts.memory import reuse_freed_host_memory, trim_host_heap
 
     lm = _model(cfg, layers)
     lora = LoraConfig(
@@ -142,6 +142,7 @@ def _ours(variant: str, cfg: dict[str, Any], layers: int, seq: int, steps: int) 
     )
     result = moe_experts.adapt_model(lm, lora, weight_dtype="bf16")
     trim_host_heap()  # the transformers expert tensors freed by wrap go back to the system
+    reuse_freed_host_memory()  # as run_finetune does before the first step
     lm.train()
     sample = PreferenceFormat().parse(_record(seq))
     pairs, _ = tokenize_pairs(Path("bench"), [sample], build_byte_tokenizer(), max_tokens=seq)

@@ -42,3 +42,37 @@ def test_no_residue_beyond_kernel_and_dense_bytes(checkpoint: str, mode: str) ->
         f"{mode}: RSS grew {m['rss'] - m['base']:.1f} MiB for {m['kernel'] / mib:.1f} MiB of "
         f"kernel experts and {dense:.1f} MiB of dense weights"
     )
+
+
+_FAULTS = """
+import resource, sys, torch
+from moe_experts.memory import reuse_freed_host_memory
+
+def faults(steps):
+    # Three large tensors made, written and freed per step, as a step's activations are.
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    for _ in range(steps):
+        tensors = [torch.empty(n << 20, dtype=torch.uint8) for n in (48, 64, 40)]
+        for t in tensors:
+            t.fill_(1)
+        del tensors
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+
+plain = faults(4)
+if not reuse_freed_host_memory():
+    sys.exit(3)
+faults(8)  # the heap grows until the steps' blocks fit in what earlier steps freed
+print(plain, faults(4))
+"""
+
+
+def test_reuse_freed_host_memory_ends_the_page_faults_of_repeated_large_tensors() -> None:
+    # Its own process: mallopt is process-wide and stays set.
+    done = subprocess.run([sys.executable, "-c", _FAULTS], capture_output=True, text=True)
+    if done.returncode == 3:
+        pytest.skip("no glibc mallopt here")
+    assert done.returncode == 0, done.stderr
+    plain, reused = (int(x) for x in done.stdout.split())
+    pages = 4 * (48 + 64 + 40) * (1 << 20) // 4096
+    assert plain >= pages // 2  # fresh mappings: every page faulted in again each step
+    assert reused < plain // 20  # the heap's pages are reused

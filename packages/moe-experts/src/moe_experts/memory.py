@@ -5,6 +5,10 @@ mapping. After :func:`moe_experts.wrap` frees the experts, one such view of a de
 its whole shard mapped, so the expert pages read from it stay resident (counted in RSS as file
 pages). Re-homing the few dense views into owned memory lets the mappings go; returning freed
 heap pages to the OS (``malloc_trim``) removes what the allocator kept.
+
+Training wants the opposite of that hygiene: every step allocates and frees the same large
+activation tensors, and glibc serves each one over 32 MB with a fresh ``mmap`` that the kernel
+must fault in and zero page by page; :func:`reuse_freed_host_memory` keeps them in the heap.
 """
 
 from __future__ import annotations
@@ -19,7 +23,12 @@ from torch import nn
 
 from moe_experts.placeholders import is_placeholder
 
-__all__ = ["file_backed_ranges", "release_file_views", "trim_host_heap"]
+__all__ = [
+    "file_backed_ranges",
+    "release_file_views",
+    "reuse_freed_host_memory",
+    "trim_host_heap",
+]
 
 
 def file_backed_ranges() -> list[tuple[int, int]]:
@@ -78,15 +87,42 @@ def release_file_views(model: nn.Module) -> int:
     return moved
 
 
-def trim_host_heap() -> bool:
-    """Return freed heap pages to the OS (glibc ``malloc_trim``); False where unavailable."""
+# glibc's mallopt parameters (malloc.h): M_TRIM_THRESHOLD, M_MMAP_MAX.
+_M_TRIM_THRESHOLD, _M_MMAP_MAX = -1, -4
+_INT_MAX = 2**31 - 1
+
+
+def _libc() -> ctypes.CDLL | None:
     name = ctypes.util.find_library("c")
     if name is None:
-        return False
+        return None
     try:
-        libc = ctypes.CDLL(name)
-        trim = libc.malloc_trim
-    except (OSError, AttributeError):  # not glibc (musl, macOS): nothing to trim
+        return ctypes.CDLL(name)
+    except OSError:
+        return None
+
+
+def reuse_freed_host_memory() -> bool:
+    """Serve large allocations from the reusable heap, not a fresh ``mmap`` each (glibc only).
+
+    A training step frees and re-allocates the same large tensors every step; as fresh
+    mappings, each costs page faults and zeroing (a DPO step at Qwen3-30B-A3B layer sizes ran
+    6% faster without them). Process-wide and kept until exit: freed blocks stay in the heap
+    for the next step (:func:`trim_host_heap` still returns them on request), and glibc falls
+    back to ``mmap`` where the heap cannot grow. Returns False where ``mallopt`` is missing.
+    """
+    libc = _libc()
+    mallopt = getattr(libc, "mallopt", None)
+    if mallopt is None:  # not glibc (musl, macOS)
+        return False
+    mallopt.argtypes = [ctypes.c_int, ctypes.c_int]
+    return bool(mallopt(_M_MMAP_MAX, 0)) and bool(mallopt(_M_TRIM_THRESHOLD, _INT_MAX))
+
+
+def trim_host_heap() -> bool:
+    """Return freed heap pages to the OS (glibc ``malloc_trim``); False where unavailable."""
+    trim = getattr(_libc(), "malloc_trim", None)
+    if trim is None:  # not glibc (musl, macOS): nothing to trim
         return False
     trim.argtypes = [ctypes.c_size_t]
     return bool(trim(0))

@@ -54,6 +54,7 @@ from moe_experts.finetune.models import (
 )
 from moe_experts.finetune.objective import Objective
 from moe_experts.finetune.targets import resolve_targets
+from moe_experts.memory import reuse_freed_host_memory
 
 __all__ = ["run_finetune"]
 
@@ -268,4 +269,6 @@ def run_finetune(args: FinetuneArgs, stop: StopRequest | None = None) -> Finetun
         )
         check_later_checkpoints(args.output / "checkpoints", job.first_step, args.steps)
         restore_gpu_experts(setup, args.resume)
+    # After the load (whose transient buffers went back to the OS): steps reuse freed memory.
+    reuse_freed_host_memory()
     return train(job)
