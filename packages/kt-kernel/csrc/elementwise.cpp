@@ -30,22 +30,8 @@ namespace isa_base {
 #include "elementwise_body.h"
 }  // namespace isa_base
 
-static Kernels select() {
-#if defined(__x86_64__) && defined(__GNUC__)
-  switch (isa_level()) {
-    case Isa::kAvx512:
-      return isa_avx512::make_table("avx512");
-    case Isa::kAvx2:
-      return isa_avx2::make_table("avx2");
-    default:
-      break;
-  }
-#endif
-  return isa_base::make_table("scalar");
-}
-
 const Kernels& kernels() {
-  static const Kernels table = select();
+  static const Kernels table = KT_ISA_TABLE();
   return table;
 }
 

@@ -44,6 +44,27 @@ bool has_avx512_bf16();
 // "avx512", "avx2" or "scalar".
 const char* isa_name(Isa isa);
 
+// The table of a per-ISA loop family that isa_level() allows: each family's .cpp includes its
+// *_body.h once per ISA, into namespaces isa_avx512 and isa_avx2 (x86-64 GCC) and isa_base,
+// and each copy defines `make_table(const char* isa_name)`. KT_ISA_TABLE() picks one there.
+template <class T>
+T pick_isa_table(T (*avx512)(const char*), T (*avx2)(const char*), T (*scalar)(const char*)) {
+  switch (isa_level()) {
+    case Isa::kAvx512:
+      return avx512("avx512");
+    case Isa::kAvx2:
+      return avx2("avx2");
+    default:
+      return scalar("scalar");
+  }
+}
+#if defined(__x86_64__) && defined(__GNUC__)
+#define KT_ISA_TABLE() \
+  ::kt_kernel::pick_isa_table(&isa_avx512::make_table, &isa_avx2::make_table, &isa_base::make_table)
+#else
+#define KT_ISA_TABLE() isa_base::make_table("scalar")
+#endif
+
 namespace formats {
 
 constexpr int kMaxParts = 4;

@@ -47,19 +47,7 @@ namespace isa_base {
 }  // namespace isa_base
 
 const LogitRowsKernels& logit_rows_kernels() {
-  static const LogitRowsKernels table = [] {
-#if defined(__x86_64__) && defined(__GNUC__)
-    switch (isa_level()) {
-      case Isa::kAvx512:
-        return isa_avx512::make_table("avx512");
-      case Isa::kAvx2:
-        return isa_avx2::make_table("avx2");
-      default:
-        break;
-    }
-#endif
-    return isa_base::make_table("scalar");
-  }();
+  static const LogitRowsKernels table = KT_ISA_TABLE();
   return table;
 }
 

@@ -111,7 +111,6 @@ using common::act_fwd;
 using common::gather_rows;
 using common::make_tasks;
 using common::prepare_lora;
-using common::run_tasks;
 using common::scatter;
 
 // ------------------------------------------------------------------ argument validation

@@ -6,10 +6,6 @@ subprocess, KT_KERNEL_ISA), on the PyTorch path (non-contiguous input), and its 
 
 from __future__ import annotations
 
-import json
-import os
-import subprocess
-import sys
 from collections.abc import Iterator
 
 import pytest
@@ -195,18 +191,10 @@ def test_each_narrower_isa_path_matches_oracle(isa: str) -> None:
         pytest.skip("needs the native extension")
     if isa == "avx2" and "avx2" not in kk.backend_info().cpu_features:
         pytest.skip("this CPU has no AVX2")
-    code = (
-        "import json, sys, torch\n"
-        f"sys.path.insert(0, {os.path.dirname(__file__)!r})\n"
-        "import test_logit_rows\n"
-        "print(json.dumps([torch.ops.kt_kernel.logit_rows_isa(), test_logit_rows.mismatches()]))\n"
-    )
-    env = dict(os.environ, KT_KERNEL_ISA=isa)
-    out = subprocess.run(
-        [sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=300
-    )
-    assert out.returncode == 0, out.stderr[-3000:]
-    got_isa, bad = json.loads(out.stdout.strip().splitlines()[-1])
+    # Imported here: the child imports this module alone, outside the test package.
+    from ._isa_child import mismatches_on_isa
+
+    got_isa, bad = mismatches_on_isa("test_logit_rows", "logit_rows_isa", isa)
     assert got_isa == isa
     assert bad == []
 
