@@ -17,12 +17,8 @@ order alternating per repetition, so load from other processes hits each alike; 
 the child's resident memory sampled during its steps (the model included). The ratios to TRL
 are of medians, and per repetition (each ``ours`` child against the TRL child of its round).
 
-``trl+reuse`` (and ``trl+pre+reuse``), not run by default: TRL with the heap reuse ours runs
-with (``moe_experts.memory.reuse_freed_host_memory``), so that page-fault cost, which varies
-with the host, is out of the comparison.
-
 Usage: ``python bench_dpo.py --out DIR [--quick] [--layers 4] [--experts 128] [--seq 1024]
-[--reps 1] [--steps 2] [--variants ours,ours+pre,trl,trl+pre[,trl+reuse,trl+pre+reuse]]``.
+[--reps 1] [--steps 2] [--variants ours,ours+pre,trl,trl+pre]``.
 Writes ``bench_dpo.json`` and ``bench_dpo.md`` (``bench_dpo_quick.*`` with ``--quick``).
 """
 
@@ -179,11 +175,7 @@ def _trl(variant: str, cfg: dict[str, Any], layers: int, seq: int, steps: int) -
 
     lm = _model(cfg, layers)
     tok = build_byte_tokenizer()
-    pre = variant.startswith("trl+pre")
-    if variant.endswith("+reuse"):
-        from moe_experts.memory import reuse_freed_host_memory
-
-        reuse_freed_host_memory()
+    pre = variant == "trl+pre"
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         trainer = DPOTrainer(
@@ -329,15 +321,9 @@ def main() -> None:
             if twin and r["variant"].startswith("ours")
             else None
         )
-        reuse = base.get(r["variant"].replace("ours", "trl") + "+reuse")
-        r["x_trl_reuse_tokens_per_s"] = (
-            r["tokens_per_s"] / reuse["tokens_per_s"]
-            if reuse and r["variant"].startswith("ours")
-            else None
-        )
         # The fraction of the machine's bf16 matmul peak (measured in the same child) that the
         # step's unavoidable matmul work reaches, and the ratio to TRL a step at 100% would give.
-        r["gflop"] = _step_gflop(cfg, args.layers, args.seq, "+pre" not in r["variant"])
+        r["gflop"] = _step_gflop(cfg, args.layers, args.seq, not r["variant"].endswith("+pre"))
         r["matmul_peak_gflops"] = statistics.median(x["matmul_peak_gflops"] for x in r["runs"])
         r["fraction_of_peak"] = r["gflop"] / (r["step_s"] * r["matmul_peak_gflops"])
         floor_s = r["gflop"] / r["matmul_peak_gflops"]
@@ -357,9 +343,8 @@ def main() -> None:
         f"k={cfg['num_experts_per_tok']}, I={cfg['moe_intermediate_size']}, "
         f"V={cfg['vocab_size']}, bf16, LoRA rank {RANK} on q/k/v/o + router + experts; one pair, "
         f"T={args.seq} per sequence; {meta['machine']}.\nCommand: `{meta['command']}`. "
-        "`+pre`: reference log-probs precomputed (the one-off pass is timed alone); `+reuse`: "
-        "TRL with ours' heap reuse. `x TRL per rep`: each child's tokens/s over its round's TRL "
-        "child's. "
+        "`+pre`: reference log-probs precomputed (the one-off pass is timed alone). `x TRL per "
+        "rep`: each child's tokens/s over its round's TRL child's. "
         "`matmul GFLOP`: the products a step cannot avoid (`_step_gflop`); `% of peak`: that "
         "work over the step time and the same child's bf16 matmul peak; `x TRL at 100% of "
         "peak`: the ratio a step doing that work at the peak would reach."
@@ -374,15 +359,15 @@ def main() -> None:
         meta,
         rows,
         title,
-        ["variant", "step (s)", "tokens/s", "x TRL tokens/s", "x TRL per rep",
-         "x TRL+reuse tokens/s", "peak RSS (GiB)", "x TRL peak",
+        ["variant", "step (s)", "tokens/s", "x TRL tokens/s", "x TRL per rep", "peak RSS (GiB)",
+         "x TRL peak",
          "reference pass (s)", "matmul GFLOP", "bf16 peak (GFLOP/s)", "% of peak",
          "x TRL at 100% of peak"],
         lambda r: [
             r["variant"], f"{r['step_s']:.2f}", f"{r['tokens_per_s']:.0f}",
             fmt(r["x_trl_tokens_per_s"], ".2f"),
             " / ".join(f"{x:.2f}" for x in r["x_trl_per_rep"]) if r["x_trl_per_rep"] else "-",
-            fmt(r["x_trl_reuse_tokens_per_s"], ".2f"), f"{r['peak_rss_gib']:.2f}",
+            f"{r['peak_rss_gib']:.2f}",
             fmt(r["x_trl_peak"], ".2f"), fmt(r["reference_pass_s"], ".2f"),
             f"{r['gflop']:.0f}", f"{r['matmul_peak_gflops']:.0f}",
             f"{100 * r['fraction_of_peak']:.0f}%", fmt(r["x_trl_at_peak"], ".2f"),
