@@ -291,6 +291,9 @@ def main() -> None:
             subprocess.run(cmd, check=True)
             runs[v].append(json.loads(result.read_text()))
             result.unlink()
+            # Every finished child on disk at once: a later child's crash (the OOM killer, a
+            # TRL child near the machine's memory) must not lose the rounds already timed.
+            (args.out / "bench_dpo_children.json").write_text(json.dumps(runs, indent=1))
     rows = []
     for v in variants:
         rs = runs[v]
