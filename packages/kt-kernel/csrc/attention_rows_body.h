@@ -6,15 +6,6 @@
 #include "scalar_math.h"
 
 template <typename S>
-static inline S to_storage(float x) {
-  if constexpr (sizeof(S) == 2) {
-    return f_to_bf16(x);
-  } else {
-    return x;
-  }
-}
-
-template <typename S>
 static void fwd_row(const float* s, int64_t nv, int64_t n_pad, float scale, float* m, float* l,
                     S* p, float* o, int64_t d) {
   float mx = -__builtin_inff();

@@ -12,24 +12,6 @@ inline float sigmoid_t<float>(float g) { return 1.0f / (1.0f + exp_f(-g)); }
 template <>
 inline double sigmoid_t<double>(double g) { return 1.0 / (1.0 + exp_d(-g)); }
 
-template <typename S, typename F>
-static inline F load_t(const S* p, int64_t i) {
-  if constexpr (sizeof(S) == 2) {
-    return bf16_to_f(p[i]);
-  } else {
-    return static_cast<F>(p[i]);
-  }
-}
-
-template <typename S, typename F>
-static inline void store_t(S* p, int64_t i, F v) {
-  if constexpr (sizeof(S) == 2) {
-    p[i] = f_to_bf16(v);
-  } else {
-    p[i] = static_cast<S>(v);
-  }
-}
-
 // Tanh through exp (vectorisable): 1 - 2 / (exp(2y) + 1); saturates cleanly at +-1.
 template <typename F>
 static inline F tanh_t(F y) {

@@ -21,25 +21,8 @@ struct FiniteKernels {
   const char* isa;
 };
 
-#if defined(__x86_64__) && defined(__GNUC__)
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,bmi2")
-namespace isa_avx512 {
-#include "finite_body.h"
-}  // namespace isa_avx512
-#pragma GCC pop_options
-
-#pragma GCC push_options
-#pragma GCC target("avx2,bmi2")
-namespace isa_avx2 {
-#include "finite_body.h"
-}  // namespace isa_avx2
-#pragma GCC pop_options
-#endif
-
-namespace isa_base {
-#include "finite_body.h"
-}  // namespace isa_base
+#define KT_ISA_BODY "finite_body.h"
+#include "isa_variants.inc"
 
 const FiniteKernels& finite_kernels() {
   static const FiniteKernels table = KT_ISA_TABLE();

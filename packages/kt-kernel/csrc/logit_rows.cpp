@@ -26,25 +26,8 @@ struct LogitRowsKernels {
   const char* isa;
 };
 
-#if defined(__x86_64__) && defined(__GNUC__)
-#pragma GCC push_options
-#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,fma,bmi2")
-namespace isa_avx512 {
-#include "logit_rows_body.h"
-}  // namespace isa_avx512
-#pragma GCC pop_options
-
-#pragma GCC push_options
-#pragma GCC target("avx2,fma,bmi2")
-namespace isa_avx2 {
-#include "logit_rows_body.h"
-}  // namespace isa_avx2
-#pragma GCC pop_options
-#endif
-
-namespace isa_base {
-#include "logit_rows_body.h"
-}  // namespace isa_base
+#define KT_ISA_BODY "logit_rows_body.h"
+#include "isa_variants.inc"
 
 const LogitRowsKernels& logit_rows_kernels() {
   static const LogitRowsKernels table = KT_ISA_TABLE();

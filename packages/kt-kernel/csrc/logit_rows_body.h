@@ -7,24 +7,6 @@
 
 #include "scalar_math.h"
 
-template <typename S>
-static inline float lr_load(const S* p, int64_t i) {
-  if constexpr (sizeof(S) == 2) {
-    return bf16_to_f(p[i]);
-  } else {
-    return p[i];
-  }
-}
-
-template <typename S>
-static inline S lr_store(float x) {
-  if constexpr (sizeof(S) == 2) {
-    return f_to_bf16(x);
-  } else {
-    return x;
-  }
-}
-
 // Rows [r0, r1) of x [n, V]: lse, the logit at the label (0 when ignored) and, when g is not
 // null, g = softmax - onehot (all zeros on an ignored row), using ex [V] as scratch. Labels
 // were range-checked already.
@@ -39,7 +21,7 @@ static void rows(const S* x, const int64_t* labels, int64_t r0, int64_t r1, int6
     float mx = -__builtin_inff();
 #pragma omp simd reduction(max : mx)
     for (int64_t c = 0; c < V; ++c) {
-      const float v = lr_load<S>(row, c);
+      const float v = load_t<S>(row, c);
       mx = v > mx ? v : mx;
     }
     double total = 0.0;
@@ -51,11 +33,11 @@ static void rows(const S* x, const int64_t* labels, int64_t r0, int64_t r1, int6
         float sum = 0.0f;
         if (g == nullptr) {
 #pragma omp simd reduction(+ : sum)
-          for (int64_t c = b; c < e; ++c) sum += exp_f(lr_load<S>(row, c) - mx);
+          for (int64_t c = b; c < e; ++c) sum += exp_f(load_t<S>(row, c) - mx);
         } else {
 #pragma omp simd reduction(+ : sum)
           for (int64_t c = b; c < e; ++c) {
-            const float v = exp_f(lr_load<S>(row, c) - mx);
+            const float v = exp_f(load_t<S>(row, c) - mx);
             ex[c] = v;
             sum += v;
           }
@@ -67,24 +49,24 @@ static void rows(const S* x, const int64_t* labels, int64_t r0, int64_t r1, int6
     lse[r] = l;
     const int64_t y = labels[r];
     const bool ignored = y == ignore_index;
-    target[r] = ignored ? 0.0f : lr_load<S>(row, y);
+    target[r] = ignored ? 0.0f : load_t<S>(row, y);
     if (g == nullptr) continue;
     S* out = g + r * V;
     if (ignored) {
 #pragma omp simd
-      for (int64_t c = 0; c < V; ++c) out[c] = lr_store<S>(0.0f);
+      for (int64_t c = 0; c < V; ++c) out[c] = to_storage<S>(0.0f);
       continue;
     }
     if (inf_max) {  // no finite softmax: exp(x - lse) gives what torch's chain gives (NaN, 0)
 #pragma omp simd
-      for (int64_t c = 0; c < V; ++c) ex[c] = exp_f(lr_load<S>(row, c) - l);
+      for (int64_t c = 0; c < V; ++c) ex[c] = exp_f(load_t<S>(row, c) - l);
       total = 1.0;
     }
     const float inv = static_cast<float>(1.0 / total);
 #pragma omp simd
-    for (int64_t c = 0; c < V; ++c) out[c] = lr_store<S>(ex[c] * inv);
+    for (int64_t c = 0; c < V; ++c) out[c] = to_storage<S>(ex[c] * inv);
     // The one-hot term is subtracted in fp32 before rounding, as softmax - onehot would be.
-    out[y] = lr_store<S>(ex[y] * inv - 1.0f);
+    out[y] = to_storage<S>(ex[y] * inv - 1.0f);
   }
 }
 

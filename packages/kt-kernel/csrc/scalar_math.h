@@ -1,6 +1,7 @@
 // Scalar float helpers written so GCC vectorises the loops that call them: bf16 <-> float
-// conversion and a polynomial expf. Included inside a per-ISA namespace by the *_body.h files
-// (elementwise, attention rows), so each ISA gets its own copy; no includes here.
+// conversion, element loads and stores in a tensor's storage type, and a polynomial expf.
+// Included inside a per-ISA namespace by the *_body.h files (elementwise, attention rows,
+// logit rows), so each ISA gets its own copy; no includes here.
 
 static inline float bf16_to_f(uint16_t v) {
   uint32_t u = static_cast<uint32_t>(v) << 16;
@@ -16,6 +17,30 @@ static inline uint16_t f_to_bf16(float f) {
   uint32_t rounded = (u + 0x7FFFu + ((u >> 16) & 1u)) >> 16;
   bool nan = (u & 0x7FFFFFFFu) > 0x7F800000u;
   return static_cast<uint16_t>(nan ? 0x7FC0u : rounded);
+}
+
+// Storage types are float, double or a 2-byte type holding raw bf16 bits; F is the compute type.
+template <typename S, typename F = float>
+static inline F load_t(const S* p, int64_t i) {
+  if constexpr (sizeof(S) == 2) {
+    return bf16_to_f(p[i]);
+  } else {
+    return static_cast<F>(p[i]);
+  }
+}
+
+template <typename S, typename F>
+static inline S to_storage(F v) {
+  if constexpr (sizeof(S) == 2) {
+    return f_to_bf16(static_cast<float>(v));
+  } else {
+    return static_cast<S>(v);
+  }
+}
+
+template <typename S, typename F>
+static inline void store_t(S* p, int64_t i, F v) {
+  p[i] = to_storage<S>(v);
 }
 
 // Cephes-style expf: range reduction by ln2 in two parts and a degree-6 polynomial,

@@ -1,5 +1,5 @@
 """Run a test module's ``mismatches()`` in a child process whose native loops are capped by
-``KT_KERNEL_ISA``, and return the ISA the op reports there with what the child found."""
+``KT_KERNEL_ISA``: the shared body of the forced-ISA tests of the per-ISA row ops."""
 
 from __future__ import annotations
 
@@ -9,9 +9,21 @@ import subprocess
 import sys
 from typing import Any
 
+import pytest
 
-def mismatches_on_isa(module: str, isa_op: str, isa: str) -> tuple[str, Any]:
-    """``(torch.ops.kt_kernel.<isa_op>(), <module>.mismatches())`` computed under ``isa``."""
+import kt_kernel as kk
+
+
+def mismatches_on_isa(module: str, isa_op: str, isa: str) -> Any:
+    """``<module>.mismatches()`` computed under ``isa``, after checking the op ran there.
+
+    Skips where the native extension is absent or the CPU lacks ``isa``.
+    """
+    info = kk.backend_info()
+    if info.active != "native":
+        pytest.skip("needs the native extension")
+    if isa != "scalar" and isa not in info.cpu_features:
+        pytest.skip(f"this CPU has no {isa.upper()}")
     code = (
         "import json, sys, torch\n"
         f"sys.path.insert(0, {os.path.dirname(__file__)!r})\n"
@@ -24,4 +36,5 @@ def mismatches_on_isa(module: str, isa_op: str, isa: str) -> tuple[str, Any]:
     )
     assert out.returncode == 0, out.stderr[-3000:]
     got_isa, bad = json.loads(out.stdout.strip().splitlines()[-1])
-    return got_isa, bad
+    assert got_isa == isa, f"KT_KERNEL_ISA={isa} ran the {got_isa} loops"
+    return bad

@@ -11,6 +11,7 @@ import json
 import sys
 from collections.abc import Callable
 from pathlib import Path
+from types import ModuleType
 from typing import Any
 
 # Qwen3-30B-A3B's layer dimensions (H=2048, I=768, E=128, k=8), vocab cut to 32000.
@@ -45,15 +46,21 @@ def config(quick: bool, layers: int) -> Any:
     return tiny_config("qwen3_moe", **shape(quick), num_hidden_layers=layers)
 
 
+def kernel_timing() -> ModuleType:
+    """kt-kernel's benchmark helper ``_timing``, so every benchmark times and rates work alike."""
+    path = str(Path(__file__).resolve().parents[2] / "kt-kernel" / "benchmarks")
+    if path not in sys.path:
+        sys.path.insert(0, path)
+    import _timing
+
+    return _timing
+
+
 def matmul_peak(size: int = 2048) -> float:
     """GFLOP/s of a square bf16 ``torch.mm`` with this process's threads: the peak."""
     import torch
 
-    # kt-kernel's benchmark helper, so every benchmark measures the peak the same way.
-    sys.path.insert(0, str(Path(__file__).resolve().parents[2] / "kt-kernel" / "benchmarks"))
-    from _timing import matmul_peak as kernel_matmul_peak
-
-    return kernel_matmul_peak(torch.bfloat16, size)
+    return float(kernel_timing().matmul_peak(torch.bfloat16, size))
 
 
 def rollup_bytes(field: str) -> int:

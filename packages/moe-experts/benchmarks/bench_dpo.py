@@ -14,7 +14,8 @@ Each side runs with the reference on the fly (one no-grad forward more per step)
 precomputed (``+pre``: the step reads stored values; the one-off reference pass is timed on its
 own). Every (repetition, variant) runs in a fresh child process holding only its model, the
 order alternating per repetition, so load from other processes hits each alike; the peak is
-the child's resident memory sampled during its steps (the model included).
+the child's resident memory sampled during its steps (the model included). The ratios to TRL
+are of medians, and per repetition (each ``ours`` child against the TRL child of its round).
 
 Usage: ``python bench_dpo.py --out DIR [--quick] [--layers 4] [--experts 128] [--seq 1024]
 [--reps 1] [--steps 2] [--variants ours,ours+pre,trl,trl+pre]``.
@@ -290,6 +291,9 @@ def main() -> None:
             subprocess.run(cmd, check=True)
             runs[v].append(json.loads(result.read_text()))
             result.unlink()
+            # Every finished child on disk at once: a later child's crash (the OOM killer, a
+            # TRL child near the machine's memory) must not lose the rounds already timed.
+            (args.out / "bench_dpo_children.json").write_text(json.dumps(runs, indent=1))
     rows = []
     for v in variants:
         rs = runs[v]
@@ -311,6 +315,15 @@ def main() -> None:
         twin = base.get(r["variant"].replace("ours", "trl"))
         r["x_trl_tokens_per_s"] = r["tokens_per_s"] / twin["tokens_per_s"] if twin else None
         r["x_trl_peak"] = r["peak_rss_gib"] / twin["peak_rss_gib"] if twin else None
+        # Each child against its round's TRL child: alternating rounds share the load.
+        r["x_trl_per_rep"] = (
+            [
+                o["tokens_per_s"] / t["tokens_per_s"]
+                for o, t in zip(r["runs"], twin["runs"], strict=True)
+            ]
+            if twin and r["variant"].startswith("ours")
+            else None
+        )
         # The fraction of the machine's bf16 matmul peak (measured in the same child) that the
         # step's unavoidable matmul work reaches, and the ratio to TRL a step at 100% would give.
         r["gflop"] = _step_gflop(cfg, args.layers, args.seq, not r["variant"].endswith("+pre"))
@@ -333,7 +346,8 @@ def main() -> None:
         f"k={cfg['num_experts_per_tok']}, I={cfg['moe_intermediate_size']}, "
         f"V={cfg['vocab_size']}, bf16, LoRA rank {RANK} on q/k/v/o + router + experts; one pair, "
         f"T={args.seq} per sequence; {meta['machine']}.\nCommand: `{meta['command']}`. "
-        "`+pre`: reference log-probs precomputed (the one-off pass is timed alone). "
+        "`+pre`: reference log-probs precomputed (the one-off pass is timed alone). `x TRL per "
+        "rep`: each child's tokens/s over its round's TRL child's. "
         "`matmul GFLOP`: the products a step cannot avoid (`_step_gflop`); `% of peak`: that "
         "work over the step time and the same child's bf16 matmul peak; `x TRL at 100% of "
         "peak`: the ratio a step doing that work at the peak would reach."
@@ -348,17 +362,21 @@ def main() -> None:
         meta,
         rows,
         title,
-        ["variant", "step (s)", "tokens/s", "x TRL tokens/s", "peak RSS (GiB)", "x TRL peak",
+        ["variant", "step (s)", "tokens/s", "x TRL tokens/s", "x TRL per rep", "peak RSS (GiB)",
+         "x TRL peak",
          "reference pass (s)", "matmul GFLOP", "bf16 peak (GFLOP/s)", "% of peak",
          "x TRL at 100% of peak"],
         lambda r: [
             r["variant"], f"{r['step_s']:.2f}", f"{r['tokens_per_s']:.0f}",
-            fmt(r["x_trl_tokens_per_s"], ".2f"), f"{r['peak_rss_gib']:.2f}",
+            fmt(r["x_trl_tokens_per_s"], ".2f"),
+            " / ".join(f"{x:.2f}" for x in r["x_trl_per_rep"]) if r["x_trl_per_rep"] else "-",
+            f"{r['peak_rss_gib']:.2f}",
             fmt(r["x_trl_peak"], ".2f"), fmt(r["reference_pass_s"], ".2f"),
             f"{r['gflop']:.0f}", f"{r['matmul_peak_gflops']:.0f}",
             f"{100 * r['fraction_of_peak']:.0f}%", fmt(r["x_trl_at_peak"], ".2f"),
         ],
     )  # fmt: skip
+    (args.out / "bench_dpo_children.json").unlink()  # all of it is in the results now
 
 
 if __name__ == "__main__":

@@ -35,7 +35,7 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the sibling modules
-from _common import write_results
+from _common import kernel_timing, write_results
 
 ROWS, VOCAB, HIDDEN, TOKENS = 1024, 32000, 2048, 1920
 
@@ -72,18 +72,20 @@ class _OldLogProbs(torch.autograd.Function):
         return kept * grad_out.to(kept.dtype)[:, None], None, None, None
 
 
-def _time(fn: Callable[[], object]) -> float:
-    t0 = time.perf_counter()
-    fn()
-    return time.perf_counter() - t0
+def _sample(fn: Callable[[], object]) -> Callable[[], tuple[float, float]]:
+    def run() -> tuple[float, float]:
+        t0, c0 = time.perf_counter(), time.process_time()
+        fn()
+        return time.perf_counter() - t0, time.process_time() - c0
+
+    return run
 
 
 def _alternate(old: Callable[[], object], new: Callable[[], object], repeats: int) -> dict:
-    old(), new()  # warm-up: allocator, thread pool, the op's first-use dispatch
-    a, b = [], []
-    for _ in range(repeats):
-        a.append(_time(old))
-        b.append(_time(new))
+    # kt-kernel's interleaved rounds: one warm-up each, then the order rotated every round.
+    samples = kernel_timing().interleaved({"old": _sample(old), "new": _sample(new)}, repeats)
+    a = [wall for wall, _ in samples["old"]]
+    b = [wall for wall, _ in samples["new"]]
     return {
         "old_s_median": statistics.median(a),
         "old_s_min": min(a),

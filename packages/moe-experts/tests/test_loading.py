@@ -24,8 +24,8 @@ from transformers.models.auto.modeling_auto import (
 )
 
 from moe_experts import KernelExperts, LoadError, is_placeholder, load_pretrained, wrap
-from moe_experts.architectures import checkpoint_model_type
-from moe_experts.testing import tiny_config, tiny_model
+from moe_experts.architectures import ARCHITECTURES, checkpoint_model_type
+from moe_experts.testing import tiny_config, tiny_model, unstack_experts
 
 from .conftest import FAMILIES, token_batch
 
@@ -104,6 +104,30 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str
     return out
 
 
+# Families whose experts have per-expert nn.Linear names: each must also load from per-expert
+# keys its hub may not ship, as Qwen's FP8 releases of fused families do. Not GPT-OSS (expert
+# biases have no per-expert names) nor Mistral-Large-3, whose checkpoints use Mistral's own
+# names: transformers' renamings for them rewrite an HF-style key (`.mlp.` becomes `.mlp.mlp.`).
+UNSTACKABLE = tuple(
+    c
+    for c in CASES
+    if not ARCHITECTURES[MULTIMODAL_CASES.get(c, c)].bias_params and c != "mistral_large4"
+)
+
+
+@pytest.fixture(scope="module")
+def unstacked(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    """The ``checkpoints`` models again, every routed expert as per-expert 2-D keys."""
+    out = {}
+    for case in UNSTACKABLE:
+        torch.manual_seed(1234)  # the same weights as the fixture above
+        model = _tiny(case)
+        path = tmp_path_factory.mktemp(f"ckpt-{case}-unstacked")
+        model.save_pretrained(path, max_shard_size="16KB", save_original_format=False)
+        out[case] = unstack_experts(model, path)
+    return out
+
+
 def _reference(path: Path, dtype: torch.dtype, weight_dtype: str):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
@@ -160,6 +184,28 @@ def test_checkpoints_really_use_both_layouts(checkpoints) -> None:
         key = f"model.language_model.layers.0.mlp.experts.{proj}"
         with safe_open(str(path / index["weight_map"][key]), framework="pt") as f:
             assert f.get_slice(key).get_shape() == shape
+
+
+@pytest.mark.parametrize("family", UNSTACKABLE)
+def test_unstacked_experts_load_like_the_fused_checkpoint(
+    checkpoints, unstacked, family: str
+) -> None:
+    index = json.loads((unstacked[family] / "model.safetensors.index.json").read_text())
+    keys = list(index["weight_map"])
+    assert any(k.endswith(".experts.0.up_proj.weight") for k in keys), family
+    assert not any(k.endswith("gate_up_proj") for k in keys), family
+    want = load_pretrained(checkpoints[(family, "fused")], weight_dtype="bf16")
+    got = load_pretrained(unstacked[family], weight_dtype="bf16")
+    want_k, got_k = _kernels(want), _kernels(got)
+    assert want_k
+    assert list(got_k) == list(want_k)
+    for name, ref in want_k.items():
+        have = got_k[name].expert_weights
+        assert torch.equal(have.gate_up, ref.expert_weights.gate_up), name
+        assert torch.equal(have.down, ref.expert_weights.down), name
+    ids = token_batch()
+    with torch.no_grad():
+        assert torch.equal(got(ids).logits, want(ids).logits)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)

@@ -12,6 +12,7 @@ then split as transformers splits it).
 from __future__ import annotations
 
 import json
+import re
 import shutil
 import subprocess
 import sys
@@ -22,10 +23,12 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
-from transformers import AutoModelForCausalLM
+from transformers import AutoModelForCausalLM, AutoModelForImageTextToText
+from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 
 from lora_core import LoraConfig
 from moe_experts import KernelExperts, LoadError, adapt, is_placeholder, load_pretrained, wrap
+from moe_experts.architectures import checkpoint_model_type
 from moe_experts.testing import save_fp8_checkpoint, tiny_config
 
 from .conftest import token_batch
@@ -35,13 +38,21 @@ SHAPES = {
     "qwen3_moe": {"hidden_size": 320, "moe_intermediate_size": 128},
     # Its hub layout's fused linear_attn.in_proj ships FP8 too: dequantised, then split.
     "lara_mini": {"hidden_size": 256, "moe_intermediate_size": 128},
+    # Fused in their bf16 releases, per expert in their FP8 ones; transformers converts the
+    # per-expert keys of Qwen3.5-MoE but has no converter for Qwen3-VL-MoE's.
+    "qwen3_5_moe": {"hidden_size": 320, "moe_intermediate_size": 128},
+    "qwen3_vl_moe": {"hidden_size": 320, "moe_intermediate_size": 128},
 }
 CASES = [
     ("deepseek_v3", "per_expert"),
     ("qwen3_moe", "per_expert"),
     ("qwen3_moe", "fused"),
     ("lara_mini", "per_expert"),
+    ("qwen3_5_moe", "unstacked"),
+    ("qwen3_vl_moe", "unstacked"),
 ]
+# A per-expert expert weight: (experts module, expert, projection).
+_UNSTACKED = re.compile(r"^(.*\.experts)\.(\d+)\.(gate|up|down)_proj\.weight$")
 WORKER = Path(__file__).with_name("fp8_memory_worker.py")
 
 
@@ -63,8 +74,27 @@ def _tensors(path: Path) -> dict[str, torch.Tensor]:
     return out
 
 
-def _dequantized_copy(src: Path, dst: Path) -> Path:
-    """``src`` as a plain fp32 checkpoint: FP8 weights times their scales, scales dropped."""
+def _restacked(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Per-expert expert weights stacked back into the model's fused ``gate_up [E, 2I, H]`` and
+    ``down [E, H, I]``, which ``from_pretrained`` reads for every family."""
+    out, groups = {}, {}
+    for key, t in tensors.items():
+        m = _UNSTACKED.match(key)
+        if m is None:
+            out[key] = t
+        else:
+            groups.setdefault(m.group(1), {})[(int(m.group(2)), m.group(3))] = t
+    for name, g in groups.items():
+        e = range(1 + max(x for x, _ in g))
+        gate_up = [torch.cat([g[x, "gate"], g[x, "up"]]) for x in e]
+        out[f"{name}.gate_up_proj"] = torch.stack(gate_up)
+        out[f"{name}.down_proj"] = torch.stack([g[x, "down"] for x in e])
+    return out
+
+
+def _dequantized_copy(src: Path, dst: Path, restack: bool = False) -> Path:
+    """``src`` as a plain fp32 checkpoint: FP8 weights times their scales, scales dropped;
+    ``restack``: per-expert expert weights fused again (see :func:`_restacked`)."""
     dst.mkdir()
     tensors = _tensors(src)
     plain = {
@@ -72,6 +102,8 @@ def _dequantized_copy(src: Path, dst: Path) -> Path:
         for k, t in tensors.items()
         if not k.endswith("_scale_inv")
     }
+    if restack:
+        plain = _restacked(plain)
     save_file(plain, str(dst / "model.safetensors"), metadata={"format": "pt"})
     config = json.loads((src / "config.json").read_text())
     del config["quantization_config"]
@@ -85,12 +117,19 @@ def ckpts(tmp_path_factory: pytest.TempPathFactory) -> dict[tuple[str, str], tup
     out = {}
     for family, layout in CASES:
         torch.manual_seed(1234)
-        model = AutoModelForCausalLM.from_config(tiny_config(family, **SHAPES[family]))
+        model = _auto(tiny_config(family).model_type).from_config(
+            tiny_config(family, **SHAPES[family])
+        )
         root = tmp_path_factory.mktemp(f"fp8-{family}-{layout}")
         fp8 = save_fp8_checkpoint(
-            model, root / "fp8", per_expert=layout == "per_expert", max_shard_size="200KB"
+            model,
+            root / "fp8",
+            per_expert=layout == "per_expert",
+            unstacked=layout == "unstacked",
+            max_shard_size="200KB",
         )
-        out[(family, layout)] = (fp8, _dequantized_copy(fp8, root / "plain"))
+        plain = _dequantized_copy(fp8, root / "plain", restack=layout == "unstacked")
+        out[(family, layout)] = (fp8, plain)
     return out
 
 
@@ -98,10 +137,17 @@ def _kernels(model) -> dict[str, KernelExperts]:
     return {n: m for n, m in model.named_modules() if isinstance(m, KernelExperts)}
 
 
+def _auto(model_type: str) -> type:
+    """The auto class transformers builds this model type with (Qwen3-VL-MoE: image-text)."""
+    causal = model_type in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    return AutoModelForCausalLM if causal else AutoModelForImageTextToText
+
+
 def _from_pretrained(path: Path, dtype: torch.dtype):
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
-        return AutoModelForCausalLM.from_pretrained(path, dtype=dtype).eval()
+        auto = _auto(checkpoint_model_type(path))
+        return auto.from_pretrained(path, dtype=dtype).eval()
 
 
 @pytest.mark.parametrize(("family", "layout"), CASES)

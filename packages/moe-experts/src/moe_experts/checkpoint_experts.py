@@ -34,6 +34,8 @@ __all__ = [
 ]
 
 _PER_EXPERT = re.compile(r"^(\d+)\.(.+)$")
+# Per-expert nn.Linear weights ([I, H] gate and up, [H, I] down) under their usual names.
+_LINEAR_ROLES = {"gate_proj.weight": "gate", "up_proj.weight": "up", "down_proj.weight": "down"}
 
 
 def _where(reader: ShippedReader) -> str:
@@ -116,7 +118,13 @@ class KeyMapper:
         return None
 
     def _role(self, site: MoEBlockSite, renamed: str, proj: str) -> str | None:
-        """``"gate"``/``"up"``/``"down"`` of a per-expert key, from transformers' converters."""
+        """``"gate"``/``"up"``/``"down"`` of a per-expert key ``<e>.<proj>``.
+
+        From transformers' converters where they name the key; else from the usual
+        ``gate_proj``/``up_proj``/``down_proj`` ``.weight`` names. Those are what the FP8
+        releases of families with fused bf16 checkpoints ship (Qwen3-VL-MoE's), where
+        transformers has no converter for them.
+        """
         arch = site.arch
         for conv in self._converters:
             _, pattern = conv.rename_source_key(renamed)
@@ -127,7 +135,9 @@ class KeyMapper:
                 return "down"
             if target.endswith(arch.gate_up_param):
                 return ("gate", "up")[conv.source_patterns.index(pattern)]
-        return None
+        if arch.bias_params:  # per-expert biases have no usual names to follow
+            return None
+        return _LINEAR_ROLES.get(proj)
 
     def expert_key(self, key: str) -> tuple[MoEBlockSite, tuple[int, str] | str] | None:
         """``(site, (expert, role))`` / ``(site, stored parameter name)`` for an expert key.

@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 
-from moe_experts.architectures import ARCHITECTURES, find_architecture
+from moe_experts.architectures import ARCHITECTURES, find_architecture, iter_moe_blocks
 from moe_experts.errors import UnsupportedModelError
 
 __all__ = [
@@ -27,6 +27,7 @@ __all__ = [
     "save_mxfp4_checkpoint",
     "tiny_config",
     "tiny_model",
+    "unstack_experts",
 ]
 
 _COMMON: dict[str, Any] = {
@@ -497,11 +498,77 @@ FP8_QUANTIZATION_CONFIG: dict[str, Any] = {
 _FP8_KEY = re.compile(r"(proj[a-z_]*\.weight|experts\.(gate_up_proj|down_proj|w1|w2|w3))$")
 
 
+def _shards(path: Path) -> tuple[list[str], dict[str, Any] | None]:
+    """A saved checkpoint's shard file names and its index (``None`` for one file)."""
+    index_file = path / "model.safetensors.index.json"
+    index = json.loads(index_file.read_text()) if index_file.is_file() else None
+    return (sorted(set(index["weight_map"].values())) if index else ["model.safetensors"]), index
+
+
+def unstack_experts(model: PreTrainedModel, path: str | Path) -> Path:
+    """Rewrite ``path``'s fused routed experts as per-expert ``nn.Linear`` weights.
+
+    ``path`` must hold ``model`` saved with ``save_original_format=False`` (its fused expert
+    tensors under the model's names). Each becomes ``<experts>.<e>.gate_proj.weight`` and
+    ``up_proj.weight`` ``[I, H]`` and ``down_proj.weight`` ``[H, I]``, in the same shard: the
+    layout of the FP8 releases of families whose bf16 checkpoints are fused (Qwen3.5/3.6-MoE,
+    Qwen3-VL-MoE); transformers has a converter for some of them only.
+
+    Args:
+        model: the saved model.
+        path: the checkpoint directory, rewritten in place.
+
+    Returns:
+        ``path``.
+
+    Raises:
+        UnsupportedModelError: the family has expert biases (no per-expert names exist).
+    """
+    from safetensors import safe_open
+    from safetensors.torch import save_file
+
+    path = Path(path)
+    arch = find_architecture(model)
+    if arch.bias_params:
+        raise UnsupportedModelError(f"{arch.family}: experts with biases have no per-expert form")
+    fused: dict[str, tuple[str, bool]] = {}  # key -> (experts module name, is gate_up)
+    for site in iter_moe_blocks(model, arch):
+        fused[f"{site.experts_name}.{arch.gate_up_param}"] = (site.experts_name, True)
+        fused[f"{site.experts_name}.{arch.down_param}"] = (site.experts_name, False)
+    shards, index = _shards(path)
+    for shard in shards:
+        with safe_open(str(path / shard), framework="pt") as f:
+            tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (not a dict)
+        out: dict[str, torch.Tensor] = {}
+        for key, t in tensors.items():
+            if key not in fused:
+                out[key] = t
+                continue
+            name, gate_up = fused[key]
+            if gate_up:
+                view = arch.kernel_gate_up(t)  # [E, 2, I, H]: gate, then up
+                parts = {"gate_proj": view[:, 0], "up_proj": view[:, 1]}
+            else:
+                parts = {"down_proj": arch.kernel_down(t)}
+            if index:
+                del index["weight_map"][key]
+            for proj, w in parts.items():
+                for e in range(w.shape[0]):
+                    out[f"{name}.{e}.{proj}.weight"] = w[e].contiguous()
+                    if index:
+                        index["weight_map"][f"{name}.{e}.{proj}.weight"] = shard
+        save_file(out, str(path / shard), metadata={"format": "pt"})
+    if index:
+        (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
+    return path
+
+
 def save_fp8_checkpoint(
     model: PreTrainedModel,
     path: str | Path,
     *,
     per_expert: bool = True,
+    unstacked: bool = False,
     max_shard_size: str = "5GB",
 ) -> Path:
     """Save ``model`` as a DeepSeek-V3-style FP8-block checkpoint (for tests and benchmarks).
@@ -515,6 +582,8 @@ def save_fp8_checkpoint(
         model: the model to save (any dtype).
         path: output directory.
         per_expert: hub-style per-expert expert keys (``save_original_format``) or fused ones.
+        unstacked: per-expert expert keys whatever the family's hub layout
+            (:func:`unstack_experts`), as Qwen's FP8 releases of fused families ship them.
         max_shard_size: as in ``save_pretrained``.
 
     Returns:
@@ -526,10 +595,12 @@ def save_fp8_checkpoint(
     from kt_kernel import Fp8Block
 
     path = Path(path)
-    model.save_pretrained(path, max_shard_size=max_shard_size, save_original_format=per_expert)
-    index_file = path / "model.safetensors.index.json"
-    index = json.loads(index_file.read_text()) if index_file.is_file() else None
-    shards = sorted(set(index["weight_map"].values())) if index else ["model.safetensors"]
+    model.save_pretrained(
+        path, max_shard_size=max_shard_size, save_original_format=per_expert and not unstacked
+    )
+    if unstacked:
+        unstack_experts(model, path)
+    shards, index = _shards(path)
     fmt = Fp8Block()
     for shard in shards:
         with safe_open(str(path / shard), framework="pt") as f:
@@ -544,7 +615,7 @@ def save_fp8_checkpoint(
                 out[key] = t
         save_file(out, str(path / shard), metadata={"format": "pt"})
     if index:
-        index_file.write_text(json.dumps(index, indent=2))
+        (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     config = json.loads((path / "config.json").read_text())
     config["quantization_config"] = dict(FP8_QUANTIZATION_CONFIG)
     (path / "config.json").write_text(json.dumps(config, indent=2))
