@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import os
 import subprocess
 import sys
 from pathlib import Path
@@ -44,7 +45,7 @@ def test_no_residue_beyond_kernel_and_dense_bytes(checkpoint: str, mode: str) ->
     )
 
 
-_FAULTS = """
+_FAULTS_FN = """
 import resource, sys, torch
 from moe_experts.memory import reuse_freed_host_memory
 
@@ -57,13 +58,20 @@ def faults(steps):
             t.fill_(1)
         del tensors
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+"""
+# Pages the faults(4) above touch: each step's tensors, 4 steps.
+_PAGES = 4 * (48 + 64 + 40) * (1 << 20) // 4096
 
+_FAULTS = (
+    _FAULTS_FN
+    + """
 plain = faults(4)
 if not reuse_freed_host_memory():
     sys.exit(3)
 faults(8)  # the heap grows until the steps' blocks fit in what earlier steps freed
 print(plain, faults(4))
 """
+)
 
 
 def test_reuse_freed_host_memory_ends_the_page_faults_of_repeated_large_tensors() -> None:
@@ -73,6 +81,42 @@ def test_reuse_freed_host_memory_ends_the_page_faults_of_repeated_large_tensors(
         pytest.skip("no glibc mallopt here")
     assert done.returncode == 0, done.stderr
     plain, reused = (int(x) for x in done.stdout.split())
-    pages = 4 * (48 + 64 + 40) * (1 << 20) // 4096
-    assert plain >= pages // 2  # fresh mappings: every page faulted in again each step
+    assert plain >= _PAGES // 2  # fresh mappings: every page faulted in again each step
     assert reused < plain // 20  # the heap's pages are reused
+
+
+# The fine-tune CLI in this process, then the same tensors: does the heap setting it left
+# make their pages be reused?
+_AFTER_CLI = (
+    _FAULTS_FN
+    + """
+from moe_experts.finetune.cli import main
+code = main(sys.argv[1:])
+faults(8)
+print(code, faults(4))
+"""
+)
+
+
+@pytest.mark.timeout(300)
+@pytest.mark.parametrize("flag", ["--heap-reuse", "--no-heap-reuse"])
+def test_finetune_heap_reuse_flag_sets_the_process_heap(tmp_path: Path, flag: str) -> None:
+    argv = ["finetune", "--steps", "1", "--batch-size", "2", "--seq-len", "16"]
+    argv += ["--no-progress", "--output", str(tmp_path / "out"), flag]
+    env = dict(os.environ, MOE_EXPERTS_CACHE=str(tmp_path / "cache"), HF_HUB_OFFLINE="1")
+    done = subprocess.run(
+        [sys.executable, "-c", _AFTER_CLI, *argv],
+        capture_output=True,
+        text=True,
+        env=env,
+        timeout=300,
+    )
+    assert done.returncode == 0, done.stderr[-3000:]
+    code, after = (int(x) for x in done.stdout.split()[-2:])
+    assert code == 0, done.stderr[-3000:]
+    if flag == "--heap-reuse":
+        assert "host heap: freed memory reused by the next step" in done.stderr
+        assert after < _PAGES // 40
+    else:
+        assert "host heap: glibc's defaults" in done.stderr
+        assert after >= _PAGES // 2

@@ -104,6 +104,8 @@ class FinetuneArgs:
     orpo_lambda: float = 0.1  # the weight of ORPO's odds-ratio term (TRL's ORPOConfig.beta)
     # DPO: every reference log-probability in one pass before training, kept in --output.
     precompute_reference: bool = False
+    # Steps keep freed host memory in the heap (moe_experts.memory.reuse_freed_host_memory).
+    heap_reuse: bool = True
     eval_every: int | None = None  # None: evaluate at the end only (when there is eval data)
     output: Path = Path("finetune-output")
     save_every: int | None = None  # None: save at the end (and on interrupt) only

@@ -385,6 +385,18 @@ OPTIONS: tuple[Option, ...] = (
         "and keep them in --output (a resumed run reuses them)",
     ),
     Option(
+        "heap_reuse",
+        "--heap-reuse",
+        "training",
+        "heap_reuse",
+        bool,
+        "keep host memory freed by a step in the process heap for the next one (glibc: no "
+        "mmap per large tensor, no trim), so steps stop faulting in and zeroing their "
+        "activations again; --no-heap-reuse keeps glibc's defaults, where the heap's growth "
+        "matters more than the speed (default: on)",
+        negation="--no-heap-reuse",
+    ),
+    Option(
         "eval_every",
         "--eval-every",
         "training",

@@ -270,5 +270,9 @@ def run_finetune(args: FinetuneArgs, stop: StopRequest | None = None) -> Finetun
         check_later_checkpoints(args.output / "checkpoints", job.first_step, args.steps)
         restore_gpu_experts(setup, args.resume)
     # After the load (whose transient buffers went back to the OS): steps reuse freed memory.
-    reuse_freed_host_memory()
+    reused = args.heap_reuse and reuse_freed_host_memory()
+    if ranks.rank == 0:
+        heap = "freed memory reused by the next step" if reused else "glibc's defaults"
+        why = "" if reused or not args.heap_reuse else " (no glibc mallopt here)"
+        print(f"host heap: {heap}{why}", file=sys.stderr)
     return train(job)
