@@ -376,7 +376,7 @@ def main() -> None:
             f"{100 * r['fraction_of_peak']:.0f}%", fmt(r["x_trl_at_peak"], ".2f"),
         ],
     )  # fmt: skip
-    (args.out / "bench_dpo_children.json").unlink()  # all of it is in the results now
+    (args.out / "bench_dpo_children.json").unlink(missing_ok=True)  # all in the results now
 
 
 if __name__ == "__main__":

@@ -160,7 +160,8 @@ class KeyMapper:
                 raise LoadError(
                     f"checkpoint key {key!r} is under {site.experts_name} but is neither a fused "
                     f"{site.arch.gate_up_param}/{site.arch.down_param} tensor nor a per-expert "
-                    "gate/up/down weight this family's transformers converter knows"
+                    "gate/up/down weight (<expert>.gate_proj.weight, .up_proj.weight, "
+                    ".down_proj.weight, or a name this family's transformers converter knows)"
                 )
             return site, (int(match.group(1)), role)
         return None

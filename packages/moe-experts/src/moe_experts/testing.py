@@ -17,7 +17,7 @@ import torch
 from transformers import AutoConfig, PretrainedConfig, PreTrainedModel
 
 from moe_experts.architectures import ARCHITECTURES, find_architecture, iter_moe_blocks
-from moe_experts.errors import UnsupportedModelError
+from moe_experts.errors import LoadError, UnsupportedModelError
 
 __all__ = [
     "FP8_QUANTIZATION_CONFIG",
@@ -523,6 +523,8 @@ def unstack_experts(model: PreTrainedModel, path: str | Path) -> Path:
 
     Raises:
         UnsupportedModelError: the family has expert biases (no per-expert names exist).
+        LoadError: ``path`` lacks one of the model's fused expert tensors (saved in another
+            layout); nothing is rewritten then.
     """
     from safetensors import safe_open
     from safetensors.torch import save_file
@@ -536,6 +538,15 @@ def unstack_experts(model: PreTrainedModel, path: str | Path) -> Path:
         fused[f"{site.experts_name}.{arch.gate_up_param}"] = (site.experts_name, True)
         fused[f"{site.experts_name}.{arch.down_param}"] = (site.experts_name, False)
     shards, index = _shards(path)
+    present: set[str] = set()
+    for shard in shards:
+        with safe_open(str(path / shard), framework="pt") as f:
+            present.update(f.keys())
+    if missing := sorted(fused.keys() - present):
+        raise LoadError(
+            f"{path}: has no fused expert tensor {missing[0]!r} (and {len(missing) - 1} more) of "
+            "this model; save the model with save_original_format=False first"
+        )
     for shard in shards:
         with safe_open(str(path / shard), framework="pt") as f:
             tensors = {k: f.get_tensor(k) for k in f.keys()}  # noqa: SIM118 (not a dict)

@@ -272,7 +272,11 @@ def run_finetune(args: FinetuneArgs, stop: StopRequest | None = None) -> Finetun
     # After the load (whose transient buffers went back to the OS): steps reuse freed memory.
     reused = args.heap_reuse and reuse_freed_host_memory()
     if ranks.rank == 0:
-        heap = "freed memory reused by the next step" if reused else "glibc's defaults"
-        why = "" if reused or not args.heap_reuse else " (no glibc mallopt here)"
-        print(f"host heap: {heap}{why}", file=sys.stderr)
+        if reused:
+            heap = "freed memory reused by the next step"
+        elif args.heap_reuse:
+            heap = "the allocator's defaults (glibc mallopt unavailable or refused)"
+        else:  # mallopt is process-wide: an earlier caller in this process may have set it
+            heap = "not switched to reuse by this run (--no-heap-reuse)"
+        print(f"host heap: {heap}", file=sys.stderr)
     return train(job)
