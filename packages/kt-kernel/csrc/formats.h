@@ -124,6 +124,9 @@ struct Format {
   TileLoader load;   // nullptr only for "dense": its GEMMs read the storage itself
   int64_t row_pad;   // each expert's row block is padded to a multiple of this (8 or 16)
   GemvFn gemv = nullptr;  // optional: the small-row product (tile + GEMM when absent)
+  // The format's own products for any row count (a layout repacked for them, bf16_packed):
+  // gemv serves every task unless small-row products are off (gemv_rows() == 0).
+  bool gemv_all_rows = false;
 };
 
 // Adds `f` to the registry (at library load, through KT_REGISTER_FORMAT); returns true.
