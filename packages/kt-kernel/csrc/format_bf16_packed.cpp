@@ -15,7 +15,8 @@
 //   pair, and the 8 lanes of each column are added at the end. No transposed second copy.
 // - The 64 zero bytes ending each block keep the blocks' stride off multiples of 4 KiB: dy W
 //   walks down a column of blocks, and at a 4 KiB stride every step mapped to the same L1 and
-//   L2 sets (measured in benchmarks/results/bf16_packed_probe.md).
+//   L2 sets (benchmarks/results/history.md, "bf16-packed"). x's rows are copied to a padded
+//   stride for the same reason.
 // Dequantising (the tile loader) is a permutation, exact on every ISA. The products run where
 // the CPU has AVX512_BF16 and the compute dtype is bf16; elsewhere gemv declines and the op
 // takes tile + GEMM.
@@ -40,6 +41,9 @@ namespace {
 
 constexpr int64_t kBlock = 16;  // output rows per block
 constexpr int64_t kPad = 32;    // zero elements ending each block (64 bytes)
+// dy W's register block: 6 column pairs x 4 rows = 24 accumulators (measured against 4 x 6,
+// 0.93-0.98x of it from 64 rows up, and 8 x 3, 0.89-0.98x).
+constexpr int kNnPairs = 6;
 
 inline int64_t even_up(int64_t k) { return k + (k & 1); }
 inline int64_t block_elems(int64_t k) { return kBlock * even_up(k) + kPad; }
@@ -140,9 +144,18 @@ void nt_rows(const uint16_t* x, int64_t ldx, int64_t m, const uint16_t* blk, int
   for (; r < m; ++r) nt_tile<1, NB>(x + r * ldx, ldx, blk, bs, pairs, odd, last, out + r * ldo, ldo);
 }
 
-void nt(const uint16_t* p, int64_t n, int64_t k, const uint16_t* x, int64_t ldx, int64_t m,
+void nt(const uint16_t* p, int64_t n, int64_t k, const uint16_t* x_in, int64_t ldx_in, int64_t m,
         uint16_t* out, int64_t ldo) {
   const int64_t bs = block_elems(k), blocks = ceil_div(n, kBlock), pairs = k / 2;
+  // The rows of a register block are read together; at a row stride of a multiple of 4 KiB
+  // (K = 2048) they share one L1 set. A copy with 64 bytes more per row spreads them.
+  const int64_t ldx = even_up(k) + kPad;
+  thread_local std::vector<uint16_t> xbuf;
+  xbuf.resize(static_cast<size_t>(m * ldx));
+  for (int64_t r = 0; r < m; ++r) {
+    std::memcpy(xbuf.data() + r * ldx, x_in + r * ldx_in, static_cast<size_t>(k) * 2);
+  }
+  const uint16_t* x = xbuf.data();
   const bool odd = (k & 1) != 0;
   const int rest = static_cast<int>(n - (blocks - 1) * kBlock);  // outputs of the last block
   int64_t b = 0;
@@ -198,12 +211,14 @@ void nn_tile(const uint32_t* dup, int64_t ldd, const uint16_t* p, int64_t bs, in
   }
 }
 
+// Rows in register blocks of 24 / KB (4 for kNnPairs, 24 for the single-pair tail), then 1.
 template <int KB>
 void nn_rows(const uint32_t* dup, int64_t ldd, int64_t m, const uint16_t* p, int64_t bs,
              int64_t blocks, int cols, uint16_t* out, int64_t ldo) {
   int64_t r = 0;
-  for (; r + 6 <= m; r += 6) {
-    nn_tile<6, KB>(dup + r * ldd, ldd, p, bs, blocks, cols, out + r * ldo, ldo, r == 0);
+  constexpr int MR = 24 / KB;
+  for (; r + MR <= m; r += MR) {
+    nn_tile<MR, KB>(dup + r * ldd, ldd, p, bs, blocks, cols, out + r * ldo, ldo, r == 0);
   }
   for (; r < m; ++r) {
     nn_tile<1, KB>(dup + r * ldd, ldd, p, bs, blocks, cols, out + r * ldo, ldo, r == 0);
@@ -213,7 +228,9 @@ void nn_rows(const uint32_t* dup, int64_t ldd, int64_t m, const uint16_t* p, int
 void nn(const uint16_t* p, int64_t n, int64_t k, const uint16_t* dy, int64_t ldi, int64_t m,
         uint16_t* out, int64_t ldo) {
   const int64_t bs = block_elems(k), blocks = ceil_div(n, kBlock), pairs = even_up(k) / 2;
-  const int64_t ldd = blocks * kBlock;  // dy's rows zero-padded to whole blocks
+  // dy's rows zero-padded to whole blocks, plus 64 bytes so the rows a register block reads
+  // together do not share an L1 set (a row of 2048 dwords is 8 KiB).
+  const int64_t ldd = blocks * kBlock + kBlock;
   thread_local std::vector<uint32_t> dup;
   dup.assign(static_cast<size_t>(m * ldd), 0);
   for (int64_t r = 0; r < m; ++r) {
@@ -225,9 +242,9 @@ void nn(const uint16_t* p, int64_t n, int64_t k, const uint16_t* dy, int64_t ldi
     }
   }
   int64_t p0 = 0;
-  for (; p0 + 4 <= pairs; p0 += 4) {
-    const int cols = static_cast<int>(std::min<int64_t>(8, k - 2 * p0));
-    nn_rows<4>(dup.data(), ldd, m, p + p0 * 2 * kBlock, bs, blocks, cols, out + 2 * p0, ldo);
+  for (; p0 + kNnPairs <= pairs; p0 += kNnPairs) {
+    const int cols = static_cast<int>(std::min<int64_t>(2 * kNnPairs, k - 2 * p0));
+    nn_rows<kNnPairs>(dup.data(), ldd, m, p + p0 * 2 * kBlock, bs, blocks, cols, out + 2 * p0, ldo);
   }
   for (; p0 < pairs; ++p0) {
     const int cols = static_cast<int>(std::min<int64_t>(2, k - 2 * p0));
