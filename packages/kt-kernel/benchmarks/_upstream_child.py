@@ -91,7 +91,9 @@ def main() -> None:
     ap.add_argument("--save", type=Path, default=None)
     args = ap.parse_args()
     torch.set_num_threads(THREADS)  # the input/output copies around upstream's tasks
-    inp = load_file(str(args.inputs))
+    # Own copies: a tensor of load_file's keeps the whole file's mapping (and its touched
+    # pages, counted in RSS) alive; the copies of the weights are freed once loaded.
+    inp = {n: t.clone() for n, t in load_file(str(args.inputs)).items()}
     meta = json.loads((args.inputs.with_suffix(".json")).read_text())
     moe, grads = build(inp, meta)
     gc.collect()

@@ -35,6 +35,7 @@ import contextlib
 import gc
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -152,7 +153,9 @@ def ours_child(inputs: Path, result: Path, reps: int, save: Path | None) -> None
     """Our side of one timed child (same protocol as ``_upstream_child.py``)."""
     torch.set_num_threads(THREADS)
     kk.set_num_threads(THREADS)
-    inp = load_file(str(inputs))
+    # Own copies: a tensor of load_file's keeps the whole file's mapping (and its touched
+    # pages, counted in RSS) alive; the copies of the weights are freed once stored.
+    inp = {n: t.clone() for n, t in load_file(str(inputs)).items()}
     meta = json.loads(inputs.with_suffix(".json").read_text())
     spec = kk.ExpertSpec(meta["E"], meta["H"], meta["I"])
     weights = kk.ExpertWeights.from_fused(spec, inp.pop("gate_up"), inp.pop("down"))
@@ -183,9 +186,27 @@ def ours_child(inputs: Path, result: Path, reps: int, save: Path | None) -> None
     result.write_text(json.dumps(res))
 
 
+def _busy_s() -> float:
+    """CPU seconds all cores have been busy since boot (``/proc/stat``, steal included)."""
+    fields = Path("/proc/stat").read_text().splitlines()[0].split()[1:]
+    user, nice, system, _idle, _iowait, irq, softirq, steal = (int(v) for v in fields[:8])
+    return (user + nice + system + irq + softirq + steal) / os.sysconf("SC_CLK_TCK")
+
+
+def _children_cpu_s() -> float:
+    """CPU seconds of this process's finished children."""
+    ru = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return ru.ru_utime + ru.ru_stime
+
+
 def run_child(cmd: list[str], result: Path, timeout: float) -> dict:
-    """Run one child; its JSON result, or ``{"error": ...}`` with its last line of output."""
+    """Run one child; its JSON result, or ``{"error": ...}`` with its last line of output.
+
+    ``others_cores``: the cores other processes kept busy on average while it ran (all busy
+    CPU time less the child's and this process's): the cores are shared with other users.
+    """
     t0 = time.perf_counter()
+    busy0, kids0, self0 = _busy_s(), _children_cpu_s(), time.process_time()
     try:
         res = subprocess.run(
             cmd, capture_output=True, text=True, timeout=timeout, env=_child_env(), cwd=HERE.parent
@@ -198,6 +219,8 @@ def run_child(cmd: list[str], result: Path, timeout: float) -> dict:
     out = json.loads(result.read_text())
     result.unlink()
     out["child_s"] = time.perf_counter() - t0
+    own = _children_cpu_s() - kids0 + time.process_time() - self0
+    out["others_cores"] = max(0.0, _busy_s() - busy0 - own) / out["child_s"]
     # Upstream's C++ prints which backend its BF16 MoE took (e.g. "backend=AVX512-BF16").
     for line in (res.stdout + res.stderr).splitlines():
         if "backend=" in line:
@@ -269,7 +292,8 @@ def run_config(shape: str, tokens: int, args: argparse.Namespace, tmp: Path, see
             print(
                 f"[{shape} T={tokens} round {rnd}] {name}: "
                 + (
-                    f"{r['wall_ms']:.0f} ms, {r['cpu_s']:.2f} CPU-s"
+                    f"{r['wall_ms']:.0f} ms, {r['cpu_s']:.2f} CPU-s, "
+                    f"other processes {r['others_cores']:.2f} cores"
                     if "wall_ms" in r
                     else r["error"]
                 ),
@@ -300,6 +324,10 @@ def run_config(shape: str, tokens: int, args: argparse.Namespace, tmp: Path, see
                 "peak_rss_bytes": max(r["peak_rss_bytes"] for r in ok),
                 "rss_setup_bytes": max(r["rss_setup_bytes"] for r in ok),
             }
+    # The most any child saw of other processes: a large value marks a disturbed row.
+    row["others_cores_max"] = max(
+        (r.get("others_cores", 0.0) for rs in runs.values() for r in rs), default=0.0
+    )
     return row
 
 
@@ -338,8 +366,8 @@ def write_markdown(path: Path, meta: dict, rows: list[dict]) -> None:
         "",
         "| shape (H, I, E, k) | T | ours ms | upstream ms | ours CPU-s | upstream CPU-s "
         "| CPU-s upstream/ours | wall upstream/ours | ours % of peak | upstream % of peak "
-        "| peak RSS ours GiB | peak RSS upstream GiB |",
-        "|---|---|---|---|---|---|---|---|---|---|---|---|",
+        "| peak RSS ours GiB (set-up) | peak RSS upstream GiB (set-up) | other load, cores |",
+        "|---|---|---|---|---|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         o, u = r.get("ours", {}), r.get("upstream", {})
@@ -352,8 +380,10 @@ def write_markdown(path: Path, meta: dict, rows: list[dict]) -> None:
             f"| {name} | {r['T']} | {o['wall_ms']:.0f} | {u['wall_ms']:.0f} | {o['cpu_s']:.2f} "
             f"| {u['cpu_s']:.2f} | {r['cpu_upstream_over_ours']:.2f} "
             f"| {r['wall_upstream_over_ours']:.2f} | {100 * o['fraction_of_peak']:.0f} "
-            f"| {100 * u['fraction_of_peak']:.0f} | {_gib(o['peak_rss_bytes'])} "
-            f"| {_gib(u['peak_rss_bytes'])} |"
+            f"| {100 * u['fraction_of_peak']:.0f} "
+            f"| {_gib(o['peak_rss_bytes'])} ({_gib(o['rss_setup_bytes'])}) "
+            f"| {_gib(u['peak_rss_bytes'])} ({_gib(u['rss_setup_bytes'])}) "
+            f"| {r['others_cores_max']:.2f} |"
         )
     lines += [
         "",
@@ -388,7 +418,9 @@ def write_markdown(path: Path, meta: dict, rows: list[dict]) -> None:
         "A and B, as upstream), policy save, native backend. Upstream: "
         "`kt_kernel.sft.amx.AMXSFTMoEWrapper(method='AMXBF16_SFT')`, `forward` + `backward`. "
         "CPU-s: process CPU time of one step (all threads). Peak RSS: the child's high-water "
-        "mark over the steps (reset after set-up), expert weights included. % of peak: "
+        "mark over the steps (reset after set-up), expert weights included; in brackets its RSS "
+        "once weights and adapter are in place. Other load: the most CPU other processes used "
+        "(cores, averaged over a child's run) while any child of the row ran. % of peak: "
         "`_impls.flops` (base and LoRA, forward+backward) per wall second over the peak.",
         "",
     ]
