@@ -536,7 +536,9 @@ def main() -> None:
         for u in r["runs"]["upstream"]:
             meta.setdefault("upstream_variant", u.get("cpu_variant"))
             if "backend_line" in u:
-                meta.setdefault("upstream_backend", u["backend_line"].split("backend=")[-1])
+                meta.setdefault(
+                    "upstream_backend", u["backend_line"].split("backend=")[-1].rstrip(")")
+                )
     summarize(rows, meta["peak_gflops"])
     tm.write_results(
         args.out,
