@@ -1,11 +1,15 @@
 """Benchmark our expert op against KTransformers' own kernel (PyPI ``kt-kernel==0.7.2``), optional.
 
 Usage: ``python bench_upstream.py --upstream-python PY --out DIR [--shapes S ...]
-[--tokens T ...] [--rounds N] [--reps N]``. ``PY`` is the python of a separate virtual
-environment holding upstream's wheel (its import name is ``kt_kernel`` too, so it can never sit
-beside ours); without it, or when its ``kt_kernel`` is not 0.7.2, one line says the baseline is
-skipped and how to make that environment, and the exit status is 0. Writes
-``DIR/bench_upstream.json`` and ``DIR/bench_upstream.md``.
+[--tokens T ...] [--rounds N] [--reps N] [--wait-quiet S] [--retries N] [--quick]``. ``PY``
+(default ``$KT_UPSTREAM_PYTHON``) is the python of a separate virtual environment holding
+upstream's wheel (its import name is ``kt_kernel`` too, so it can never sit beside ours; the
+wheel pins torch 2.9.1 but its extensions do not link libtorch, so it is installed with
+``--no-deps`` over a CPU torch); without it, or when its ``kt_kernel`` is not 0.7.2, one line
+says the baseline is skipped and how to make that environment, and the exit status is 0.
+Writes ``DIR/bench_upstream.json`` and ``DIR/bench_upstream.md``. The cores are shared:
+``--wait-quiet S`` waits up to S seconds for idle cores before each child, ``--retries N``
+reruns a child during which other processes used more than ``QUIET_CORES``.
 
 1. Per (shape, T) the parent draws the inputs once: bf16 ``gate_up [E, 2I, H]`` and
    ``down [E, H, I]`` (``_timing.make_weights``), ``x``, top-k ids, routing weights and ``dy``
@@ -378,6 +382,7 @@ def summarize(rows: list[dict], peak: float) -> None:
 
 
 def _gib(n: int | None) -> str:
+    """``n`` bytes in GiB with two decimals, or a dash."""
     return "—" if n is None else f"{n / 2**30:.2f}"
 
 
