@@ -1,18 +1,22 @@
 // bf16 weights repacked once at load for the kernel's own products: the "bf16_packed" format.
 //
 // Part 0 of one expert's W [N, K] is bf16 [ceil(N/16), 16 Kp + 32], Kp = K rounded up to even.
-// Row b of it (block b: output rows 16b .. 16b + 15) holds W[16b + l, 2p + h] at
-// (p * 16 + l) * 2 + h for each column pair p < Kp/2, row l < 16 and h < 2, then 32 zeros; the
-// rows past N and the column past an odd K hold zeros. Part 1 is int64 [2]: N and K.
+// Row b of it (block b: output rows 16b .. 16b + 15) holds, for each column pair p < Kp/2 and
+// row pair g < 8, the 2x2 tile W[16b + 2g + s, 2p + h] at p * 32 + g * 4 + h * 2 + s (s, h < 2),
+// then 32 zeros; the rows past N and the column past an odd K hold zeros. Part 1 is int64 [2]:
+// N and K.
 //
 // Why this layout: oneDNN repacks a weight matrix on every call, which costs most at the 16-64
 // rows per expert of a 512-token batch, and its small-M products stall on DRAM. Here the one
 // stored copy is what the products stream:
-// - x W^T: 64 bytes are 16 rows' (W[n, 2p], W[n, 2p + 1]) pairs, one vdpbf16ps against a
-//   broadcast pair of x gives 16 outputs; each block is read front to back.
-// - dy W (the backward): one in-lane byte shuffle turns the same 64 bytes into row pairs
-//   (W[n, k], W[n + 1, k]) for columns 2p and 2p + 1 in alternate lanes; each lane sums a row
-//   pair, and the 8 lanes of each column are added at the end. No transposed second copy.
+// - dy W (the backward): 64 bytes are 8 row pairs' (W[n, k], W[n + 1, k]) for columns 2p and
+//   2p + 1 in alternate lanes; vdpbf16ps against dy's row pairs makes each lane sum a row pair,
+//   and the 8 lanes of each column are added at the end. No transposed second copy.
+// - x W^T: one in-lane byte shuffle turns the same 64 bytes into 16 rows' (W[n, 2p],
+//   W[n, 2p + 1]) pairs; one vdpbf16ps against a broadcast pair of x gives 16 outputs. The
+//   shuffle sits here because x W^T reuses each shuffled vector for 12 rows of x, dy W for 4
+//   (with it in dy W, dy W ran at 84-86% of the peak from 128 rows, 0.87-0.91x oneDNN).
+// - Each block is read front to back by x W^T.
 // - The 64 zero bytes ending each block keep the blocks' stride off multiples of 4 KiB: dy W
 //   walks down a column of blocks, and at a 4 KiB stride every step mapped to the same L1 and
 //   L2 sets (benchmarks/results/history.md, "bf16-packed"). x's rows are copied to a padded
@@ -47,6 +51,8 @@ constexpr int kNnPairs = 6;
 
 inline int64_t even_up(int64_t k) { return k + (k & 1); }
 inline int64_t block_elems(int64_t k) { return kBlock * even_up(k) + kPad; }
+// Offset within its block of W[16b + l, j].
+inline int64_t at(int64_t l, int64_t j) { return (j / 2) * 32 + (l / 2) * 4 + (j & 1) * 2 + (l & 1); }
 
 void check_packed(const std::vector<at::Tensor>& parts, int64_t e, int64_t n, int64_t k,
                   const char* what) {
@@ -62,18 +68,19 @@ void load_packed(const ExpertView& w, int64_t row0, int64_t col0, int64_t rows, 
   const int64_t bs = block_elems(w.k);
   for (int64_t r = 0; r < rows; ++r) {
     const int64_t n = row0 + r;
-    const uint16_t* src = p + (n / kBlock) * bs + (n % kBlock) * 2;
+    const uint16_t* src = p + (n / kBlock) * bs;
+    const int64_t l = n % kBlock;
     if (out_dtype == at::kBFloat16) {
       auto* dst = static_cast<uint16_t*>(out) + r * ldo;
       for (int64_t c = 0; c < cols; ++c) {
         const int64_t j = col0 + c;
-        dst[c] = src[(j / 2) * 2 * kBlock + (j & 1)];
+        dst[c] = src[at(l, j)];
       }
     } else {
       auto* dst = static_cast<float*>(out) + r * ldo;
       for (int64_t c = 0; c < cols; ++c) {
         const int64_t j = col0 + c;
-        const uint32_t bits = static_cast<uint32_t>(src[(j / 2) * 2 * kBlock + (j & 1)]) << 16;
+        const uint32_t bits = static_cast<uint32_t>(src[at(l, j)]) << 16;
         std::memcpy(dst + c, &bits, 4);
       }
     }
@@ -83,6 +90,12 @@ void load_packed(const ExpertView& w, int64_t row0, int64_t col0, int64_t rows, 
 #ifdef KT_PACKED_SIMD
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")
+
+// Per 8 bytes (one 2x2 tile, a b c d: rows n, n + 1 at column k, then at k + 1) -> a c b d:
+// rows' column pairs (W[n, k], W[n, k + 1]), (W[n + 1, k], W[n + 1, k + 1]).
+inline __m512i to_rows() {
+  return _mm512_set4_epi32(0x0f0e0b0a, 0x0d0c0908, 0x07060302, 0x05040100);
+}
 
 inline uint32_t pair_at(const uint16_t* row, int64_t col) {
   uint32_t v;
@@ -97,6 +110,7 @@ inline uint32_t pair_at(const uint16_t* row, int64_t col) {
 template <int MR, int NB>
 void nt_tile(const uint16_t* x, int64_t ldx, const uint16_t* blk, int64_t bs, int64_t pairs,
              bool odd, int last, uint16_t* out, int64_t ldo) {
+  const __m512i sh = to_rows();
   __m512 acc[MR][NB];
   for (int r = 0; r < MR; ++r) {
     for (int j = 0; j < NB; ++j) acc[r][j] = _mm512_setzero_ps();
@@ -104,7 +118,8 @@ void nt_tile(const uint16_t* x, int64_t ldx, const uint16_t* blk, int64_t bs, in
   for (int64_t p = 0; p < pairs; ++p) {
     __m512bh wv[NB];
     for (int j = 0; j < NB; ++j) {
-      wv[j] = (__m512bh)_mm512_loadu_si512(blk + j * bs + p * 2 * kBlock);
+      wv[j] = (__m512bh)_mm512_shuffle_epi8(
+          _mm512_loadu_si512(blk + j * bs + p * 2 * kBlock), sh);
     }
     for (int r = 0; r < MR; ++r) {
       const auto xv = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair_at(x + r * ldx, 2 * p)));
@@ -114,7 +129,8 @@ void nt_tile(const uint16_t* x, int64_t ldx, const uint16_t* blk, int64_t bs, in
   if (odd) {
     __m512bh wv[NB];
     for (int j = 0; j < NB; ++j) {
-      wv[j] = (__m512bh)_mm512_loadu_si512(blk + j * bs + pairs * 2 * kBlock);
+      wv[j] = (__m512bh)_mm512_shuffle_epi8(
+          _mm512_loadu_si512(blk + j * bs + pairs * 2 * kBlock), sh);
     }
     for (int r = 0; r < MR; ++r) {
       const auto xv = (__m512bh)_mm512_set1_epi32(x[r * ldx + 2 * pairs]);
@@ -173,8 +189,6 @@ void nt(const uint16_t* p, int64_t n, int64_t k, const uint16_t* x_in, int64_t l
 template <int MR, int KB>
 void nn_tile(const uint32_t* dup, int64_t ldd, const uint16_t* p, int64_t bs, int64_t blocks,
              int cols, uint16_t* out, int64_t ldo, bool prefetch) {
-  // Per 8 bytes (rows n, n + 1 at columns k, k + 1: a b c d) -> a c b d.
-  const __m512i sh = _mm512_set4_epi32(0x0f0e0b0a, 0x0d0c0908, 0x07060302, 0x05040100);
   __m512 acc[MR][KB];
   for (int r = 0; r < MR; ++r) {
     for (int j = 0; j < KB; ++j) acc[r][j] = _mm512_setzero_ps();
@@ -189,7 +203,7 @@ void nn_tile(const uint32_t* dup, int64_t ldd, const uint16_t* p, int64_t bs, in
     }
     __m512bh wv[KB];
     for (int j = 0; j < KB; ++j) {
-      wv[j] = (__m512bh)_mm512_shuffle_epi8(_mm512_loadu_si512(src + j * 2 * kBlock), sh);
+      wv[j] = (__m512bh)_mm512_loadu_si512(src + j * 2 * kBlock);
     }
     for (int r = 0; r < MR; ++r) {
       const auto a = (__m512bh)_mm512_loadu_si512(dup + r * ldd + b * kBlock);

@@ -49,7 +49,7 @@ def test_layout_places_each_weight_and_unpacks_exactly() -> None:
         for p in range(3):
             for row in range(16):
                 for h in range(2):
-                    got = packed[1, b, (p * 16 + row) * 2 + h]
+                    got = packed[1, b, p * 32 + (row // 2) * 4 + h * 2 + row % 2]
                     assert torch.equal(got, w[1, 16 * b + row, 2 * p + h])
     assert not packed[..., 16 * 6 :].any()  # the pad is zeros
     assert torch.equal(kk.Bf16Packed().dequantize((packed, shape)), w)

@@ -3,9 +3,9 @@
 Storage of one projection ``W [..., N, K]`` (parts, in the native loader's order):
 
 - ``packed`` bfloat16 ``[..., ceil(N/16), 16 Kp + 32]`` (``Kp``: ``K`` rounded up to even). Row
-  ``b`` (output rows ``16b .. 16b + 15``) holds ``W[16b + l, 2p + h]`` at ``(p * 16 + l) * 2 + h``
-  for each column pair ``p``, row ``l < 16`` and ``h < 2``, then 32 zeros; rows past ``N`` and
-  the column past an odd ``K`` are zeros.
+  ``b`` (output rows ``16b .. 16b + 15``) holds, per column pair ``p`` and row pair ``g < 8``,
+  the 2x2 tile ``W[16b + 2g + s, 2p + h]`` at ``p * 32 + g * 4 + h * 2 + s``, then 32 zeros;
+  rows past ``N`` and the column past an odd ``K`` are zeros.
 - ``shape`` int64 ``[..., 2]``: ``N`` and ``K`` (the padded ``packed`` does not tell them).
 
 The values are the bf16 weights themselves, rearranged: the format is lossless and takes about
@@ -35,7 +35,9 @@ def pack_bf16(w: torch.Tensor) -> Parts:
     nb, kp = -(-n // _BLOCK), k + k % 2
     padded = torch.zeros((*lead, nb * _BLOCK, kp), dtype=torch.bfloat16)
     padded[..., :n, :k] = w.detach().to(torch.bfloat16)
-    body = padded.reshape(*lead, nb, _BLOCK, kp // 2, 2).transpose(-3, -2)
+    # [nb, g, s, p, h] -> [nb, p, g, h, s]
+    tiles = padded.reshape(*lead, nb, _BLOCK // 2, 2, kp // 2, 2)
+    body = tiles.permute(*range(len(lead)), -5, -2, -4, -1, -3)
     pad = torch.zeros((*lead, nb, _PAD), dtype=torch.bfloat16)
     packed = torch.cat([body.reshape(*lead, nb, _BLOCK * kp), pad], dim=-1).contiguous()
     shape = torch.tensor([n, k], dtype=torch.int64).expand(*lead, 2).contiguous()
@@ -47,8 +49,9 @@ def unpack_bf16(packed: torch.Tensor, shape: torch.Tensor) -> torch.Tensor:
     *lead, nb, cols = packed.shape
     n, k = (int(v) for v in shape.reshape(-1, 2)[0])
     kp = (cols - _PAD) // _BLOCK
-    body = packed[..., : _BLOCK * kp].reshape(*lead, nb, kp // 2, _BLOCK, 2)
-    full = body.transpose(-3, -2).reshape(*lead, nb * _BLOCK, kp)
+    tiles = packed[..., : _BLOCK * kp].reshape(*lead, nb, kp // 2, _BLOCK // 2, 2, 2)
+    # [nb, p, g, h, s] -> [nb, g, s, p, h]
+    full = tiles.permute(*range(len(lead)), -5, -3, -1, -4, -2).reshape(*lead, nb * _BLOCK, kp)
     return full[..., :n, :k].contiguous()
 
 
