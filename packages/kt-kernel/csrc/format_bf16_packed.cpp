@@ -185,6 +185,29 @@ void nt(const uint16_t* p, int64_t n, int64_t k, const uint16_t* x_in, int64_t l
 // out[r, 2 (p0 + j)] and out[r, 2 (p0 + j) + 1] for MR rows and KB column pairs. `dup` row r
 // holds, per block, 16 dwords: dy's row pair (2q, 2q + 1) of the block in dwords 2q and 2q + 1.
 // Each lane sums over the blocks in order; the 8 lanes of a column are added in a fixed tree.
+// The 12 columns of 6 accumulators (lane 2q + h of accumulator j: column 2j + h), summed in
+// the scalar path's tree (lanes i + 8, then i + 4, then i + 2) for 6 at a time, rounded to
+// bf16 in one instruction and stored with one masked store of `cols` (<= 12) columns.
+inline void store_columns6(const __m512 (&a)[kNnPairs], int cols, uint16_t* out) {
+  // lanes i and i + 8: two accumulators per vector, 8 lanes each
+  const auto fold8 = [](__m512 x, __m512 y) {
+    return _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x44), _mm512_shuffle_f32x4(x, y, 0xEE));
+  };
+  const __m512 s01 = fold8(a[0], a[1]), s23 = fold8(a[2], a[3]), s45 = fold8(a[4], a[5]);
+  // lanes i and i + 4: four accumulators per vector, 4 lanes each
+  const auto fold4 = [](__m512 x, __m512 y) {
+    return _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x88), _mm512_shuffle_f32x4(x, y, 0xDD));
+  };
+  const __m512 t0 = fold4(s01, s23), t1 = fold4(s45, s45);
+  // lanes i and i + 2: columns (even, odd) in lanes 0, 1 of each 128-bit lane
+  const __m512 u0 = _mm512_add_ps(t0, _mm512_permute_ps(t0, 0x4E));
+  const __m512 u1 = _mm512_add_ps(t1, _mm512_permute_ps(t1, 0x4E));
+  const __m512i pick = _mm512_setr_epi32(0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 0, 0, 0, 0);
+  const __m512 cols12 = _mm512_permutex2var_ps(u0, pick, u1);
+  const __m256i bf = (__m256i)_mm512_cvtneps_pbh(cols12);
+  _mm256_mask_storeu_epi16(out, static_cast<__mmask16>((1u << cols) - 1), bf);
+}
+
 // `cols` (<= 2 KB) is how many of the tile's output columns exist (an odd K drops the last).
 template <int MR, int KB>
 void nn_tile(const uint32_t* dup, int64_t ldd, const uint16_t* p, int64_t bs, int64_t blocks,
@@ -211,15 +234,19 @@ void nn_tile(const uint32_t* dup, int64_t ldd, const uint16_t* p, int64_t bs, in
     }
   }
   for (int r = 0; r < MR; ++r) {
-    for (int j = 0; j < KB; ++j) {
-      const __m512 v = acc[r][j];
-      const __m256 h = _mm256_add_ps(_mm512_castps512_ps256(v),
-                                     _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
-      __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
-      q = _mm_add_ps(q, _mm_movehl_ps(q, q));  // lane 0: even lanes (column 2p), lane 1: odd
-      out[r * ldo + 2 * j] = c10::BFloat16(_mm_cvtss_f32(q)).x;
-      if (2 * j + 1 < cols) {
-        out[r * ldo + 2 * j + 1] = c10::BFloat16(_mm_cvtss_f32(_mm_shuffle_ps(q, q, 1))).x;
+    if constexpr (KB == kNnPairs) {
+      store_columns6(acc[r], cols, out + r * ldo);
+    } else {
+      for (int j = 0; j < KB; ++j) {
+        const __m512 v = acc[r][j];
+        const __m256 h = _mm256_add_ps(
+            _mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+        __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+        q = _mm_add_ps(q, _mm_movehl_ps(q, q));  // lane 0: even lanes (column 2p), lane 1: odd
+        out[r * ldo + 2 * j] = c10::BFloat16(_mm_cvtss_f32(q)).x;
+        if (2 * j + 1 < cols) {
+          out[r * ldo + 2 * j + 1] = c10::BFloat16(_mm_cvtss_f32(_mm_shuffle_ps(q, q, 1))).x;
+        }
       }
     }
   }
@@ -246,14 +273,21 @@ void nn(const uint16_t* p, int64_t n, int64_t k, const uint16_t* dy, int64_t ldi
   // together do not share an L1 set (a row of 2048 dwords is 8 KiB).
   const int64_t ldd = blocks * kBlock + kBlock;
   thread_local std::vector<uint32_t> dup;
-  dup.assign(static_cast<size_t>(m * ldd), 0);
+  dup.resize(static_cast<size_t>(m * ldd));
+  const __m512i twice = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
   for (int64_t r = 0; r < m; ++r) {
     const uint16_t* row = dy + r * ldi;
     uint32_t* d = dup.data() + r * ldd;
-    for (int64_t i = 0; i < n; i += 2) {
+    int64_t i = 0;
+    for (; i + kBlock <= n; i += kBlock) {  // 8 row pairs, each twice
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + i));
+      _mm512_storeu_si512(d + i, _mm512_permutexvar_epi32(twice, _mm512_castsi256_si512(v)));
+    }
+    for (; i < n; i += 2) {
       const uint32_t hi = i + 1 < n ? row[i + 1] : 0;
       d[i] = d[i + 1] = row[i] | (hi << 16);
     }
+    std::fill(d + i, d + ldd, 0u);
   }
   int64_t p0 = 0;
   for (; p0 + kNnPairs <= pairs; p0 += kNnPairs) {
