@@ -369,16 +369,7 @@ def main() -> None:
     print(f"bf16 matmul peak: {peak_start:.0f} GFLOP/s (load {loadavg_start})", flush=True)
     res = run_shape(shape, tokens, reps, formats)
     peak_end = tm.matmul_peak(torch.bfloat16, peak_size)
-    meta = {
-        "quick": args.quick,
-        "reps": reps,
-        **tm.machine(),
-        "peak_gflops": max(peak_start, peak_end),
-        "peak_gflops_start": peak_start,
-        "peak_gflops_end": peak_end,
-        "loadavg_start": loadavg_start,
-        "loadavg_end": tm.loadavg(),
-    }
+    meta = {"quick": args.quick, "reps": reps, **tm.run_meta(peak_start, peak_end, loadavg_start)}
     for row in res["timings"]:
         for v in (*formats, CLAMPED):
             row[v]["fraction_of_peak"] = row[v]["gflops"] / meta["peak_gflops"]

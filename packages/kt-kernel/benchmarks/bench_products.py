@@ -105,15 +105,10 @@ def main() -> None:
     result = run(experts, rows, reps)
     peak_end = tm.matmul_peak(torch.bfloat16, 2048)
     meta = {
-        **tm.machine(),
         "command": "python benchmarks/bench_products.py " + " ".join(sys.argv[1:]),
         "experts": experts,
         "reps": reps,
-        "peak_gflops": max(peak_start, peak_end),
-        "peak_gflops_start": peak_start,
-        "peak_gflops_end": peak_end,
-        "loadavg_start": loadavg_start,
-        "loadavg_end": tm.loadavg(),
+        **tm.run_meta(peak_start, peak_end, loadavg_start),
     }
     payload = {"meta": meta, "results": result}
     tm.write_results(args.out, "bench_products", payload, lambda p: write_markdown(p, meta, result))

@@ -18,6 +18,9 @@ import torch
 
 import kt_kernel as kk
 
+from ._op_run import op_problem
+from ._op_run import run_op as _run
+
 BF16_TOL = 1e-2  # one bf16 rounding of each output and fp32 sums
 OP_BF16_TOL = 3e-2  # the whole op in bf16: test_conformance's bound
 # (N, K): one block; odd blocks; odd N and K; 6 column pairs with the 12th column past K; real K
@@ -188,31 +191,8 @@ def test_both_routes_match_the_float64_product(nn: bool) -> None:
 
 
 def _problem(seed: int = 3):
-    """An op on 4 experts (H=96, I=80: gate_up N=160, down N=96), 40 tokens, top-2."""
-    gen = torch.Generator().manual_seed(seed)
-    spec = kk.ExpertSpec(4, 96, 80)
-    gate_up = torch.randn(4, 160, 96, generator=gen) / 96**0.5
-    down = torch.randn(4, 96, 80, generator=gen) / 80**0.5
-    weights = kk.ExpertWeights.from_fused(spec, gate_up, down, weight_dtype="bf16-packed")
-    lora = kk.LoraBuffers(spec, 4, 8.0, "fused")
-    with torch.no_grad():
-        for _, p in lora.named_parameters():
-            p.normal_(0, 0.2, generator=gen)
-    x = torch.randn(40, 96, generator=gen).to(torch.bfloat16)
-    ids = torch.rand(40, 4, generator=gen).topk(2, -1).indices
-    tw = torch.rand(40, 2, generator=gen)
-    dy = torch.randn(40, 96, generator=gen).to(torch.bfloat16)
-    return weights, lora, x, ids, tw, dy
-
-
-def _run(weights, lora, x, ids, tw, dy, backend: str = "native") -> list[torch.Tensor]:
-    """y, dx, d topk_weights and the LoRA gradients of one forward + backward."""
-    xg, wg = x.clone().requires_grad_(), tw.clone().requires_grad_()
-    for p in lora.parameters():
-        p.grad = None
-    y = kk.moe_experts_forward(xg, ids, wg, weights, lora, backend=backend)
-    y.backward(dy)
-    return [t.detach() for t in [y, xg.grad, wg.grad, *[p.grad for p in lora.parameters()]]]
+    """The shared small op problem (gate_up N=160, down N=96: whole and partial blocks)."""
+    return op_problem("bf16-packed", torch.bfloat16, seed)
 
 
 def test_op_matches_the_float64_oracle_through_both_routes() -> None:
@@ -277,8 +257,8 @@ def test_forced_avx2_takes_tile_and_gemm_with_the_same_result() -> None:
     code = (
         "import torch, sys\n"
         f"sys.path.insert(0, {os.path.dirname(__file__)!r})\n"
-        "import test_bf16_packed as t\n"
-        "torch.save(t._run(*t._problem(seed=8)), sys.argv[1])\n"
+        "import _op_run as o\n"
+        "torch.save(o.run_op(*o.op_problem('bf16-packed', torch.bfloat16, 8)), sys.argv[1])\n"
     )
     out = {}
     for isa in ("avx512", "avx2"):
