@@ -152,6 +152,18 @@ def machine() -> dict:
     }
 
 
+def run_meta(peak_start: float, peak_end: float, loadavg_start: list[float]) -> dict:
+    """The machine and the peaks and loads around a run: what every results file records."""
+    return {
+        **machine(),
+        "peak_gflops": max(peak_start, peak_end),
+        "peak_gflops_start": peak_start,
+        "peak_gflops_end": peak_end,
+        "loadavg_start": loadavg_start,
+        "loadavg_end": loadavg(),
+    }
+
+
 def parser(doc: str) -> argparse.ArgumentParser:
     """The options every weight-format benchmark takes: ``--out``, ``--quick``, ``--reps``."""
     ap = argparse.ArgumentParser(description=doc.splitlines()[0])

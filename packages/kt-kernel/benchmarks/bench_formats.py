@@ -43,7 +43,7 @@ import kt_kernel as kk
 # (name, H, I, E, k, r, token counts); MEDIUM is the shape the targets are stated for.
 MEDIUM = ("medium", 2048, 768, 64, 8, 16, (64, 512, 2048))
 QUICK = ("quick", 1024, 384, 32, 8, 16, (64, 512))
-FORMATS = ("bf16", "int8", "int4", "fp8", "mxfp4")
+FORMATS = ("bf16", "bf16-packed", "int8", "int4", "fp8", "mxfp4")
 DISTINCT = 8  # experts with their own random values; the rest repeat them (own memory)
 CLAMPED = "bf16_clamped_swiglu"  # the bf16 base with GPT-OSS's activation
 CLAMPED_ACT = kk.ClampedSwiGLU(alpha=1.702, limit=7.0)
@@ -369,16 +369,7 @@ def main() -> None:
     print(f"bf16 matmul peak: {peak_start:.0f} GFLOP/s (load {loadavg_start})", flush=True)
     res = run_shape(shape, tokens, reps, formats)
     peak_end = tm.matmul_peak(torch.bfloat16, peak_size)
-    meta = {
-        "quick": args.quick,
-        "reps": reps,
-        **tm.machine(),
-        "peak_gflops": max(peak_start, peak_end),
-        "peak_gflops_start": peak_start,
-        "peak_gflops_end": peak_end,
-        "loadavg_start": loadavg_start,
-        "loadavg_end": tm.loadavg(),
-    }
+    meta = {"quick": args.quick, "reps": reps, **tm.run_meta(peak_start, peak_end, loadavg_start)}
     for row in res["timings"]:
         for v in (*formats, CLAMPED):
             row[v]["fraction_of_peak"] = row[v]["gflops"] / meta["peak_gflops"]

@@ -156,7 +156,9 @@ def _status_bytes(field: str) -> int:
     raise KeyError(field)
 
 
-def ours_child(inputs: Path, result: Path, reps: int, save: Path | None) -> None:
+def ours_child(
+    inputs: Path, result: Path, reps: int, save: Path | None, weight_dtype: str = "bf16"
+) -> None:
     """Our side of one timed child (same protocol as ``_upstream_child.py``)."""
     torch.set_num_threads(THREADS)
     kk.set_num_threads(THREADS)
@@ -165,7 +167,9 @@ def ours_child(inputs: Path, result: Path, reps: int, save: Path | None) -> None
     inp = {n: t.clone() for n, t in load_file(str(inputs)).items()}
     meta = json.loads(inputs.with_suffix(".json").read_text())
     spec = kk.ExpertSpec(meta["E"], meta["H"], meta["I"])
-    weights = kk.ExpertWeights.from_fused(spec, inp.pop("gate_up"), inp.pop("down"))
+    weights = kk.ExpertWeights.from_fused(
+        spec, inp.pop("gate_up"), inp.pop("down"), weight_dtype=weight_dtype
+    )
     lora = _ours_lora(spec, {n: inp.pop(n) for n in LORA_NAMES})
     gc.collect()
     rss_setup = _status_bytes("VmRSS")
@@ -298,7 +302,13 @@ def run_config(shape: str, tokens: int, args: argparse.Namespace, tmp: Path, see
     h, i, e, k = SHAPES[shape]
     fl = _impls.flops(_impls.Shape(shape, h, i, e, k, RANK), tokens, True)
     cmds = {
-        "ours": [sys.executable, str(HERE / "bench_upstream.py"), "--ours-child"],
+        "ours": [
+            sys.executable,
+            str(HERE / "bench_upstream.py"),
+            "--ours-weight-dtype",
+            args.ours_weight_dtype,
+            "--ours-child",
+        ],
         "upstream": [args.upstream_python, str(HERE / "_upstream_child.py")],
     }
     runs: dict[str, list[dict]] = {"ours": [], "upstream": []}
@@ -455,7 +465,8 @@ def write_markdown(path: Path, meta: dict, rows: list[dict]) -> None:
         )
     lines += [
         "",
-        "Ours: `moe_experts_forward` on bf16 `ExpertWeights`, split bf16 LoRA (per-projection "
+        f"Ours: `moe_experts_forward` on `ExpertWeights` in "
+        f"`{meta.get('ours_weight_dtype', 'bf16')}`, split bf16 LoRA (per-projection "
         "A and B, as upstream), policy save, native backend. Upstream: "
         "`kt_kernel.sft.amx.AMXSFTMoEWrapper(method='AMXBF16_SFT')`, `forward` + `backward`. "
         "CPU-s: process CPU time of one step (all threads). Peak RSS: the child's high-water "
@@ -490,11 +501,17 @@ def main() -> None:
     ap.add_argument(
         "--retries", type=int, default=0, help="reruns of a child other processes disturbed"
     )
+    ap.add_argument(
+        "--ours-weight-dtype",
+        default="bf16",
+        choices=sorted(kk.FORMATS),
+        help="our expert storage (bf16-packed: kt-kernel's own layout; upstream repacks too)",
+    )
     ap.add_argument("--ours-child", nargs=2, type=Path, default=None, help=argparse.SUPPRESS)
     ap.add_argument("--save", type=Path, default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.ours_child is not None:
-        ours_child(*args.ours_child, args.reps, args.save)
+        ours_child(*args.ours_child, args.reps, args.save, args.ours_weight_dtype)
         return
     if args.out is None:
         ap.error("--out is required")
@@ -523,6 +540,7 @@ def main() -> None:
         "rounds": args.rounds,
         "reps": args.reps,
         "reference_tokens": args.reference_tokens,
+        "ours_weight_dtype": args.ours_weight_dtype,
         "loadavg_start": tm.loadavg(),
     }
     wait_quiet(args.wait_quiet)

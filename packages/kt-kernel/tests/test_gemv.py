@@ -19,6 +19,9 @@ import torch
 
 import kt_kernel as kk
 
+from ._op_run import op_problem as _op_problem
+from ._op_run import run_op as _run_op
+
 FP32_TOL = 1e-5
 # One bf16 rounding of each output (2^-8 of it at most) and fp32 sums.
 BF16_TOL = 1e-2
@@ -173,39 +176,6 @@ def test_both_paths_match_the_dequantized_product(fmt: str, dtype: torch.dtype, 
         assert y.shape == ref.shape
         err = float((y - ref).abs().max() / ref.abs().max())
         assert err < tol, (rows, err)
-
-
-def _op_problem(fmt: str, dtype: torch.dtype):
-    """Weights, LoRA and inputs of a small op: 80 (token, slot) rows on 4 experts (~20 each)."""
-    gen = torch.Generator().manual_seed(3)
-    spec = kk.ExpertSpec(4, 96, 80)
-    weights = kk.ExpertWeights.from_fused(
-        spec,
-        torch.randn(4, 160, 96, generator=gen) / 96**0.5,
-        torch.randn(4, 96, 80, generator=gen) / 80**0.5,
-        dtype=dtype,
-        weight_dtype=fmt,
-    )
-    lora = kk.LoraBuffers(spec, 4, 8.0, "fused")
-    with torch.no_grad():
-        for _, p in lora.named_parameters():
-            p.normal_(0, 0.2, generator=gen)
-    tokens = 40
-    x = torch.randn(tokens, 96, generator=gen).to(dtype)
-    ids = torch.rand(tokens, 4, generator=gen).topk(2, -1).indices
-    tw = torch.rand(tokens, 2, generator=gen)
-    dy = torch.randn(tokens, 96, generator=gen).to(dtype)
-    return weights, lora, x, ids, tw, dy
-
-
-def _run_op(weights, lora, x, ids, tw, dy, backend: str) -> list[torch.Tensor]:
-    """y, dx, d topk_weights and the LoRA gradients of one forward + backward."""
-    xg, wg = x.clone().requires_grad_(), tw.clone().requires_grad_()
-    for p in lora.parameters():
-        p.grad = None
-    y = kk.moe_experts_forward(xg, ids, wg, weights, lora, backend=backend)
-    y.backward(dy)
-    return [t.detach() for t in [y, xg.grad, wg.grad, *[p.grad for p in lora.parameters()]]]
 
 
 @pytest.mark.parametrize(

@@ -30,6 +30,7 @@ EXPECTED_ALL = {
     "Int8PerChannel",
     "Int4Grouped",
     "Fp8Block",
+    "Bf16Packed",
     "Mxfp4",
     "SwiGLU",
     "SwiGLULimit",

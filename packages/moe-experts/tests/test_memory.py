@@ -69,7 +69,10 @@ plain = faults(4)
 if not reuse_freed_host_memory():
     sys.exit(3)
 faults(8)  # the heap grows until the steps' blocks fit in what earlier steps freed
-print(plain, faults(4))
+# It may still grow once or twice after that, by where other allocations landed (16384 and
+# 10240 faults in two consecutive windows, seen in 1 run of 12 here, then 0): the steady
+# state is the smallest of three windows.
+print(plain, min(faults(4), faults(4), faults(4)))
 """
 )
 
@@ -93,7 +96,7 @@ _AFTER_CLI = (
 from moe_experts.finetune.cli import main
 code = main(sys.argv[1:])
 faults(8)
-print(code, faults(4))
+print(code, min(faults(4), faults(4), faults(4)))  # the steady state, as above
 """
 )
 

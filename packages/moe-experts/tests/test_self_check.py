@@ -67,7 +67,7 @@ def test_hand_written_swiglu_passes_and_is_reported(fresh) -> None:
     [{"up_first": True}, {"compute": lambda g: F.gelu(g, approximate="tanh")}],
     ids=["swapped_gate_up", "wrong_activation"],
 )
-@pytest.mark.parametrize("weight_dtype", ["fp32", "bf16", "int8", "fp8", "int4"])
+@pytest.mark.parametrize("weight_dtype", ["fp32", "bf16", "bf16-packed", "int8", "fp8", "int4"])
 def test_mis_specified_experts_are_refused(fresh, how, weight_dtype: str) -> None:
     model = fresh("qwen3_moe")
     bad = _install(model, **how)

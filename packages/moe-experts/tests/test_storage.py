@@ -89,6 +89,21 @@ def test_load_pretrained_auto_is_the_checkpoint_dtype(checkpoints, which: str) -
     assert torch.equal(_logits(auto), _logits(named))
 
 
+def test_load_pretrained_streams_into_bf16_packed(checkpoints) -> None:
+    # kt-kernel's repacked bf16 layout: the same values as bf16, streamed from the checkpoint.
+    path = checkpoints["bf16"]
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        packed = load_pretrained(path, weight_dtype="bf16-packed")
+        dense = load_pretrained(path, weight_dtype="bf16")
+    assert {k.expert_weights.format.name for k in _kernels(packed)} == {"bf16_packed"}
+    for a, b in zip(_kernels(packed), _kernels(dense), strict=True):
+        assert torch.equal(a.expert_weights.gate_up, b.expert_weights.gate_up)
+        assert torch.equal(a.expert_weights.down, b.expert_weights.down)
+    got, want = _logits(packed), _logits(dense)
+    assert (got - want).abs().max() / want.abs().max() < 2e-2
+
+
 def test_checkpoint_dtype_falls_back_to_the_tensors(checkpoints) -> None:
     # config.json without dtype/torch_dtype: the dtype most of the checkpoint's tensors have.
     raw = json.loads((checkpoints["no_dtype"] / "config.json").read_text())

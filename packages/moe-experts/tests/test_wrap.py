@@ -3,7 +3,14 @@
 import pytest
 import torch
 
-from moe_experts import KernelExperts, WrapError, is_placeholder, named_placeholders, wrap
+from moe_experts import (
+    KernelExperts,
+    WrapError,
+    experts_sites,
+    is_placeholder,
+    named_placeholders,
+    wrap,
+)
 
 from .conftest import FAMILIES, token_batch
 
@@ -45,6 +52,26 @@ def test_wrapped_logits_bf16_within_bf16_tolerance(fresh, family: str) -> None:
     rel = (out - ref).abs().max() / ref.abs().max()
     assert rel < 2e-2, f"bf16 experts drifted by {rel:.3e} relative"
     assert rel > 0  # bf16 storage really happened
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+def test_bf16_packed_experts_equal_bf16_experts(fresh, family: str) -> None:
+    """kt-kernel's repacked bf16 layout holds the same values as bf16, in every family's shapes.
+
+    Only the order of the fp32 sums in the expert products differs (bf16's own distance from
+    transformers is test_wrapped_logits_bf16_within_bf16_tolerance's); the storage is the
+    bf16 bytes plus the layout's padding.
+    """
+    dense, packed = fresh(family), fresh(family)
+    ids = token_batch()
+    rep_dense = wrap(dense, weight_dtype="bf16")
+    rep_packed = wrap(packed, weight_dtype="bf16-packed")
+    assert rep_packed.weight_dtype == "bf16-packed"
+    assert rep_dense.kernel_bytes <= rep_packed.kernel_bytes
+    assert all(k.expert_weights.format.name == "bf16_packed" for _, k in experts_sites(packed))
+    with torch.no_grad():
+        out_dense, out_packed = dense(ids).logits, packed(ids).logits
+    assert (out_packed - out_dense).abs().max() / out_dense.abs().max() < 2e-2
 
 
 def test_wrap_is_idempotent(fresh) -> None:

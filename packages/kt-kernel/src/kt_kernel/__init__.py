@@ -34,6 +34,7 @@ from kt_kernel.formats import (
     format_name,
     register_format,
 )
+from kt_kernel.formats_bf16_packed import Bf16Packed
 from kt_kernel.formats_fp8 import Fp8Block
 from kt_kernel.formats_int4 import Int4Grouped
 from kt_kernel.formats_mxfp4 import Mxfp4
@@ -68,6 +69,7 @@ __all__ = [
     "Activation",
     "ActivationClass",
     "BackendInfo",
+    "Bf16Packed",
     "ClampedSwiGLU",
     "Dense",
     "DenseStorage",

@@ -1,0 +1,332 @@
+// bf16 weights repacked once at load for the kernel's own products: the "bf16_packed" format.
+//
+// Part 0 of one expert's W [N, K] is bf16 [ceil(N/16), 16 Kp + 32], Kp = K rounded up to even.
+// Row b of it (block b: output rows 16b .. 16b + 15) holds, for each column pair p < Kp/2 and
+// row pair g < 8, the 2x2 tile W[16b + 2g + s, 2p + h] at p * 32 + g * 4 + h * 2 + s (s, h < 2),
+// then 32 zeros; the rows past N and the column past an odd K hold zeros. Part 1 is int64 [2]:
+// N and K.
+//
+// Why this layout: oneDNN repacks a weight matrix on every call, which costs most at the 16-64
+// rows per expert of a 512-token batch, and its small-M products stall on DRAM. Here the one
+// stored copy is what the products stream:
+// - dy W (the backward): 64 bytes are 8 row pairs' (W[n, k], W[n + 1, k]) for columns 2p and
+//   2p + 1 in alternate lanes; vdpbf16ps against dy's row pairs makes each lane sum a row pair,
+//   and the 8 lanes of each column are added at the end. No transposed second copy.
+// - x W^T: one in-lane byte shuffle turns the same 64 bytes into 16 rows' (W[n, 2p],
+//   W[n, 2p + 1]) pairs; one vdpbf16ps against a broadcast pair of x gives 16 outputs. The
+//   shuffle sits here because x W^T reuses each shuffled vector for 12 rows of x, dy W for 4
+//   (with it in dy W, dy W ran at 84-86% of the peak from 128 rows, 0.87-0.91x oneDNN).
+// - Each block is read front to back by x W^T.
+// - The 64 zero bytes ending each block keep the blocks' stride off multiples of 4 KiB: dy W
+//   walks down a column of blocks, and at a 4 KiB stride every step mapped to the same L1 and
+//   L2 sets (benchmarks/results/history.md, "bf16-packed"). x's rows are copied to a padded
+//   stride for the same reason.
+// Dequantising (the tile loader) is a permutation, exact on every ISA. The products run where
+// the CPU has AVX512_BF16 and the compute dtype is bf16; elsewhere gemv declines and the op
+// takes tile + GEMM.
+#include <c10/util/BFloat16.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <vector>
+
+#include "formats.h"
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define KT_PACKED_SIMD 1
+#endif
+
+namespace kt_kernel {
+namespace formats {
+namespace {
+
+constexpr int64_t kBlock = 16;  // output rows per block
+constexpr int64_t kPad = 32;    // zero elements ending each block (64 bytes)
+// dy W's register block: 6 column pairs x 4 rows = 24 accumulators (measured against 4 x 6,
+// 0.93-0.98x of it from 64 rows up, and 8 x 3, 0.89-0.98x).
+constexpr int kNnPairs = 6;
+
+inline int64_t even_up(int64_t k) { return k + (k & 1); }
+inline int64_t block_elems(int64_t k) { return kBlock * even_up(k) + kPad; }
+// Offset within its block of W[16b + l, j].
+inline int64_t at(int64_t l, int64_t j) { return (j / 2) * 32 + (l / 2) * 4 + (j & 1) * 2 + (l & 1); }
+
+void check_packed(const std::vector<at::Tensor>& parts, int64_t e, int64_t n, int64_t k,
+                  const char* what) {
+  TORCH_CHECK_VALUE(parts.size() == 2, what, " (bf16_packed) must be 2 tensors, got ",
+                    parts.size());
+  check_part(parts[0], what, 0, "packed", at::kBFloat16, {e, ceil_div(n, kBlock), block_elems(k)});
+  check_part(parts[1], what, 1, "shape", at::kLong, {e, 2});
+}
+
+void load_packed(const ExpertView& w, int64_t row0, int64_t col0, int64_t rows, int64_t cols,
+                 c10::ScalarType out_dtype, void* out, int64_t ldo) {
+  const auto* p = static_cast<const uint16_t*>(w.part[0]);
+  const int64_t bs = block_elems(w.k);
+  for (int64_t r = 0; r < rows; ++r) {
+    const int64_t n = row0 + r;
+    const uint16_t* src = p + (n / kBlock) * bs;
+    const int64_t l = n % kBlock;
+    if (out_dtype == at::kBFloat16) {
+      auto* dst = static_cast<uint16_t*>(out) + r * ldo;
+      for (int64_t c = 0; c < cols; ++c) {
+        const int64_t j = col0 + c;
+        dst[c] = src[at(l, j)];
+      }
+    } else {
+      auto* dst = static_cast<float*>(out) + r * ldo;
+      for (int64_t c = 0; c < cols; ++c) {
+        const int64_t j = col0 + c;
+        const uint32_t bits = static_cast<uint32_t>(src[at(l, j)]) << 16;
+        std::memcpy(dst + c, &bits, 4);
+      }
+    }
+  }
+}
+
+#ifdef KT_PACKED_SIMD
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")
+
+// Per 8 bytes (one 2x2 tile, a b c d: rows n, n + 1 at column k, then at k + 1) -> a c b d:
+// rows' column pairs (W[n, k], W[n, k + 1]), (W[n + 1, k], W[n + 1, k + 1]).
+inline __m512i to_rows() {
+  return _mm512_set4_epi32(0x0f0e0b0a, 0x0d0c0908, 0x07060302, 0x05040100);
+}
+
+inline uint32_t pair_at(const uint16_t* row, int64_t col) {
+  uint32_t v;
+  std::memcpy(&v, row + col, 4);
+  return v;
+}
+
+// out[r, 16 j + l] for MR rows and NB blocks: lane l adds x[2p] W[n, 2p] + x[2p + 1] W[n, 2p + 1]
+// for p = 0, 1, ... in order (fp32), then rounds once to bf16.
+// An odd K ends with x[K - 1] against column K - 1 alone (the pair's other half is never
+// read: it lies past the row). `last` is how many of the last block's 16 outputs exist.
+template <int MR, int NB>
+void nt_tile(const uint16_t* x, int64_t ldx, const uint16_t* blk, int64_t bs, int64_t pairs,
+             bool odd, int last, uint16_t* out, int64_t ldo) {
+  const __m512i sh = to_rows();
+  __m512 acc[MR][NB];
+  for (int r = 0; r < MR; ++r) {
+    for (int j = 0; j < NB; ++j) acc[r][j] = _mm512_setzero_ps();
+  }
+  for (int64_t p = 0; p < pairs; ++p) {
+    __m512bh wv[NB];
+    for (int j = 0; j < NB; ++j) {
+      wv[j] = (__m512bh)_mm512_shuffle_epi8(
+          _mm512_loadu_si512(blk + j * bs + p * 2 * kBlock), sh);
+    }
+    for (int r = 0; r < MR; ++r) {
+      const auto xv = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair_at(x + r * ldx, 2 * p)));
+      for (int j = 0; j < NB; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], xv, wv[j]);
+    }
+  }
+  if (odd) {
+    __m512bh wv[NB];
+    for (int j = 0; j < NB; ++j) {
+      wv[j] = (__m512bh)_mm512_shuffle_epi8(
+          _mm512_loadu_si512(blk + j * bs + pairs * 2 * kBlock), sh);
+    }
+    for (int r = 0; r < MR; ++r) {
+      const auto xv = (__m512bh)_mm512_set1_epi32(x[r * ldx + 2 * pairs]);
+      for (int j = 0; j < NB; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], xv, wv[j]);
+    }
+  }
+  const __mmask16 tail = static_cast<__mmask16>((1u << last) - 1);
+  for (int r = 0; r < MR; ++r) {
+    for (int j = 0; j < NB; ++j) {
+      const __m256i v = (__m256i)_mm512_cvtneps_pbh(acc[r][j]);
+      _mm256_mask_storeu_epi16(out + r * ldo + j * kBlock, j == NB - 1 ? tail : 0xFFFF, v);
+    }
+  }
+}
+
+// Rows in register blocks of 12 (two blocks of outputs: 24 accumulators), then 4, then 1.
+template <int NB>
+void nt_rows(const uint16_t* x, int64_t ldx, int64_t m, const uint16_t* blk, int64_t bs,
+             int64_t pairs, bool odd, int last, uint16_t* out, int64_t ldo) {
+  int64_t r = 0;
+  for (; r + 12 <= m; r += 12) {
+    nt_tile<12, NB>(x + r * ldx, ldx, blk, bs, pairs, odd, last, out + r * ldo, ldo);
+  }
+  for (; r + 4 <= m; r += 4) {
+    nt_tile<4, NB>(x + r * ldx, ldx, blk, bs, pairs, odd, last, out + r * ldo, ldo);
+  }
+  for (; r < m; ++r) nt_tile<1, NB>(x + r * ldx, ldx, blk, bs, pairs, odd, last, out + r * ldo, ldo);
+}
+
+void nt(const uint16_t* p, int64_t n, int64_t k, const uint16_t* x_in, int64_t ldx_in, int64_t m,
+        uint16_t* out, int64_t ldo) {
+  const int64_t bs = block_elems(k), blocks = ceil_div(n, kBlock), pairs = k / 2;
+  // The rows of a register block are read together; at a row stride of a multiple of 4 KiB
+  // (K = 2048) they share one L1 set. A copy with 64 bytes more per row spreads them.
+  const int64_t ldx = even_up(k) + kPad;
+  thread_local std::vector<uint16_t> xbuf;
+  xbuf.resize(static_cast<size_t>(m * ldx));
+  for (int64_t r = 0; r < m; ++r) {
+    std::memcpy(xbuf.data() + r * ldx, x_in + r * ldx_in, static_cast<size_t>(k) * 2);
+  }
+  const uint16_t* x = xbuf.data();
+  const bool odd = (k & 1) != 0;
+  const int rest = static_cast<int>(n - (blocks - 1) * kBlock);  // outputs of the last block
+  int64_t b = 0;
+  for (; b + 2 <= blocks; b += 2) {
+    const int last = b + 2 == blocks ? rest : kBlock;
+    nt_rows<2>(x, ldx, m, p + b * bs, bs, pairs, odd, last, out + b * kBlock, ldo);
+  }
+  if (b < blocks) nt_rows<1>(x, ldx, m, p + b * bs, bs, pairs, odd, rest, out + b * kBlock, ldo);
+}
+
+// out[r, 2 (p0 + j)] and out[r, 2 (p0 + j) + 1] for MR rows and KB column pairs. `dup` row r
+// holds, per block, 16 dwords: dy's row pair (2q, 2q + 1) of the block in dwords 2q and 2q + 1.
+// Each lane sums over the blocks in order; the 8 lanes of a column are added in a fixed tree.
+// The 12 columns of 6 accumulators (lane 2q + h of accumulator j: column 2j + h), summed in
+// the scalar path's tree (lanes i + 8, then i + 4, then i + 2) for 6 at a time, rounded to
+// bf16 in one instruction and stored with one masked store of `cols` (<= 12) columns.
+inline void store_columns6(const __m512 (&a)[kNnPairs], int cols, uint16_t* out) {
+  // lanes i and i + 8: two accumulators per vector, 8 lanes each
+  const auto fold8 = [](__m512 x, __m512 y) {
+    return _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x44), _mm512_shuffle_f32x4(x, y, 0xEE));
+  };
+  const __m512 s01 = fold8(a[0], a[1]), s23 = fold8(a[2], a[3]), s45 = fold8(a[4], a[5]);
+  // lanes i and i + 4: four accumulators per vector, 4 lanes each
+  const auto fold4 = [](__m512 x, __m512 y) {
+    return _mm512_add_ps(_mm512_shuffle_f32x4(x, y, 0x88), _mm512_shuffle_f32x4(x, y, 0xDD));
+  };
+  const __m512 t0 = fold4(s01, s23), t1 = fold4(s45, s45);
+  // lanes i and i + 2: columns (even, odd) in lanes 0, 1 of each 128-bit lane
+  const __m512 u0 = _mm512_add_ps(t0, _mm512_permute_ps(t0, 0x4E));
+  const __m512 u1 = _mm512_add_ps(t1, _mm512_permute_ps(t1, 0x4E));
+  const __m512i pick = _mm512_setr_epi32(0, 1, 4, 5, 8, 9, 12, 13, 16, 17, 20, 21, 0, 0, 0, 0);
+  const __m512 cols12 = _mm512_permutex2var_ps(u0, pick, u1);
+  const __m256i bf = (__m256i)_mm512_cvtneps_pbh(cols12);
+  _mm256_mask_storeu_epi16(out, static_cast<__mmask16>((1u << cols) - 1), bf);
+}
+
+// `cols` (<= 2 KB) is how many of the tile's output columns exist (an odd K drops the last).
+template <int MR, int KB>
+void nn_tile(const uint32_t* dup, int64_t ldd, const uint16_t* p, int64_t bs, int64_t blocks,
+             int cols, uint16_t* out, int64_t ldo, bool prefetch) {
+  __m512 acc[MR][KB];
+  for (int r = 0; r < MR; ++r) {
+    for (int j = 0; j < KB; ++j) acc[r][j] = _mm512_setzero_ps();
+  }
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint16_t* src = p + b * bs;
+    if (prefetch) {
+      // The next column pairs of this block: the next pass down the blocks reads them.
+      for (int j = 0; j < KB; ++j) {
+        _mm_prefetch(reinterpret_cast<const char*>(src + (KB + j) * 2 * kBlock), _MM_HINT_T1);
+      }
+    }
+    __m512bh wv[KB];
+    for (int j = 0; j < KB; ++j) {
+      wv[j] = (__m512bh)_mm512_loadu_si512(src + j * 2 * kBlock);
+    }
+    for (int r = 0; r < MR; ++r) {
+      const auto a = (__m512bh)_mm512_loadu_si512(dup + r * ldd + b * kBlock);
+      for (int j = 0; j < KB; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], a, wv[j]);
+    }
+  }
+  for (int r = 0; r < MR; ++r) {
+    if constexpr (KB == kNnPairs) {
+      store_columns6(acc[r], cols, out + r * ldo);
+    } else {
+      for (int j = 0; j < KB; ++j) {
+        const __m512 v = acc[r][j];
+        const __m256 h = _mm256_add_ps(
+            _mm512_castps512_ps256(v), _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1)));
+        __m128 q = _mm_add_ps(_mm256_castps256_ps128(h), _mm256_extractf128_ps(h, 1));
+        q = _mm_add_ps(q, _mm_movehl_ps(q, q));  // lane 0: even lanes (column 2p), lane 1: odd
+        out[r * ldo + 2 * j] = c10::BFloat16(_mm_cvtss_f32(q)).x;
+        if (2 * j + 1 < cols) {
+          out[r * ldo + 2 * j + 1] = c10::BFloat16(_mm_cvtss_f32(_mm_shuffle_ps(q, q, 1))).x;
+        }
+      }
+    }
+  }
+}
+
+// Rows in register blocks of 24 / KB (4 for kNnPairs, 24 for the single-pair tail), then 1.
+template <int KB>
+void nn_rows(const uint32_t* dup, int64_t ldd, int64_t m, const uint16_t* p, int64_t bs,
+             int64_t blocks, int cols, uint16_t* out, int64_t ldo) {
+  int64_t r = 0;
+  constexpr int MR = 24 / KB;
+  for (; r + MR <= m; r += MR) {
+    nn_tile<MR, KB>(dup + r * ldd, ldd, p, bs, blocks, cols, out + r * ldo, ldo, r == 0);
+  }
+  for (; r < m; ++r) {
+    nn_tile<1, KB>(dup + r * ldd, ldd, p, bs, blocks, cols, out + r * ldo, ldo, r == 0);
+  }
+}
+
+void nn(const uint16_t* p, int64_t n, int64_t k, const uint16_t* dy, int64_t ldi, int64_t m,
+        uint16_t* out, int64_t ldo) {
+  const int64_t bs = block_elems(k), blocks = ceil_div(n, kBlock), pairs = even_up(k) / 2;
+  // dy's rows zero-padded to whole blocks, plus 64 bytes so the rows a register block reads
+  // together do not share an L1 set (a row of 2048 dwords is 8 KiB).
+  const int64_t ldd = blocks * kBlock + kBlock;
+  thread_local std::vector<uint32_t> dup;
+  dup.resize(static_cast<size_t>(m * ldd));
+  const __m512i twice = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
+  for (int64_t r = 0; r < m; ++r) {
+    const uint16_t* row = dy + r * ldi;
+    uint32_t* d = dup.data() + r * ldd;
+    int64_t i = 0;
+    for (; i + kBlock <= n; i += kBlock) {  // 8 row pairs, each twice
+      const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + i));
+      _mm512_storeu_si512(d + i, _mm512_permutexvar_epi32(twice, _mm512_castsi256_si512(v)));
+    }
+    for (; i < n; i += 2) {
+      const uint32_t hi = i + 1 < n ? row[i + 1] : 0;
+      d[i] = d[i + 1] = row[i] | (hi << 16);
+    }
+    std::fill(d + i, d + ldd, 0u);
+  }
+  int64_t p0 = 0;
+  for (; p0 + kNnPairs <= pairs; p0 += kNnPairs) {
+    const int cols = static_cast<int>(std::min<int64_t>(2 * kNnPairs, k - 2 * p0));
+    nn_rows<kNnPairs>(dup.data(), ldd, m, p + p0 * 2 * kBlock, bs, blocks, cols, out + 2 * p0, ldo);
+  }
+  for (; p0 < pairs; ++p0) {
+    const int cols = static_cast<int>(std::min<int64_t>(2, k - 2 * p0));
+    nn_rows<1>(dup.data(), ldd, m, p + p0 * 2 * kBlock, bs, blocks, cols, out + 2 * p0, ldo);
+  }
+}
+
+#pragma GCC pop_options
+#endif  // KT_PACKED_SIMD
+
+bool gemv_packed(const ExpertView& w, bool nn_product, const void* in, int64_t ldi, int64_t m,
+                 c10::ScalarType out_dtype, void* out, int64_t ldo) {
+#ifdef KT_PACKED_SIMD
+  if (out_dtype != at::kBFloat16 || !has_avx512_bf16()) return false;
+  const auto* p = static_cast<const uint16_t*>(w.part[0]);
+  const auto* x = static_cast<const uint16_t*>(in);
+  auto* o = static_cast<uint16_t*>(out);
+  if (nn_product) {
+    nn(p, w.n, w.k, x, ldi, m, o, ldo);
+  } else {
+    nt(p, w.n, w.k, x, ldi, m, o, ldo);
+  }
+  return true;
+#else
+  (void)w, (void)nn_product, (void)in, (void)ldi, (void)m, (void)out_dtype, (void)out, (void)ldo;
+  return false;
+#endif
+}
+
+}  // namespace
+
+// Rows padded to 16 as for dense; the products serve every row count (gemv_all_rows).
+KT_REGISTER_FORMAT(bf16_packed, Format{"bf16_packed", 2, check_packed, load_packed, 16,
+                                       gemv_packed, true});
+
+}  // namespace formats
+}  // namespace kt_kernel

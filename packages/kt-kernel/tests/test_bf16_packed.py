@@ -1,0 +1,274 @@
+"""The bf16-packed format: bf16 weights stored once in the layout the native products stream.
+
+The layout and its inverse are checked element by element; the native tile loader against the
+Python ``dequantize`` bitwise; the two products against exact-order float32 models of the
+vdpbf16ps sums bitwise (where they run) and against the float64 product everywhere; the whole
+op through both routes against the oracle. The per-format conformance suite
+(test_conformance) runs it with every activation as well, by its registration.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+import kt_kernel as kk
+
+from ._op_run import op_problem
+from ._op_run import run_op as _run
+
+BF16_TOL = 1e-2  # one bf16 rounding of each output and fp32 sums
+OP_BF16_TOL = 3e-2  # the whole op in bf16: test_conformance's bound
+# (N, K): one block; odd blocks; odd N and K; 6 column pairs with the 12th column past K; real K
+SHAPES = [(16, 2), (48, 256), (80, 70), (37, 129), (9, 5), (32, 11), (32, 2048)]
+ROWS = [1, 3, 4, 5, 6, 11, 12, 13, 16, 29, 64]
+
+
+def _native() -> bool:
+    return kk.backend_info().active == "native"
+
+
+def _products_run() -> bool:
+    info = kk.backend_info()
+    return _native() and info.isa == "avx512" and "avx512bf16" in info.cpu_features
+
+
+def _weights(n: int, k: int, experts: int = 2, seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(experts, n, k, generator=gen).to(torch.bfloat16)
+
+
+def test_layout_places_each_weight_and_unpacks_exactly() -> None:
+    w = _weights(32, 6)
+    packed, shape = kk.Bf16Packed().quantize(w)
+    assert packed.shape == (2, 2, 16 * 6 + 32)
+    assert packed.dtype == torch.bfloat16
+    assert shape.tolist() == [[32, 6], [32, 6]]
+    for b in range(2):
+        for p in range(3):
+            for row in range(16):
+                for h in range(2):
+                    got = packed[1, b, p * 32 + (row // 2) * 4 + h * 2 + row % 2]
+                    assert torch.equal(got, w[1, 16 * b + row, 2 * p + h])
+    assert not packed[..., 16 * 6 :].any()  # the pad is zeros
+    assert torch.equal(kk.Bf16Packed().dequantize((packed, shape)), w)
+    assert torch.equal(kk.Bf16Packed().dequantize((packed, shape), torch.float32), w.float())
+
+
+def test_shapes_off_the_blocks_are_padded_with_zeros() -> None:
+    w = _weights(21, 7)  # a partial block of 5 rows, an odd K
+    packed, shape = kk.Bf16Packed().quantize(w)
+    assert packed.shape == (2, 2, 16 * 8 + 32)
+    assert torch.equal(kk.Bf16Packed().dequantize((packed, shape)), w)
+    assert int(packed.float().abs().gt(0).sum()) == int(w.float().abs().gt(0).sum())
+
+
+def test_compute_dtypes_other_than_bf16_are_refused_by_name() -> None:
+    with pytest.raises(kk.KernelDTypeError, match=r"must be torch\.bfloat16, got torch\.float32"):
+        kk.Bf16Packed(torch.float32)
+    with pytest.raises(kk.KernelDTypeError, match=r"must be torch\.bfloat16"):
+        kk.ExpertWeights.from_fused(
+            kk.ExpertSpec(2, 32, 16),
+            torch.randn(2, 32, 32),
+            torch.randn(2, 32, 16),
+            dtype=torch.float32,
+            weight_dtype="bf16-packed",
+        )
+
+
+def test_select_rows_and_fuse_gate_up_move_whole_rows() -> None:
+    f = kk.Bf16Packed()
+    gate, up = _weights(16, 8, seed=1), _weights(16, 8, seed=2)
+    fused = f.fuse_gate_up(f.quantize(gate), f.quantize(up))
+    assert torch.equal(f.dequantize(fused), torch.cat([gate, up], dim=1))
+    index = torch.arange(32).flip(0)
+    both = torch.cat([gate, up], 1)
+    assert torch.equal(f.dequantize(f.select_rows(fused, index)), both[:, index])
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_tile_loader_is_the_python_dequantize(dtype: torch.dtype) -> None:
+    if not _native():
+        pytest.skip("needs the native extension")
+    f = kk.Bf16Packed()
+    n, k = 48, 70
+    parts = f.quantize(_weights(n, k))
+    full = f.dequantize(parts, dtype)
+    args = list(f.native_args(parts))
+    for row0, col0, rows, cols in [(0, 0, n, k), (16, 0, 32, k), (0, 16, n, 54), (32, 32, 5, 3)]:
+        got = torch.ops.kt_kernel.dequantize_tile(f.name, args, n, k, row0, col0, rows, cols, dtype)
+        assert torch.equal(got, full[:, row0 : row0 + rows, col0 : col0 + cols])
+
+
+def _vdpbf16(acc: torch.Tensor, a_odd, b_odd, a_even, b_even) -> torch.Tensor:
+    """One vdpbf16ps lane: the odd element's exact product first, then the even one's (fp32)."""
+    acc = acc + a_odd.float() * b_odd.float()
+    return acc + a_even.float() * b_even.float()
+
+
+def _model_nt(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``x W^T`` as the packed product sums it: per output, column pairs in order.
+
+    An odd K ends with the last column alone (its pair's other half adds an exact zero).
+    """
+    acc = torch.zeros(x.shape[0], w.shape[0])
+    for p in range(w.shape[1] // 2):
+        c = 2 * p
+        acc = _vdpbf16(acc, x[:, None, c + 1], w[None, :, c + 1], x[:, None, c], w[None, :, c])
+    if w.shape[1] % 2:
+        acc = acc + x[:, None, -1].float() * w[None, :, -1].float()
+    return acc.to(torch.bfloat16)
+
+
+def _model_nn(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+    """``dy W`` as the packed product sums it: 16 lanes per column pair, then a fixed tree.
+
+    Lane 2q + h holds column 2p + h and sums, block by block, rows 16b + 2q + 1 then 16b + 2q.
+    Lanes i and i + 8 are added, then i and i + 4, then i and i + 2.
+    """
+    m, (n, k) = x.shape[0], w.shape
+    rows = -(-n // 16) * 16  # zero rows up to whole blocks add exact zeros
+    x = torch.cat([x, x.new_zeros(m, rows - n)], 1)
+    w = torch.cat([w, w.new_zeros(rows - n, k)], 0)
+    lanes = torch.zeros(m, k, 8)  # [row, column, q]
+    for b in range(rows // 16):
+        for q in range(8):
+            i = 16 * b + 2 * q
+            lanes[:, :, q] = _vdpbf16(
+                lanes[:, :, q], x[:, i + 1, None], w[None, i + 1], x[:, i, None], w[None, i]
+            )
+    # lane 2q + h of column pair p is lanes[:, 2p + h, q]
+    h = lanes[..., 0:4] + lanes[..., 4:8]  # lanes i, i + 8 (q, q + 4)
+    quarter = h[..., 0:2] + h[..., 2:4]  # then i, i + 4 (q, q + 2)
+    return (quarter[..., 0] + quarter[..., 1]).to(torch.bfloat16)  # then i, i + 2 (q, q + 1)
+
+
+@pytest.mark.parametrize("nn", [False, True], ids=["x_Wt", "dy_W"])
+def test_products_are_the_exact_order_model_bitwise(nn: bool) -> None:
+    """Where they run, the products equal exact bf16 products summed in fp32 in their order."""
+    if not _products_run():
+        pytest.skip("the packed products run on AVX512_BF16 only")
+    f = kk.Bf16Packed()
+    gen = torch.Generator().manual_seed(5)
+    for n, k in SHAPES[:6]:
+        parts = f.quantize(_weights(n, k))
+        w = f.dequantize(parts)[1]
+        args = list(f.native_args(parts))
+        for m in ROWS:
+            x = torch.randn(m, n if nn else k, generator=gen).to(torch.bfloat16)
+            got = torch.ops.kt_kernel.project(f.name, args, n, k, 1, x, nn)
+            want = _model_nn(x, w) if nn else _model_nt(x, w)
+            assert torch.equal(got, want), (n, k, m)
+
+
+@pytest.mark.parametrize("nn", [False, True], ids=["x_Wt", "dy_W"])
+def test_both_routes_match_the_float64_product(nn: bool) -> None:
+    """The products (any row count) and tile + GEMM (small-row products off) vs float64."""
+    if not _native():
+        pytest.skip("needs the native extension")
+    ops = torch.ops.kt_kernel
+    f = kk.Bf16Packed()
+    gen = torch.Generator().manual_seed(6)
+    try:
+        for n, k in SHAPES:
+            parts = f.quantize(_weights(n, k))
+            w = f.dequantize(parts)[0].double()
+            args = list(f.native_args(parts))
+            for m in (*ROWS, 300):
+                x = torch.randn(m, n if nn else k, generator=gen).to(torch.bfloat16)
+                ref = x.double() @ (w if nn else w.t())
+                for rows in (0, -1):
+                    ops.set_gemv_rows(rows)
+                    got = ops.project(f.name, args, n, k, 0, x, nn).double()
+                    err = float((got - ref).abs().max() / ref.abs().max())
+                    assert err < BF16_TOL, (n, k, m, rows, err)
+    finally:
+        ops.set_gemv_rows(-1)
+
+
+def _problem(seed: int = 3):
+    """The shared small op problem (gate_up N=160, down N=96: whole and partial blocks)."""
+    return op_problem("bf16-packed", torch.bfloat16, seed)
+
+
+def test_op_matches_the_float64_oracle_through_both_routes() -> None:
+    if not _native():
+        pytest.skip("needs the native extension")
+    ops = torch.ops.kt_kernel
+    weights, lora, x, ids, tw, dy = _problem()
+    deq = weights.dequantized()
+    assert deq.weight_dtype == "bf16"
+    w64 = kk.ExpertWeights.from_fused(weights.spec, deq.gate_up, deq.down, dtype=torch.float64)
+    lora64 = kk.LoraBuffers(weights.spec, 4, 8.0, "fused", dtype=torch.float64)
+    with torch.no_grad():
+        for (_, a), (_, b) in zip(lora64.named_parameters(), lora.named_parameters(), strict=True):
+            a.copy_(b.to(torch.bfloat16))
+    ref = _run(w64, lora64, x.double(), ids, tw, dy.double(), "reference")
+    # The same bytes as dense bf16: the two formats agree as closely as each agrees with ref.
+    dense = _run(deq, lora, x, ids, tw, dy)
+    try:
+        for rows in (0, -1):
+            ops.set_gemv_rows(rows)
+            got = _run(weights, lora, x, ids, tw, dy)
+            for a, b, d in zip(got, ref, dense, strict=True):
+                err = float((a.double() - b).abs().max() / b.abs().max())
+                assert err < OP_BF16_TOL, (rows, err)
+                assert float((a.double() - d.double()).abs().max() / b.abs().max()) < OP_BF16_TOL
+    finally:
+        ops.set_gemv_rows(-1)
+
+
+def test_op_is_bitwise_across_thread_counts() -> None:
+    if not _native():
+        pytest.skip("needs the native extension")
+    problem = _problem(seed=4)
+    got = {}
+    try:
+        for threads in (1, 3):
+            kk.set_num_threads(threads)
+            got[threads] = _run(*problem)
+    finally:
+        kk.set_num_threads(None)
+    for a, b in zip(got[1], got[3], strict=True):
+        assert torch.equal(a, b)
+
+
+def test_memory_is_one_copy_of_the_bf16_bytes() -> None:
+    spec = kk.ExpertSpec(4, 2048, 768)
+    dense = 4 * (2 * 768 * 2048 + 2048 * 768) * 2
+    weights = kk.ExpertWeights.from_fused(
+        spec,
+        torch.zeros(4, 2 * 768, 2048, dtype=torch.bfloat16),
+        torch.zeros(4, 2048, 768, dtype=torch.bfloat16),
+        weight_dtype="bf16-packed",
+    )
+    assert dense < weights.nbytes <= 1.005 * dense
+
+
+@pytest.mark.timeout(300)
+def test_forced_avx2_takes_tile_and_gemm_with_the_same_result() -> None:
+    """Without AVX512_BF16 the products decline: the op dequantises tiles (exact) for oneDNN."""
+    if not _products_run():
+        pytest.skip("compares the AVX512_BF16 products with the path without them")
+    code = (
+        "import torch, sys\n"
+        f"sys.path.insert(0, {os.path.dirname(__file__)!r})\n"
+        "import _op_run as o\n"
+        "torch.save(o.run_op(*o.op_problem('bf16-packed', torch.bfloat16, 8)), sys.argv[1])\n"
+    )
+    out = {}
+    for isa in ("avx512", "avx2"):
+        path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"kt_packed_{os.getpid()}_{isa}.pt")
+        env = dict(os.environ, KT_KERNEL_ISA=isa)
+        run = subprocess.run(
+            [sys.executable, "-c", code, path], capture_output=True, text=True, env=env, timeout=300
+        )
+        assert run.returncode == 0, run.stderr[-3000:]
+        out[isa] = torch.load(path)
+        os.remove(path)
+    for a, b in zip(out["avx512"], out["avx2"], strict=True):
+        assert float((a.double() - b.double()).abs().max() / b.double().abs().max()) < OP_BF16_TOL
