@@ -104,12 +104,11 @@ inline uint32_t pair_at(const uint16_t* row, int64_t col) {
 }
 
 // out[r, 16 j + l] for MR rows and NB blocks: lane l adds x[2p] W[n, 2p] + x[2p + 1] W[n, 2p + 1]
-// for p = 0, 1, ... in order (fp32), then rounds once to bf16.
-// An odd K ends with x[K - 1] against column K - 1 alone (the pair's other half is never
-// read: it lies past the row). `last` is how many of the last block's 16 outputs exist.
+// for p = 0, 1, ... in order (fp32), then rounds once to bf16. `last` is how many of the last
+// block's 16 outputs exist.
 template <int MR, int NB>
 void nt_tile(const uint16_t* x, int64_t ldx, const uint16_t* blk, int64_t bs, int64_t pairs,
-             bool odd, int last, uint16_t* out, int64_t ldo) {
+             int last, uint16_t* out, int64_t ldo) {
   const __m512i sh = to_rows();
   __m512 acc[MR][NB];
   for (int r = 0; r < MR; ++r) {
@@ -126,17 +125,6 @@ void nt_tile(const uint16_t* x, int64_t ldx, const uint16_t* blk, int64_t bs, in
       for (int j = 0; j < NB; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], xv, wv[j]);
     }
   }
-  if (odd) {
-    __m512bh wv[NB];
-    for (int j = 0; j < NB; ++j) {
-      wv[j] = (__m512bh)_mm512_shuffle_epi8(
-          _mm512_loadu_si512(blk + j * bs + pairs * 2 * kBlock), sh);
-    }
-    for (int r = 0; r < MR; ++r) {
-      const auto xv = (__m512bh)_mm512_set1_epi32(x[r * ldx + 2 * pairs]);
-      for (int j = 0; j < NB; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], xv, wv[j]);
-    }
-  }
   const __mmask16 tail = static_cast<__mmask16>((1u << last) - 1);
   for (int r = 0; r < MR; ++r) {
     for (int j = 0; j < NB; ++j) {
@@ -149,37 +137,38 @@ void nt_tile(const uint16_t* x, int64_t ldx, const uint16_t* blk, int64_t bs, in
 // Rows in register blocks of 12 (two blocks of outputs: 24 accumulators), then 4, then 1.
 template <int NB>
 void nt_rows(const uint16_t* x, int64_t ldx, int64_t m, const uint16_t* blk, int64_t bs,
-             int64_t pairs, bool odd, int last, uint16_t* out, int64_t ldo) {
+             int64_t pairs, int last, uint16_t* out, int64_t ldo) {
   int64_t r = 0;
   for (; r + 12 <= m; r += 12) {
-    nt_tile<12, NB>(x + r * ldx, ldx, blk, bs, pairs, odd, last, out + r * ldo, ldo);
+    nt_tile<12, NB>(x + r * ldx, ldx, blk, bs, pairs, last, out + r * ldo, ldo);
   }
   for (; r + 4 <= m; r += 4) {
-    nt_tile<4, NB>(x + r * ldx, ldx, blk, bs, pairs, odd, last, out + r * ldo, ldo);
+    nt_tile<4, NB>(x + r * ldx, ldx, blk, bs, pairs, last, out + r * ldo, ldo);
   }
-  for (; r < m; ++r) nt_tile<1, NB>(x + r * ldx, ldx, blk, bs, pairs, odd, last, out + r * ldo, ldo);
+  for (; r < m; ++r) nt_tile<1, NB>(x + r * ldx, ldx, blk, bs, pairs, last, out + r * ldo, ldo);
 }
 
 void nt(const uint16_t* p, int64_t n, int64_t k, const uint16_t* x_in, int64_t ldx_in, int64_t m,
         uint16_t* out, int64_t ldo) {
-  const int64_t bs = block_elems(k), blocks = ceil_div(n, kBlock), pairs = k / 2;
+  const int64_t bs = block_elems(k), blocks = ceil_div(n, kBlock), pairs = even_up(k) / 2;
   // The rows of a register block are read together; at a row stride of a multiple of 4 KiB
-  // (K = 2048) they share one L1 set. A copy with 64 bytes more per row spreads them.
+  // (K = 2048) they share one L1 set. A copy with 64 bytes more per row spreads them. An odd
+  // K's last pair gets a zero for x[K] (column K of the weights is zero too).
   const int64_t ldx = even_up(k) + kPad;
   thread_local std::vector<uint16_t> xbuf;
   xbuf.resize(static_cast<size_t>(m * ldx));
   for (int64_t r = 0; r < m; ++r) {
     std::memcpy(xbuf.data() + r * ldx, x_in + r * ldx_in, static_cast<size_t>(k) * 2);
+    if (k & 1) xbuf[r * ldx + k] = 0;
   }
   const uint16_t* x = xbuf.data();
-  const bool odd = (k & 1) != 0;
   const int rest = static_cast<int>(n - (blocks - 1) * kBlock);  // outputs of the last block
   int64_t b = 0;
   for (; b + 2 <= blocks; b += 2) {
     const int last = b + 2 == blocks ? rest : kBlock;
-    nt_rows<2>(x, ldx, m, p + b * bs, bs, pairs, odd, last, out + b * kBlock, ldo);
+    nt_rows<2>(x, ldx, m, p + b * bs, bs, pairs, last, out + b * kBlock, ldo);
   }
-  if (b < blocks) nt_rows<1>(x, ldx, m, p + b * bs, bs, pairs, odd, rest, out + b * kBlock, ldo);
+  if (b < blocks) nt_rows<1>(x, ldx, m, p + b * bs, bs, pairs, rest, out + b * kBlock, ldo);
 }
 
 // out[r, 2 (p0 + j)] and out[r, 2 (p0 + j) + 1] for MR rows and KB column pairs. `dup` row r

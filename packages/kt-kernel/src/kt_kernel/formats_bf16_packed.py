@@ -21,7 +21,13 @@ from __future__ import annotations
 import torch
 
 from kt_kernel.errors import KernelDTypeError
-from kt_kernel.formats import Parts, StackedFormat, _check_quantisable, register_format
+from kt_kernel.formats import (
+    _DENSE_TOLERANCE,
+    Parts,
+    StackedFormat,
+    _check_quantisable,
+    register_format,
+)
 
 __all__ = ["Bf16Packed", "pack_bf16", "unpack_bf16"]
 
@@ -70,7 +76,7 @@ class Bf16Packed(StackedFormat):
     lossy = False
     compute_dtypes = (torch.bfloat16,)
     # The same values as dense bf16: its tolerance.
-    self_check_tolerance = 3e-2
+    self_check_tolerance = _DENSE_TOLERANCE[torch.bfloat16]
 
     def __init__(self, compute_dtype: torch.dtype | None = None) -> None:
         """Compute in bf16 (the only compute dtype; ``None`` means it).
