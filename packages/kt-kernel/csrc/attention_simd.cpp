@@ -7,11 +7,6 @@
 #include "formats.h"
 
 #include <immintrin.h>
-#if defined(__x86_64__) && defined(__GNUC__)
-#include <cpuid.h>
-#include <sys/syscall.h>
-#include <unistd.h>
-#endif
 
 #include <algorithm>
 #include <cstdint>
@@ -187,37 +182,7 @@ static void gemm_bf16(int64_t M, int64_t N, int64_t K, const uint16_t* A, int64_
 }
 }  // namespace isa_amx
 #pragma GCC pop_options
-
-// AMX-TILE and AMX-BF16 in CPUID, tile state enabled by the OS (XCR0 bits 17-18), and this
-// process allowed to use it (Linux's arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)).
-// KT_KERNEL_AMX=0 turns it off; an ISA cap below avx512 (KT_KERNEL_ISA) does too.
-static bool detect_amx() {
-  const char* env = std::getenv("KT_KERNEL_AMX");
-  if ((env != nullptr && std::strcmp(env, "0") == 0) || !has_avx512_bf16()) return false;
-  unsigned a = 0, b = 0, c = 0, d = 0;
-  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
-  if (!(d & (1u << 24)) || !(d & (1u << 22))) return false;  // AMX-TILE, AMX-BF16
-  if (!(c & (1u << 27))) return false;                         // OSXSAVE (xgetbv)
-  unsigned lo = 0, hi = 0;
-  __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
-  if ((lo & (3u << 17)) != (3u << 17)) return false;
-#if defined(__linux__)
-  constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
-  return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
-#else
-  return false;
-#endif
-}
-#endif
-
-static bool has_amx() {
-#if defined(__x86_64__) && defined(__GNUC__)
-  static const bool v = detect_amx();
-  return v;
-#else
-  return false;
-#endif
-}
+#endif  // AMX: kt_kernel::has_amx() (formats.h) says where it runs
 
 namespace isa_base {
 #include "attention_rows_body.h"

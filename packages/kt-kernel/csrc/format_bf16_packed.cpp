@@ -290,7 +290,202 @@ void nn(const uint16_t* p, int64_t n, int64_t k, const uint16_t* dy, int64_t ldi
 }
 
 #pragma GCC pop_options
+
+// AMX-BF16 (Sapphire Rapids and later): the same bytes feed 16 x 32 x 16 tile products. A
+// B tile is 16 rows of 64 bytes, each row one pair of the reduced dimension for 16 outputs:
+// - x W^T: row p of block b's tile is to_rows() of the block's 64 bytes at pair p, as in
+//   nt_tile; the shuffled rows of two blocks are stored once per call and serve every row
+//   tile of x.
+// - dy W: row g (a pair of W's rows) for 16 columns is qword g of the 64 bytes of 8
+//   consecutive column pairs: an 8 x 8 qword transpose per block and 16 columns.
+// x (or dy) is copied to a zero-padded buffer (rows to a multiple of 32, columns to a
+// multiple of 32), so every A tile is whole; C tiles go through an fp32 buffer to bf16 once.
+#pragma GCC push_options
+#pragma GCC target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")
+namespace amx {
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// C tiles 0-3 (32 rows x 32 outputs), A tiles 4-5, B tiles 6-7: each 16 rows of 64 bytes.
+const TileConfig& config() {
+  static const TileConfig cfg = [] {
+    TileConfig c;
+    for (int t = 0; t < 8; ++t) {
+      c.rows[t] = 16;
+      c.colsb[t] = 64;
+    }
+    return c;
+  }();
+  return cfg;
+}
+
+constexpr int64_t kTile = 512;  // bf16 elements of one tile
+
+// `in` [m, cols] into a zero-padded [ceil32(m), ld] buffer, ld = ceil32(cols) + 32 (the extra
+// 64 bytes keep rows off 4 KiB multiples).
+const uint16_t* padded(const uint16_t* in, int64_t ldi, int64_t m, int64_t cols, int64_t& ld,
+                       int64_t& rows) {
+  thread_local std::vector<uint16_t> buf;
+  ld = ceil_div(cols, 32) * 32 + 32;
+  rows = ceil_div(m, 32) * 32;
+  buf.resize(static_cast<size_t>(rows * ld));
+  for (int64_t r = 0; r < rows; ++r) {
+    uint16_t* d = buf.data() + r * ld;
+    int64_t done = 0;
+    if (r < m) {
+      std::memcpy(d, in + r * ldi, static_cast<size_t>(cols) * 2);
+      done = cols;
+    }
+    std::fill(d + done, d + ld, uint16_t{0});
+  }
+  return buf.data();
+}
+
+// Four C tiles (rows m0 .. m0 + 31, outputs c0 .. c0 + 31) to bf16 out, `m` rows and `n`
+// outputs in all.
+void store_c(float (&c)[4][256], int64_t m0, int64_t m, int64_t c0, int64_t n, uint16_t* out,
+             int64_t ldo) {
+  for (int i = 0; i < 2; ++i) {
+    for (int j = 0; j < 2; ++j) {
+      const int64_t cols = std::min<int64_t>(16, n - c0 - 16 * j);
+      if (cols <= 0) continue;
+      const __mmask16 mask = static_cast<__mmask16>(cols >= 16 ? 0xFFFF : (1u << cols) - 1);
+      for (int r = 0; r < 16; ++r) {
+        const int64_t row = m0 + 16 * i + r;
+        if (row >= m) break;
+        const __m256i v = (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(c[2 * i + j] + 16 * r));
+        _mm256_mask_storeu_epi16(out + row * ldo + c0 + 16 * j, mask, v);
+      }
+    }
+  }
+}
+
+// Every row tile of a (rows x ld, padded) against `steps` pairs of B tiles at b (1 KiB each,
+// the pair for outputs c0 .. c0 + 31 of step s at b + 2 s kTile).
+void row_tiles(const uint16_t* a, int64_t ld, int64_t rows, int64_t m, const uint16_t* b,
+               int64_t steps, int64_t c0, int64_t n, uint16_t* out, int64_t ldo) {
+  alignas(64) float c[4][256];
+  for (int64_t m0 = 0; m0 < rows; m0 += 32) {
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    const uint16_t* a0 = a + m0 * ld;
+    for (int64_t s = 0; s < steps; ++s) {
+      _tile_loadd(4, a0 + 32 * s, ld * 2);
+      _tile_loadd(5, a0 + 16 * ld + 32 * s, ld * 2);
+      _tile_loadd(6, b + 2 * s * kTile, 64);
+      _tile_loadd(7, b + (2 * s + 1) * kTile, 64);
+      _tile_dpbf16ps(0, 4, 6);
+      _tile_dpbf16ps(1, 4, 7);
+      _tile_dpbf16ps(2, 5, 6);
+      _tile_dpbf16ps(3, 5, 7);
+    }
+    _tile_stored(0, c[0], 64);
+    _tile_stored(1, c[1], 64);
+    _tile_stored(2, c[2], 64);
+    _tile_stored(3, c[3], 64);
+    store_c(c, m0, m, c0, n, out, ldo);
+  }
+}
+
+void nt(const uint16_t* p, int64_t n, int64_t k, const uint16_t* x_in, int64_t ldx_in, int64_t m,
+        uint16_t* out, int64_t ldo) {
+  const int64_t bs = block_elems(k), blocks = ceil_div(n, kBlock), pairs = even_up(k) / 2;
+  const int64_t steps = ceil_div(pairs, 16);  // 32 columns of x per tile product
+  int64_t ld = 0, rows = 0;
+  const uint16_t* x = padded(x_in, ldx_in, m, k, ld, rows);
+  thread_local std::vector<uint16_t> bt;
+  bt.resize(static_cast<size_t>(steps * 2 * kTile));
+  const __m512i sh = to_rows();
+  _tile_loadconfig(&config());  // per call: oneDNN loads its own on this thread
+  for (int64_t b = 0; b < blocks; b += 2) {
+    for (int64_t s = 0; s < steps; ++s) {
+      for (int j = 0; j < 2; ++j) {
+        uint16_t* t = bt.data() + (2 * s + j) * kTile;
+        for (int64_t r = 0; r < 16; ++r) {
+          const int64_t q = 16 * s + r;
+          __m512i v = _mm512_setzero_si512();
+          if (b + j < blocks && q < pairs) {
+            v = _mm512_shuffle_epi8(_mm512_loadu_si512(p + (b + j) * bs + q * 2 * kBlock), sh);
+          }
+          _mm512_storeu_si512(t + 32 * r, v);
+        }
+      }
+    }
+    row_tiles(x, ld, rows, m, bt.data(), steps, b * kBlock, n, out, ldo);
+  }
+  _tile_release();
+}
+
+// Rows g of W's row pairs (g < 8 of block `blk`) for the 16 columns from column pair p0: the
+// 8 x 8 qword transpose of the 64 bytes of pairs p0 .. p0 + 7 (zeros past `pairs`).
+inline void transpose8(const uint16_t* blk, int64_t p0, int64_t pairs, uint16_t* t) {
+  __m512i v[8];
+  for (int i = 0; i < 8; ++i) {
+    v[i] = p0 + i < pairs ? _mm512_loadu_si512(blk + (p0 + i) * 2 * kBlock)
+                          : _mm512_setzero_si512();
+  }
+  __m512i u[8];
+  for (int i = 0; i < 4; ++i) {
+    u[2 * i] = _mm512_unpacklo_epi64(v[2 * i], v[2 * i + 1]);
+    u[2 * i + 1] = _mm512_unpackhi_epi64(v[2 * i], v[2 * i + 1]);
+  }
+  // u[2i] lane L: qwords 2L of v[2i], v[2i+1]; u[2i+1]: qwords 2L+1.
+  for (int h = 0; h < 2; ++h) {
+    const __m512i a0 = _mm512_shuffle_i64x2(u[h], u[2 + h], 0x88);
+    const __m512i a1 = _mm512_shuffle_i64x2(u[4 + h], u[6 + h], 0x88);
+    const __m512i b0 = _mm512_shuffle_i64x2(u[h], u[2 + h], 0xDD);
+    const __m512i b1 = _mm512_shuffle_i64x2(u[4 + h], u[6 + h], 0xDD);
+    // rows h, 4 + h from a0/a1 (lanes 0 and 2), rows 2 + h, 6 + h from b0/b1 (lanes 1 and 3)
+    _mm512_storeu_si512(t + 32 * h, _mm512_shuffle_i64x2(a0, a1, 0x88));
+    _mm512_storeu_si512(t + 32 * (4 + h), _mm512_shuffle_i64x2(a0, a1, 0xDD));
+    _mm512_storeu_si512(t + 32 * (2 + h), _mm512_shuffle_i64x2(b0, b1, 0x88));
+    _mm512_storeu_si512(t + 32 * (6 + h), _mm512_shuffle_i64x2(b0, b1, 0xDD));
+  }
+}
+
+void nn(const uint16_t* p, int64_t n, int64_t k, const uint16_t* dy_in, int64_t ldi, int64_t m,
+        uint16_t* out, int64_t ldo) {
+  const int64_t bs = block_elems(k), blocks = ceil_div(n, kBlock), pairs = even_up(k) / 2;
+  const int64_t steps = ceil_div(blocks, 2);  // 32 rows of W (columns of dy) per tile product
+  int64_t ld = 0, rows = 0;
+  const uint16_t* dy = padded(dy_in, ldi, m, n, ld, rows);
+  thread_local std::vector<uint16_t> bt;
+  bt.resize(static_cast<size_t>(steps * 2 * kTile));
+  _tile_loadconfig(&config());
+  for (int64_t c0 = 0; c0 < k; c0 += 32) {
+    for (int64_t s = 0; s < steps; ++s) {
+      for (int j = 0; j < 2; ++j) {  // the 16 output columns c0 + 16 j ...
+        uint16_t* t = bt.data() + (2 * s + j) * kTile;
+        const int64_t p0 = (c0 + 16 * j) / 2;
+        for (int h = 0; h < 2; ++h) {  // W's rows 32 s + 16 h ...: block 2 s + h
+          const int64_t b = 2 * s + h;
+          if (b < blocks) {
+            transpose8(p + b * bs, p0, pairs, t + 8 * 32 * h);
+          } else {
+            std::fill(t + 8 * 32 * h, t + 8 * 32 * (h + 1), uint16_t{0});
+          }
+        }
+      }
+    }
+    row_tiles(dy, ld, rows, m, bt.data(), steps, c0, k, out, ldo);
+  }
+  _tile_release();
+}
+
+}  // namespace amx
+#pragma GCC pop_options
 #endif  // KT_PACKED_SIMD
+
+// Rows from which the AMX tile products take over from the AVX-512 ones.
+constexpr int64_t kAmxRows = 16;
 
 bool gemv_packed(const ExpertView& w, bool nn_product, const void* in, int64_t ldi, int64_t m,
                  c10::ScalarType out_dtype, void* out, int64_t ldo) {
@@ -299,6 +494,14 @@ bool gemv_packed(const ExpertView& w, bool nn_product, const void* in, int64_t l
   const auto* p = static_cast<const uint16_t*>(w.part[0]);
   const auto* x = static_cast<const uint16_t*>(in);
   auto* o = static_cast<uint16_t*>(out);
+  if (m >= kAmxRows && has_amx()) {
+    if (nn_product) {
+      amx::nn(p, w.n, w.k, x, ldi, m, o, ldo);
+    } else {
+      amx::nt(p, w.n, w.k, x, ldi, m, o, ldo);
+    }
+    return true;
+  }
   if (nn_product) {
     nn(p, w.n, w.k, x, ldi, m, o, ldo);
   } else {

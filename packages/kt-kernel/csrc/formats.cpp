@@ -3,6 +3,12 @@
 
 #include <c10/util/Exception.h>
 
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#endif
+
 #include <cstdlib>
 #include <cstring>
 #include <map>
@@ -60,6 +66,37 @@ Isa isa_level() {
 bool has_avx512_bf16() {
 #if defined(__x86_64__) && defined(__GNUC__)
   static const bool v = isa_level() == Isa::kAvx512 && __builtin_cpu_supports("avx512bf16");
+  return v;
+#else
+  return false;
+#endif
+}
+
+namespace {
+#if defined(__x86_64__) && defined(__GNUC__)
+bool detect_amx() {
+  const char* env = std::getenv("KT_KERNEL_AMX");
+  if ((env != nullptr && std::strcmp(env, "0") == 0) || !has_avx512_bf16()) return false;
+  unsigned a = 0, b = 0, c = 0, d = 0;
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return false;
+  if (!(d & (1u << 24)) || !(d & (1u << 22))) return false;  // AMX-TILE, AMX-BF16
+  if (!(c & (1u << 27))) return false;                         // OSXSAVE (xgetbv)
+  unsigned lo = 0, hi = 0;
+  __asm__ volatile("xgetbv" : "=a"(lo), "=d"(hi) : "c"(0));
+  if ((lo & (3u << 17)) != (3u << 17)) return false;
+#if defined(__linux__)
+  constexpr long kReqXcompPerm = 0x1023, kXfeatureXtiledata = 18;
+  return syscall(SYS_arch_prctl, kReqXcompPerm, kXfeatureXtiledata) == 0;
+#else
+  return false;
+#endif
+}
+#endif
+}  // namespace
+
+bool has_amx() {
+#if defined(__x86_64__) && defined(__GNUC__)
+  static const bool v = detect_amx();
   return v;
 #else
   return false;

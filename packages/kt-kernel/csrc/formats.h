@@ -41,6 +41,10 @@ enum class Isa : int { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
 Isa isa_level();
 // True when isa_level() is kAvx512 and the CPU has AVX512_BF16 (vcvtne2ps2bf16).
 bool has_avx512_bf16();
+// True when has_avx512_bf16(), the CPU has AMX-TILE and AMX-BF16, the OS enables tile state
+// (XCR0 bits 17-18) and this process may use it (Linux arch_prctl); KT_KERNEL_AMX=0 turns it
+// off. Read once.
+bool has_amx();
 // "avx512", "avx2" or "scalar".
 const char* isa_name(Isa isa);
 

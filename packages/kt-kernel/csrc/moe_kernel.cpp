@@ -612,6 +612,7 @@ std::vector<std::string> cpu_features() {
   KT_FEATURE("avx512dq")
   KT_FEATURE("avx512bf16")
   KT_FEATURE("avx512vnni")
+  KT_FEATURE("amx-bf16")
 #undef KT_FEATURE
 #endif
   return out;
@@ -669,6 +670,8 @@ TORCH_LIBRARY(kt_kernel, m) {
   m.def("gemv_rows", []() { return kt_kernel::common::gemv_rows(); });
   m.def("isa", []() { return std::string(kt_kernel::isa_name(kt_kernel::isa_level())); });
   m.def("int8_isa", []() { return kt_kernel::formats::int8_isa(); });
+  // Whether the kernel's own AMX-BF16 tile products run here (KT_KERNEL_AMX=0 turns them off).
+  m.def("amx", []() { return kt_kernel::has_amx(); });
   m.def("formats", []() { return kt_kernel::formats::format_names(); });
   m.def("activations", []() { return kt_kernel::activation_names(); });
   m.def("cpu_features", []() { return kt_kernel::cpu_features(); });

@@ -26,6 +26,7 @@ OP_BF16_TOL = 3e-2  # the whole op in bf16: test_conformance's bound
 # (N, K): one block; odd blocks; odd N and K; 6 column pairs with the 12th column past K; real K
 SHAPES = [(16, 2), (48, 256), (80, 70), (37, 129), (9, 5), (32, 11), (32, 2048)]
 ROWS = [1, 3, 4, 5, 6, 11, 12, 13, 16, 29, 64]
+AMX_ROWS = 16  # rows from which AMX tile products take over where the CPU has AMX
 
 
 def _native() -> bool:
@@ -159,6 +160,8 @@ def test_products_are_the_exact_order_model_bitwise(nn: bool) -> None:
         w = f.dequantize(parts)[1]
         args = list(f.native_args(parts))
         for m in ROWS:
+            if m >= AMX_ROWS and torch.ops.kt_kernel.amx():
+                continue  # AMX tiles sum in their own order: against float64 below
             x = torch.randn(m, n if nn else k, generator=gen).to(torch.bfloat16)
             got = torch.ops.kt_kernel.project(f.name, args, n, k, 1, x, nn)
             want = _model_nn(x, w) if nn else _model_nt(x, w)
@@ -250,25 +253,46 @@ def test_memory_is_one_copy_of_the_bf16_bytes() -> None:
 
 
 @pytest.mark.timeout(300)
-def test_forced_avx2_takes_tile_and_gemm_with_the_same_result() -> None:
-    """Without AVX512_BF16 the products decline: the op dequantises tiles (exact) for oneDNN."""
+def test_forced_isas_agree_amx_avx512_and_tile_gemm() -> None:
+    """The op in children: AMX tiles (where the CPU has AMX), KT_KERNEL_AMX=0 (vdpbf16ps) and
+    KT_KERNEL_ISA=avx2 (the products decline: exact tiles for oneDNN), each against float64."""
     if not _products_run():
         pytest.skip("compares the AVX512_BF16 products with the path without them")
     code = (
         "import torch, sys\n"
         f"sys.path.insert(0, {os.path.dirname(__file__)!r})\n"
         "import _op_run as o\n"
-        "torch.save(o.run_op(*o.op_problem('bf16-packed', torch.bfloat16, 8)), sys.argv[1])\n"
+        "w, lora, x, ids, tw, dy = o.op_problem('bf16-packed', torch.bfloat16, 8)\n"
+        "got = o.run_op(w, lora, x, ids, tw, dy)\n"
+        "torch.save({'got': got, 'amx': torch.ops.kt_kernel.amx()}, sys.argv[1])\n"
     )
+    runs = {"default": {}, "no_amx": {"KT_KERNEL_AMX": "0"}, "avx2": {"KT_KERNEL_ISA": "avx2"}}
     out = {}
-    for isa in ("avx512", "avx2"):
-        path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"kt_packed_{os.getpid()}_{isa}.pt")
-        env = dict(os.environ, KT_KERNEL_ISA=isa)
+    for name, extra in runs.items():
+        path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"kt_packed_{os.getpid()}_{name}.pt")
+        env = {**os.environ, **extra}
         run = subprocess.run(
             [sys.executable, "-c", code, path], capture_output=True, text=True, env=env, timeout=300
         )
         assert run.returncode == 0, run.stderr[-3000:]
-        out[isa] = torch.load(path)
+        out[name] = torch.load(path)
         os.remove(path)
-    for a, b in zip(out["avx512"], out["avx2"], strict=True):
-        assert float((a.double() - b.double()).abs().max() / b.double().abs().max()) < OP_BF16_TOL
+    # AMX runs by default where this process may use it (CPUID, XCR0, Linux's permission);
+    # never when switched off or below the AVX-512 level.
+    assert out["default"]["amx"] == torch.ops.kt_kernel.amx()
+    if "amx-bf16" not in kk.backend_info().cpu_features:
+        assert not out["default"]["amx"]
+    assert not out["no_amx"]["amx"]
+    assert not out["avx2"]["amx"]
+    weights, lora, x, ids, tw, dy = _problem(8)
+    deq = weights.dequantized()
+    w64 = kk.ExpertWeights.from_fused(weights.spec, deq.gate_up, deq.down, dtype=torch.float64)
+    lora64 = kk.LoraBuffers(weights.spec, 4, 8.0, "fused", dtype=torch.float64)
+    with torch.no_grad():
+        for (_, a), (_, b) in zip(lora64.named_parameters(), lora.named_parameters(), strict=True):
+            a.copy_(b.to(torch.bfloat16))
+    ref = _run(w64, lora64, x.double(), ids, tw, dy.double(), "reference")
+    for name in runs:
+        for a, b in zip(out[name]["got"], ref, strict=True):
+            err = float((a.double() - b).abs().max() / b.abs().max())
+            assert err < OP_BF16_TOL, (name, err)
