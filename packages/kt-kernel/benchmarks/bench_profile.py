@@ -1,13 +1,14 @@
 """Per-phase profile of the native expert op (forward + backward, bf16, rank-16 LoRA): issue 25.
 
 Usage: ``python bench_profile.py --out DIR [--quick] [--reps N] [--shapes NAME ...]
-[--tokens T ...] [--stem NAME]``. Writes ``DIR/<stem>.json`` and ``DIR/<stem>.md``
-(stem ``bench_profile``).
+[--tokens T ...] [--stem NAME] [--format bf16|bf16-packed]``. Writes ``DIR/<stem>.json``
+and ``DIR/<stem>.md`` (stem ``bench_profile``).
 
 For each shape and token count (defaults: issue 25's table, H=2048, I=1408, E=64, k=6 and the
-Qwen3-30B-A3B layer H=2048, I=768, E=128, k=8, each at T=512 and T=2048; bf16 Dense base, fused
-bf16 LoRA r=16, policy save, uniform random top-k routing), after one warm-up step, ``--reps``
-steps (default 3), each with the kernel's counters reset, and per phase the median of:
+Qwen3-30B-A3B layer H=2048, I=768, E=128, k=8, each at T=512 and T=2048; bf16 Dense base or
+``--format bf16-packed``, fused bf16 LoRA r=16, policy save, uniform random top-k routing),
+after one warm-up step, ``--reps`` steps (default 3), each with the kernel's counters reset,
+and per phase the median of:
 
 - thread CPU seconds summed over threads (``torch.ops.kt_kernel.profile``) and its share of
   the kernel's CPU time;
@@ -211,12 +212,20 @@ def _counters(op: str) -> dict[str, float]:
     return dict(zip(names, vals, strict=True))
 
 
-def profile_config(s: Shape, tokens: int, reps: int, gen: torch.Generator) -> dict:
+def profile_config(
+    s: Shape, tokens: int, reps: int, gen: torch.Generator, weight_dtype: str = "bf16"
+) -> dict:
     """Warm-up plus ``reps`` profiled steps of one shape at ``tokens``; per-rep counters."""
     spec = kk.ExpertSpec(s.experts, s.hidden, s.inter)
     gate_up, down = tm.make_weights(s.hidden, s.inter, s.experts, distinct=min(DISTINCT, s.experts))
-    fmt = kk.Dense(torch.bfloat16)
-    weights = kk.ExpertWeights.from_parts(spec, fmt, (gate_up,), (down,))
+    if weight_dtype == "bf16":  # adopt the tensors: no second copy
+        fmt: kk.WeightFormat = kk.Dense(torch.bfloat16)
+        weights = kk.ExpertWeights.from_parts(spec, fmt, (gate_up,), (down,))
+    else:
+        weights = kk.ExpertWeights.from_fused(
+            spec, gate_up, down, dtype=torch.bfloat16, weight_dtype=weight_dtype
+        )
+        fmt = weights.format
     lora = tm.make_lora(spec, s.rank)
     x, ids, w, dy = tm.make_inputs(tokens, s.hidden, s.experts, s.top_k, gen)
     step = functools.partial(tm.step, x, ids, w, dy, weights, lora)
@@ -370,7 +379,8 @@ def write_markdown(path: Path, meta: dict, rows: list[dict]) -> None:
         f"Peak: single-thread bf16 matmul **{meta['peak_1t']:.1f} GFLOP per CPU-second** "
         f"(start {meta['peak_1t_start']:.1f}, end {meta['peak_1t_end']:.1f}); 2-thread wall "
         f"peak {meta['peak_wall']:.0f} GFLOP/s (start {meta['peak_wall_start']:.0f}, end "
-        f"{meta['peak_wall_end']:.0f}). bf16 Dense base, fused bf16 LoRA r=16, policy save, "
+        f"{meta['peak_wall_end']:.0f}). {meta.get('format', 'bf16')} base (bf16 compute), fused bf16 "
+        "LoRA r=16, policy save, "
         f"uniform random top-k routing, {meta['reps']} reps after a warm-up, medians.",
         "",
         "## Whole op",
@@ -491,6 +501,12 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, nargs="+", default=None, help="token counts")
     ap.add_argument("--stem", default="bench_profile", help="output file name stem")
     ap.add_argument(
+        "--format",
+        choices=("bf16", "bf16-packed"),
+        default="bf16",
+        help="the experts' weight format (products of their own where it has them)",
+    )
+    ap.add_argument(
         "--render", type=Path, default=None, help="re-summarise a previous run's JSON (no timing)"
     )
     args = ap.parse_args()
@@ -522,6 +538,7 @@ def main() -> None:
         "date": datetime.now(UTC).strftime("%Y-%m-%d %H:%M UTC"),
         "command": "python " + " ".join(shlex.quote(a) for a in sys.argv),
         "reps": reps,
+        "format": args.format,
         **machine_info(),
         "loadavg_start": tm.loadavg(),
     }
@@ -533,7 +550,7 @@ def main() -> None:
     raws = []
     for s in shapes:
         for t in tokens:
-            raw = profile_config(s, t, reps, gen)
+            raw = profile_config(s, t, reps, gen, args.format)
             raws.append((s, t, raw))
             print(f"[{s.name}] T={t} done (load {raw['loadavg']})", flush=True)
     p1_end = peak_1t(peak_size)

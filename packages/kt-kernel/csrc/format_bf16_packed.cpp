@@ -368,8 +368,12 @@ void store_c(float (&c)[4][256], int64_t m0, int64_t m, int64_t c0, int64_t n, u
 
 // Every row tile of a (rows x ld, padded) against `steps` pairs of B tiles at b (1 KiB each,
 // the pair for outputs c0 .. c0 + 31 of step s at b + 2 s kTile).
+// `prefetch(s)` runs at step s of the first row tile: it asks for the weights that the next
+// B tiles are built from, so that the DRAM reads overlap the tile products.
+template <class Prefetch>
 void row_tiles(const uint16_t* a, int64_t ld, int64_t rows, int64_t m, const uint16_t* b,
-               int64_t steps, int64_t c0, int64_t n, uint16_t* out, int64_t ldo) {
+               int64_t steps, int64_t c0, int64_t n, uint16_t* out, int64_t ldo,
+               const Prefetch& prefetch) {
   alignas(64) float c[4][256];
   for (int64_t m0 = 0; m0 < rows; m0 += 32) {
     _tile_zero(0);
@@ -378,6 +382,7 @@ void row_tiles(const uint16_t* a, int64_t ld, int64_t rows, int64_t m, const uin
     _tile_zero(3);
     const uint16_t* a0 = a + m0 * ld;
     for (int64_t s = 0; s < steps; ++s) {
+      if (m0 == 0) prefetch(s);
       _tile_loadd(4, a0 + 32 * s, ld * 2);
       _tile_loadd(5, a0 + 16 * ld + 32 * s, ld * 2);
       _tile_loadd(6, b + 2 * s * kTile, 64);
@@ -419,7 +424,16 @@ void nt(const uint16_t* p, int64_t n, int64_t k, const uint16_t* x_in, int64_t l
         }
       }
     }
-    row_tiles(x, ld, rows, m, bt.data(), steps, b * kBlock, n, out, ldo);
+    // The next two blocks, 2 bs elements, in `steps` slices of whole lines.
+    const char* next = reinterpret_cast<const char*>(p + (b + 2) * bs);
+    const int64_t lines = b + 2 < blocks ? std::min<int64_t>(2, blocks - b - 2) * bs * 2 / 64 : 0;
+    const int64_t per = ceil_div(lines, steps);
+    const auto prefetch = [&](int64_t s) {
+      for (int64_t l = s * per; l < std::min(lines, (s + 1) * per); ++l) {
+        _mm_prefetch(next + 64 * l, _MM_HINT_T1);
+      }
+    };
+    row_tiles(x, ld, rows, m, bt.data(), steps, b * kBlock, n, out, ldo, prefetch);
   }
   _tile_release();
 }
@@ -475,7 +489,16 @@ void nn(const uint16_t* p, int64_t n, int64_t k, const uint16_t* dy_in, int64_t 
         }
       }
     }
-    row_tiles(dy, ld, rows, m, bt.data(), steps, c0, k, out, ldo);
+    // The next 32 columns: 1 KiB of each block (pairs (c0 + 32) / 2 ...), two blocks a step.
+    const auto prefetch = [&](int64_t s) {
+      const int64_t p1 = (c0 + 32) / 2;
+      if (p1 >= pairs) return;
+      for (int64_t h = 0; h < 2 && 2 * s + h < blocks; ++h) {
+        const char* strip = reinterpret_cast<const char*>(p + (2 * s + h) * bs + p1 * 2 * kBlock);
+        for (int64_t l = 0; l < 16; ++l) _mm_prefetch(strip + 64 * l, _MM_HINT_T1);
+      }
+    };
+    row_tiles(dy, ld, rows, m, bt.data(), steps, c0, k, out, ldo, prefetch);
   }
   _tile_release();
 }
