@@ -1,0 +1,463 @@
+// LoRA products of the expert op on AVX512_BF16 (see lora_products.h).
+//
+// nt() is the pattern of bf16_packed's x W^T without its shuffle: the factor is packed so that
+// each 64-byte load holds 16 output rows' column pairs, and one vdpbf16ps against a broadcast
+// pair of x gives 16 outputs. The LoRA factors are small (rank x H), so packing both
+// orientations each call costs less than one ATen call's overhead per expert.
+//
+// grad() sums over the expert's rows, two at a time: a row pair of x, interleaved in
+// registers, against a broadcast pair of (a w) for out [J, N]; for out [N, J] the roles turn
+// round (a's 16 columns as one vector against a broadcast pair of x) so that each stored
+// vector is 16 contiguous outputs.
+#include "lora_products.h"
+
+#include <ATen/core/grad_mode.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "formats.h"
+#include "moe_common.h"
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define KT_LORA_SIMD 1
+#endif
+
+namespace kt_kernel {
+namespace lora {
+namespace {
+
+constexpr int64_t kBlock = 16;
+
+inline int64_t ceil_to(int64_t a, int64_t b) { return (a + b - 1) / b * b; }
+inline uint16_t bits(const at::Tensor& t, int64_t i, int64_t j) {
+  return reinterpret_cast<const uint16_t*>(t.data_ptr())[i * t.stride(0) + j];
+}
+inline const uint16_t* rows(const at::Tensor& t) {
+  return reinterpret_cast<const uint16_t*>(t.data_ptr());
+}
+
+void check_rows(const at::Tensor& t, const char* what) {
+  TORCH_CHECK(t.dim() == 2 && t.scalar_type() == at::kBFloat16 && t.stride(1) == 1, "lora::",
+              what, " must be 2-D bf16 with unit column stride");
+}
+
+}  // namespace
+
+bool default_on();
+
+std::atomic<bool>& enabled_setting() {
+  // KT_KERNEL_LORA_PRODUCTS=0 / 1 overrides the CPU's default at the start (read once).
+  static std::atomic<bool> v{[] {
+    const char* e = std::getenv("KT_KERNEL_LORA_PRODUCTS");
+    if (e != nullptr && std::string(e) == "0") return false;
+    if (e != nullptr && std::string(e) == "1") return true;
+    return default_on();
+  }()};
+  return v;
+}
+
+#ifdef KT_LORA_SIMD
+
+bool available(at::ScalarType dt) {
+  return enabled_setting().load(std::memory_order_relaxed) && dt == at::kBFloat16 &&
+         has_avx512_bf16();
+}
+
+bool default_on() {
+  // With AMX, oneDNN's AMX-BF16 products beat these from about 128 rows per expert
+  // (benchmarks/results/bench_lora_products.amx.md); the CPUs without AMX gain from them.
+  return !__builtin_cpu_supports("amx-bf16");
+}
+
+Packed pack(const at::Tensor& w, bool transposed, const std::vector<uint8_t>& used) {
+  TORCH_CHECK(w.dim() == 3 && w.scalar_type() == at::kBFloat16 && w.is_contiguous(),
+              "lora::pack needs a contiguous bf16 [E, ., .] tensor");
+  const int64_t experts = w.size(0);
+  const int64_t n = transposed ? w.size(2) : w.size(1), k = transposed ? w.size(1) : w.size(2);
+  Packed p;
+  p.n = n;
+  p.k = k;
+  p.blocks = (n + kBlock - 1) / kBlock;
+  p.pairs = (k + 1) / 2;
+  const int64_t per = p.blocks * p.pairs * kBlock;  // dwords per expert
+  p.buf = std::make_shared<common::Scratch>(experts, per, at::kInt);
+  auto* dst = reinterpret_cast<uint32_t*>(p.buf->t.data_ptr());
+  p.data = dst;
+  const auto* src = rows(w);
+  common::run_tasks(experts, [&](int64_t e) {
+    if (!used[e]) return;
+    const uint16_t* s = src + e * n * k;
+    uint32_t* d = dst + e * per;
+    // Loops in the order that reads the source's rows front to back.
+    for (int64_t b = 0; b < p.blocks; ++b) {
+      uint32_t* db = d + b * p.pairs * kBlock;
+      const int64_t live = std::min<int64_t>(kBlock, n - b * kBlock);  // rows of W here
+      if (transposed) {  // W[row, c] is w[c, row]: rows c and c + 1 of w, 16 columns each
+        for (int64_t q = 0; q < p.pairs; ++q) {
+          const uint16_t* r0 = s + 2 * q * n + b * kBlock;
+          const uint16_t* r1 = 2 * q + 1 < k ? r0 + n : nullptr;
+          uint32_t* dq = db + q * kBlock;
+          for (int64_t l = 0; l < live; ++l) {
+            dq[l] = r0[l] | (r1 ? static_cast<uint32_t>(r1[l]) << 16 : 0u);
+          }
+          for (int64_t l = live; l < kBlock; ++l) dq[l] = 0;
+        }
+      } else {
+        for (int64_t l = 0; l < kBlock; ++l) {
+          if (l >= live) {
+            for (int64_t q = 0; q < p.pairs; ++q) db[q * kBlock + l] = 0;
+            continue;
+          }
+          const uint16_t* row = s + (b * kBlock + l) * k;
+          for (int64_t q = 0; q < p.pairs; ++q) {
+            const uint32_t hi = 2 * q + 1 < k ? row[2 * q + 1] : 0;
+            db[q * kBlock + l] = row[2 * q] | (hi << 16);
+          }
+        }
+      }
+    }
+  });
+  return p;
+}
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")
+
+namespace {
+
+inline uint32_t pair_at(const uint16_t* row, int64_t col) {
+  uint32_t v;
+  std::memcpy(&v, row + col, 4);
+  return v;
+}
+
+inline __m512 load_bf16(const uint16_t* p, __mmask16 mask) {
+  const __m256i v = _mm256_maskz_loadu_epi16(mask, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+}
+
+inline void store_bf16(uint16_t* p, __mmask16 mask, __m512 v) {
+  _mm256_mask_storeu_epi16(p, mask, (__m256i)_mm512_cvtneps_pbh(v));
+}
+
+inline __mmask16 first(int64_t count) {
+  if (count <= 0) return 0;
+  return count >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << count) - 1);
+}
+
+// out[r, 16 j + l] for MR rows and NB blocks: lane l adds x's column pairs against the block's
+// in order (fp32), then stores once (or adds s times the sum to out).
+template <int MR, int NB, bool Acc>
+void nt_tile(const uint16_t* x, int64_t ldx, const uint32_t* w, int64_t bsd, int64_t full,
+             bool odd, int last, uint16_t* out, int64_t ldo, float s) {
+  __m512 acc[MR][NB];
+  for (int r = 0; r < MR; ++r) {
+    for (int j = 0; j < NB; ++j) acc[r][j] = _mm512_setzero_ps();
+  }
+  for (int64_t p = 0; p < full; ++p) {
+    __m512bh wv[NB];
+    for (int j = 0; j < NB; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(w + j * bsd + p * kBlock);
+    for (int r = 0; r < MR; ++r) {
+      const auto xv = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair_at(x + r * ldx, 2 * p)));
+      for (int j = 0; j < NB; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], xv, wv[j]);
+    }
+  }
+  if (odd) {  // K's last column, paired with a zero (the packed column K is zero too)
+    __m512bh wv[NB];
+    for (int j = 0; j < NB; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(w + j * bsd + full * kBlock);
+    for (int r = 0; r < MR; ++r) {
+      const auto xv = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[r * ldx + 2 * full]));
+      for (int j = 0; j < NB; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], xv, wv[j]);
+    }
+  }
+  const __m512 sv = _mm512_set1_ps(s);
+  for (int r = 0; r < MR; ++r) {
+    for (int j = 0; j < NB; ++j) {
+      const __mmask16 mask = j == NB - 1 ? first(last) : static_cast<__mmask16>(0xFFFF);
+      uint16_t* o = out + r * ldo + j * kBlock;
+      __m512 v = acc[r][j];
+      if constexpr (Acc) v = _mm512_fmadd_ps(v, sv, load_bf16(o, mask));
+      store_bf16(o, mask, v);
+    }
+  }
+}
+
+template <int NB, bool Acc>
+void nt_rows(const uint16_t* x, int64_t ldx, int64_t m, const uint32_t* w, int64_t bsd,
+             int64_t full, bool odd, int last, uint16_t* out, int64_t ldo, float s) {
+  int64_t r = 0;
+  for (; r + 12 <= m; r += 12) {
+    nt_tile<12, NB, Acc>(x + r * ldx, ldx, w, bsd, full, odd, last, out + r * ldo, ldo, s);
+  }
+  for (; r + 4 <= m; r += 4) {
+    nt_tile<4, NB, Acc>(x + r * ldx, ldx, w, bsd, full, odd, last, out + r * ldo, ldo, s);
+  }
+  for (; r < m; ++r) {
+    nt_tile<1, NB, Acc>(x + r * ldx, ldx, w, bsd, full, odd, last, out + r * ldo, ldo, s);
+  }
+}
+
+template <bool Acc>
+void nt_all(const uint16_t* x, int64_t ldx, int64_t m, const Packed& w, int64_t e, uint16_t* out,
+            int64_t ldo, float s) {
+  const int64_t bsd = w.pairs * kBlock;
+  const uint32_t* we = w.data + e * w.blocks * bsd;
+  const int64_t full = w.k / 2;
+  const bool odd = (w.k & 1) != 0;
+  const int rest = static_cast<int>(w.n - (w.blocks - 1) * kBlock);
+  int64_t b = 0;
+  for (; b + 2 <= w.blocks; b += 2) {
+    const int last = b + 2 == w.blocks ? rest : static_cast<int>(kBlock);
+    nt_rows<2, Acc>(x, ldx, m, we + b * bsd, bsd, full, odd, last, out + b * kBlock, ldo, s);
+  }
+  if (b < w.blocks) {
+    nt_rows<1, Acc>(x, ldx, m, we + b * bsd, bsd, full, odd, rest, out + b * kBlock, ldo, s);
+  }
+}
+
+// Dword (i, j) of the result: (a[2i, j] w[2i], a[2i + 1, j] w[2i + 1]) in bf16, zero past m and J;
+// jp (a multiple of 16) dwords per row pair.
+void weighted_pairs(const at::Tensor& a, const float* w, int64_t m, int64_t jcount, int64_t jp,
+                    std::vector<uint32_t>& out) {
+  const int64_t mp = (m + 1) / 2;
+  out.assign(static_cast<size_t>(mp * jp), 0u);
+  for (int64_t i = 0; i < m; ++i) {
+    const float wi = w ? static_cast<float>(c10::BFloat16(w[i])) : 1.0f;
+    for (int64_t j = 0; j < jcount; ++j) {
+      uint16_t v = bits(a, i, j);
+      if (w) {
+        uint32_t f32 = static_cast<uint32_t>(v) << 16;
+        float f;
+        std::memcpy(&f, &f32, 4);
+        v = c10::BFloat16(f * wi).x;
+      }
+      out[(i / 2) * jp + j] |= static_cast<uint32_t>(v) << (16 * (i & 1));
+    }
+  }
+}
+
+// unpacklo/hi_epi16 of two rows' 32 columns give lanes 4L + t = column 8L + t (lo) and
+// 8L + 4 + t (hi); these put them back in column order.
+inline __m512i order_lo() {
+  return _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+}
+inline __m512i order_hi() {
+  return _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+}
+
+// out [J, N]: MJ rows of out from column j0, 64 columns from n0 (`cols` of them exist): four
+// accumulators per row, one per unpack half of two 32-column chunks.
+template <int MJ>
+void grad_rows_tile(const uint32_t* ap, int64_t jp, int64_t j0, const uint16_t* x, int64_t ldx,
+                    int64_t m, int64_t n0, int64_t cols, float s, uint16_t* out, int64_t ldo) {
+  __m512 acc[MJ][4];
+  for (int j = 0; j < MJ; ++j) {
+    for (int v = 0; v < 4; ++v) acc[j][v] = _mm512_setzero_ps();
+  }
+  const __mmask32 m0 = cols >= 32 ? ~__mmask32{0} : (__mmask32{1} << cols) - 1;
+  const int64_t c1 = cols - 32;
+  const __mmask32 m1 = c1 >= 32 ? ~__mmask32{0} : (c1 > 0 ? (__mmask32{1} << c1) - 1 : 0);
+  for (int64_t i = 0; i < m; i += 2) {
+    const uint16_t* r0 = x + i * ldx + n0;
+    const uint16_t* r1 = r0 + ldx;
+    const bool two = i + 1 < m;
+    __m512bh xv[4];
+    for (int c = 0; c < 2; ++c) {
+      const __mmask32 mk = c == 0 ? m0 : m1;
+      const __m512i a = _mm512_maskz_loadu_epi16(mk, r0 + 32 * c);
+      const __m512i b = two ? _mm512_maskz_loadu_epi16(mk, r1 + 32 * c) : _mm512_setzero_si512();
+      xv[2 * c] = (__m512bh)_mm512_unpacklo_epi16(a, b);
+      xv[2 * c + 1] = (__m512bh)_mm512_unpackhi_epi16(a, b);
+    }
+    const uint32_t* api = ap + (i / 2) * jp + j0;
+    for (int j = 0; j < MJ; ++j) {
+      const auto av = (__m512bh)_mm512_set1_epi32(static_cast<int>(api[j]));
+      for (int v = 0; v < 4; ++v) acc[j][v] = _mm512_dpbf16_ps(acc[j][v], av, xv[v]);
+    }
+  }
+  const __m512 sv = _mm512_set1_ps(s);
+  for (int j = 0; j < MJ; ++j) {
+    uint16_t* o = out + (j0 + j) * ldo + n0;
+    for (int c = 0; c < 2; ++c) {
+      const __m512 lo = acc[j][2 * c], hi = acc[j][2 * c + 1];
+      const int64_t left = cols - 32 * c;
+      if (left <= 0) break;
+      store_bf16(o + 32 * c, first(left),
+                 _mm512_mul_ps(sv, _mm512_permutex2var_ps(lo, order_lo(), hi)));
+      if (left > 16) {
+        store_bf16(o + 32 * c + 16, first(left - 16),
+                   _mm512_mul_ps(sv, _mm512_permutex2var_ps(lo, order_hi(), hi)));
+      }
+    }
+  }
+}
+
+void grad_rows(const uint32_t* ap, int64_t jp, int64_t jcount, const uint16_t* x, int64_t ldx,
+               int64_t m, int64_t n, float s, uint16_t* out, int64_t ldo) {
+  for (int64_t n0 = 0; n0 < n; n0 += 64) {
+    const int64_t cols = std::min<int64_t>(64, n - n0);
+    int64_t j = 0;
+    for (; j + 6 <= jcount; j += 6) grad_rows_tile<6>(ap, jp, j, x, ldx, m, n0, cols, s, out, ldo);
+    for (; j + 2 <= jcount; j += 2) grad_rows_tile<2>(ap, jp, j, x, ldx, m, n0, cols, s, out, ldo);
+    for (; j < jcount; ++j) grad_rows_tile<1>(ap, jp, j, x, ldx, m, n0, cols, s, out, ldo);
+  }
+}
+
+// out [N, J]: MN rows of out from n0, JB vectors of 16 of a's columns: xp holds x's row pairs
+// as dwords (x[2i, n], x[2i + 1, n]), np per row pair.
+template <int MN, int JB>
+void grad_cols_tile(const uint32_t* ap, int64_t jp, int64_t jcount, const uint32_t* xp,
+                    int64_t npd, int64_t mp, int64_t n0, float s, uint16_t* out, int64_t ldo) {
+  __m512 acc[MN][JB];
+  for (int r = 0; r < MN; ++r) {
+    for (int j = 0; j < JB; ++j) acc[r][j] = _mm512_setzero_ps();
+  }
+  for (int64_t i = 0; i < mp; ++i) {
+    __m512bh av[JB];
+    for (int j = 0; j < JB; ++j) av[j] = (__m512bh)_mm512_loadu_si512(ap + i * jp + 16 * j);
+    const uint32_t* xr = xp + i * npd + n0;
+    for (int r = 0; r < MN; ++r) {
+      const auto xv = (__m512bh)_mm512_set1_epi32(static_cast<int>(xr[r]));
+      for (int j = 0; j < JB; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], xv, av[j]);
+    }
+  }
+  const __m512 sv = _mm512_set1_ps(s);
+  for (int r = 0; r < MN; ++r) {
+    for (int j = 0; j < JB; ++j) {
+      store_bf16(out + (n0 + r) * ldo + 16 * j, first(jcount - 16 * j),
+                 _mm512_mul_ps(sv, acc[r][j]));
+    }
+  }
+}
+
+template <int JB>
+void grad_cols(const uint32_t* ap, int64_t jp, int64_t jcount, const uint32_t* xp, int64_t npd,
+               int64_t mp, int64_t n, float s, uint16_t* out, int64_t ldo) {
+  int64_t r = 0;
+  for (; r + 12 <= n; r += 12) grad_cols_tile<12, JB>(ap, jp, jcount, xp, npd, mp, r, s, out, ldo);
+  for (; r + 4 <= n; r += 4) grad_cols_tile<4, JB>(ap, jp, jcount, xp, npd, mp, r, s, out, ldo);
+  for (; r < n; ++r) grad_cols_tile<1, JB>(ap, jp, jcount, xp, npd, mp, r, s, out, ldo);
+}
+
+}  // namespace
+
+void nt(const at::Tensor& x, const Packed& w, int64_t e, at::Tensor& out, bool accumulate,
+        float s) {
+  check_rows(x, "nt x");
+  check_rows(out, "nt out");
+  TORCH_CHECK(x.size(1) == w.k && out.size(1) == w.n && out.size(0) == x.size(0),
+              "lora::nt: shapes do not match the packed factor");
+  const int64_t m = x.size(0);
+  if (m == 0) return;
+  const uint16_t* xp = rows(x);
+  int64_t ldx = x.stride(0);
+  // The rows of a register block are read together; at a stride of a multiple of 1 KiB
+  // (H = 2048: 4 KiB) twelve of them share too few L1 sets. A copy at a padded stride costs
+  // K/32 vector moves per row against N K / 32 products.
+  thread_local std::vector<uint16_t> xbuf;
+  if ((ldx * 2) % 1024 == 0 && m > 4) {
+    const int64_t ld = ceil_to(w.k, 2) + 32;
+    xbuf.resize(static_cast<size_t>(m * ld));
+    for (int64_t r = 0; r < m; ++r) {
+      std::memcpy(xbuf.data() + r * ld, xp + r * ldx, static_cast<size_t>(w.k) * 2);
+    }
+    xp = xbuf.data();
+    ldx = ld;
+  }
+  auto* o = reinterpret_cast<uint16_t*>(out.data_ptr());
+  if (accumulate) {
+    nt_all<true>(xp, ldx, m, w, e, o, out.stride(0), s);
+  } else {
+    nt_all<false>(xp, ldx, m, w, e, o, out.stride(0), 1.0f);
+  }
+}
+
+void grad(const at::Tensor& a, const float* w, const at::Tensor& x, float s, at::Tensor& out,
+          bool out_t) {
+  check_rows(a, "grad a");
+  check_rows(x, "grad x");
+  check_rows(out, "grad out");
+  const int64_t m = a.size(0), jcount = a.size(1), n = x.size(1);
+  TORCH_CHECK(x.size(0) == m, "lora::grad: a and x must have the same rows");
+  TORCH_CHECK(out_t ? (out.size(0) == n && out.size(1) == jcount)
+                    : (out.size(0) == jcount && out.size(1) == n),
+              "lora::grad: out has the wrong shape");
+  auto* o = reinterpret_cast<uint16_t*>(out.data_ptr());
+  if (m == 0) {
+    out.zero_();
+    return;
+  }
+  const int64_t jp = ceil_to(jcount, 16);
+  thread_local std::vector<uint32_t> ap;
+  weighted_pairs(a, w, m, jcount, jp, ap);
+  if (!out_t) {
+    grad_rows(ap.data(), jp, jcount, rows(x), x.stride(0), m, n, s, o, out.stride(0));
+    return;
+  }
+  // x's row pairs as dwords, for the broadcasts (unpack, then back in column order).
+  const int64_t mp = (m + 1) / 2, npd = ceil_to(n, 32);
+  thread_local std::vector<uint32_t> xpairs;
+  xpairs.resize(static_cast<size_t>(mp * npd));
+  const uint16_t* xr = rows(x);
+  const int64_t ldx = x.stride(0);
+  for (int64_t i = 0; i < mp; ++i) {
+    const uint16_t* r0 = xr + 2 * i * ldx;
+    const bool two = 2 * i + 1 < m;
+    for (int64_t c = 0; c < n; c += 32) {
+      const int64_t left = n - c;
+      const __mmask32 mk = left >= 32 ? ~__mmask32{0} : (__mmask32{1} << left) - 1;
+      const __m512i lo_a = _mm512_maskz_loadu_epi16(mk, r0 + c);
+      const __m512i lo_b =
+          two ? _mm512_maskz_loadu_epi16(mk, r0 + ldx + c) : _mm512_setzero_si512();
+      const __m512i lo = _mm512_unpacklo_epi16(lo_a, lo_b);
+      const __m512i hi = _mm512_unpackhi_epi16(lo_a, lo_b);
+      uint32_t* d = xpairs.data() + i * npd + c;
+      _mm512_storeu_si512(d, _mm512_permutex2var_epi32(lo, order_lo(), hi));
+      _mm512_storeu_si512(d + 16, _mm512_permutex2var_epi32(lo, order_hi(), hi));
+    }
+  }
+  if (jp == 16) {
+    grad_cols<1>(ap.data(), jp, jcount, xpairs.data(), npd, mp, n, s, o, out.stride(0));
+  } else if (jp == 32) {
+    grad_cols<2>(ap.data(), jp, jcount, xpairs.data(), npd, mp, n, s, o, out.stride(0));
+  } else {
+    // Ranks above 32: 32 columns of a at a time (out's column blocks), from a narrowed copy.
+    for (int64_t j0 = 0; j0 < jcount; j0 += 32) {
+      const int64_t jc = std::min<int64_t>(32, jcount - j0);
+      std::vector<uint32_t> sub(static_cast<size_t>(mp * 32), 0u);
+      for (int64_t i = 0; i < mp; ++i) {
+        std::copy(ap.begin() + i * jp + j0, ap.begin() + i * jp + j0 + jc, sub.begin() + i * 32);
+      }
+      grad_cols<2>(sub.data(), 32, jc, xpairs.data(), npd, mp, n, s, o + j0, out.stride(0));
+    }
+  }
+}
+
+#pragma GCC pop_options
+
+#else  // no x86-64 GCC: the op never calls these (available() is false)
+
+bool available(at::ScalarType) { return false; }
+bool default_on() { return false; }
+Packed pack(const at::Tensor&, bool, const std::vector<uint8_t>&) {
+  TORCH_CHECK(false, "lora::pack needs AVX512_BF16");
+}
+void nt(const at::Tensor&, const Packed&, int64_t, at::Tensor&, bool, float) {
+  TORCH_CHECK(false, "lora::nt needs AVX512_BF16");
+}
+void grad(const at::Tensor&, const float*, const at::Tensor&, float, at::Tensor&, bool) {
+  TORCH_CHECK(false, "lora::grad needs AVX512_BF16");
+}
+
+#endif  // KT_LORA_SIMD
+
+}  // namespace lora
+}  // namespace kt_kernel
