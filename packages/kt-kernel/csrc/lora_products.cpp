@@ -35,6 +35,7 @@ namespace lora {
 namespace {
 
 constexpr int64_t kBlock = 16;
+constexpr int64_t kAmxRows = 16;  // rows from which nt() takes AMX tiles where the CPU has them
 
 inline int64_t ceil_to(int64_t a, int64_t b) { return (a + b - 1) / b * b; }
 inline uint16_t bits(const at::Tensor& t, int64_t i, int64_t j) {
@@ -87,7 +88,8 @@ Packed pack(const at::Tensor& w, bool transposed, const std::vector<uint8_t>& us
   p.k = k;
   p.blocks = (n + kBlock - 1) / kBlock;
   p.pairs = (k + 1) / 2;
-  const int64_t per = p.blocks * p.pairs * kBlock;  // dwords per expert
+  p.stride_pairs = ceil_to(p.pairs, 16);
+  const int64_t per = p.blocks * p.stride_pairs * kBlock;  // dwords per expert
   p.buf = std::make_shared<common::Scratch>(experts, per, at::kInt);
   auto* dst = reinterpret_cast<uint32_t*>(p.buf->t.data_ptr());
   p.data = dst;
@@ -96,9 +98,10 @@ Packed pack(const at::Tensor& w, bool transposed, const std::vector<uint8_t>& us
     if (!used[e]) return;
     const uint16_t* s = src + e * n * k;
     uint32_t* d = dst + e * per;
+    std::fill(d, d + per, 0u);
     // Loops in the order that reads the source's rows front to back.
     for (int64_t b = 0; b < p.blocks; ++b) {
-      uint32_t* db = d + b * p.pairs * kBlock;
+      uint32_t* db = d + b * p.stride_pairs * kBlock;
       const int64_t live = std::min<int64_t>(kBlock, n - b * kBlock);  // rows of W here
       if (transposed) {  // W[row, c] is w[c, row]: rows c and c + 1 of w, 16 columns each
         for (int64_t q = 0; q < p.pairs; ++q) {
@@ -208,7 +211,7 @@ void nt_rows(const uint16_t* x, int64_t ldx, int64_t m, const uint32_t* w, int64
 template <bool Acc>
 void nt_all(const uint16_t* x, int64_t ldx, int64_t m, const Packed& w, int64_t e, uint16_t* out,
             int64_t ldo, float s) {
-  const int64_t bsd = w.pairs * kBlock;
+  const int64_t bsd = w.stride_pairs * kBlock;
   const uint32_t* we = w.data + e * w.blocks * bsd;
   const int64_t full = w.k / 2;
   const bool odd = (w.k & 1) != 0;
@@ -349,6 +352,116 @@ void grad_cols(const uint32_t* ap, int64_t jp, int64_t jcount, const uint32_t* x
 
 }  // namespace
 
+#pragma GCC pop_options
+
+// AMX-BF16: x's rows (copied to a zero-padded buffer) as A tiles, 16 pairs of a block of the
+// packed factor as one B tile, read in place; C through fp32 to bf16 (or added to out).
+#pragma GCC push_options
+#pragma GCC target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")
+namespace {
+
+struct alignas(64) TileConfig {
+  uint8_t palette = 1;
+  uint8_t start_row = 0;
+  uint8_t reserved[14] = {};
+  uint16_t colsb[16] = {};
+  uint8_t rows[16] = {};
+};
+
+// C tiles 0-3 (32 rows x 32 outputs), A tiles 4-5, B tiles 6-7: each 16 rows of 64 bytes.
+const TileConfig& tile_config() {
+  static const TileConfig cfg = [] {
+    TileConfig c;
+    for (int t = 0; t < 8; ++t) {
+      c.rows[t] = 16;
+      c.colsb[t] = 64;
+    }
+    return c;
+  }();
+  return cfg;
+}
+
+template <bool Acc>
+void amx_nt(const uint16_t* x_in, int64_t ldx_in, int64_t m, const Packed& w, int64_t e,
+            uint16_t* out, int64_t ldo, float s) {
+  const int64_t steps = w.stride_pairs / 16, bsd = w.stride_pairs * kBlock;
+  const int64_t rows = ceil_to(m, 32);
+  alignas(64) static const uint32_t zero_tile[256] = {};
+  // x is read in place where its rows are whole A tiles: every 32 of K's columns exist
+  // (K % 32 == 0, so the zero pairs of the factor's last tile meet no column) and the rows
+  // come in 16s (the op's tasks); a missing second 16 rows is a zero tile. Else a padded copy.
+  const uint16_t* xa = x_in;
+  int64_t ld = ldx_in;
+  if (w.k % 32 != 0 || w.k != 32 * steps || m % 16 != 0) {
+    ld = 32 * steps + 32;
+    thread_local std::vector<uint16_t> xbuf;
+    xbuf.resize(static_cast<size_t>(rows * ld));
+    for (int64_t r = 0; r < rows; ++r) {
+      uint16_t* d = xbuf.data() + r * ld;
+      const int64_t done = r < m ? w.k : 0;
+      if (r < m) std::memcpy(d, x_in + r * ldx_in, static_cast<size_t>(w.k) * 2);
+      std::fill(d + done, d + ld, uint16_t{0});
+    }
+    xa = xbuf.data();
+  }
+  const int64_t live = xa == x_in ? m : rows;  // rows that may be loaded
+  alignas(64) float c[4][256];
+  const uint32_t* we = w.data + e * w.blocks * bsd;
+  const int64_t sa = ld * 2;
+  const __m512 sv = _mm512_set1_ps(s);
+  _tile_loadconfig(&tile_config());  // per call: oneDNN loads its own on this thread
+  for (int64_t b = 0; b < w.blocks; b += 2) {
+    const uint32_t* b0 = we + b * bsd;
+    const bool two = b + 1 < w.blocks;
+    const uint32_t* b1 = two ? we + (b + 1) * bsd : zero_tile;
+    const int64_t b1_step = two ? 256 : 0;  // dwords from one B tile to the next
+    for (int64_t m0 = 0; m0 < rows; m0 += 32) {
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      const uint16_t* a0 = xa + m0 * ld;
+      const bool a1_live = m0 + 16 < live;
+      const uint16_t* a1 = a1_live ? a0 + 16 * ld : reinterpret_cast<const uint16_t*>(zero_tile);
+      const int64_t a1_stride = a1_live ? sa : 0, a1_step = a1_live ? 32 : 0;
+      for (int64_t t = 0; t < steps; ++t) {
+        _tile_loadd(4, a0 + 32 * t, sa);
+        _tile_loadd(5, a1 + a1_step * t, a1_stride);
+        _tile_loadd(6, b0 + 256 * t, 64);
+        _tile_loadd(7, b1 + b1_step * t, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+      }
+      _tile_stored(0, c[0], 64);
+      _tile_stored(1, c[1], 64);
+      _tile_stored(2, c[2], 64);
+      _tile_stored(3, c[3], 64);
+      for (int i = 0; i < 2; ++i) {
+        for (int j = 0; j < 2; ++j) {
+          const int64_t col = (b + j) * kBlock;
+          if (col >= w.n) continue;
+          const __mmask16 mask = first(w.n - col);
+          for (int r = 0; r < 16 && m0 + 16 * i + r < m; ++r) {
+            uint16_t* o = out + (m0 + 16 * i + r) * ldo + col;
+            __m512 v = _mm512_load_ps(c[2 * i + j] + 16 * r);
+            if constexpr (Acc) v = _mm512_fmadd_ps(v, sv, load_bf16(o, mask));
+            store_bf16(o, mask, v);
+          }
+        }
+      }
+    }
+  }
+  _tile_release();  // no tile state left for the OS to save at a context switch
+}
+
+}  // namespace
+
+#pragma GCC pop_options
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")
+
 void nt(const at::Tensor& x, const Packed& w, int64_t e, at::Tensor& out, bool accumulate,
         float s) {
   check_rows(x, "nt x");
@@ -359,6 +472,15 @@ void nt(const at::Tensor& x, const Packed& w, int64_t e, at::Tensor& out, bool a
   if (m == 0) return;
   const uint16_t* xp = rows(x);
   int64_t ldx = x.stride(0);
+  auto* o = reinterpret_cast<uint16_t*>(out.data_ptr());
+  if (m >= kAmxRows && has_amx()) {
+    if (accumulate) {
+      amx_nt<true>(xp, ldx, m, w, e, o, out.stride(0), s);
+    } else {
+      amx_nt<false>(xp, ldx, m, w, e, o, out.stride(0), 1.0f);
+    }
+    return;
+  }
   // The rows of a register block are read together; at a stride of a multiple of 1 KiB
   // (H = 2048: 4 KiB) twelve of them share too few L1 sets. A copy at a padded stride costs
   // K/32 vector moves per row against N K / 32 products.
@@ -372,7 +494,6 @@ void nt(const at::Tensor& x, const Packed& w, int64_t e, at::Tensor& out, bool a
     xp = xbuf.data();
     ldx = ld;
   }
-  auto* o = reinterpret_cast<uint16_t*>(out.data_ptr());
   if (accumulate) {
     nt_all<true>(xp, ldx, m, w, e, o, out.stride(0), s);
   } else {

@@ -31,12 +31,14 @@ std::atomic<bool>& enabled_setting();
 bool default_on();
 
 // One LoRA factor of every expert packed for nt(): W_e [N, K] as ceil(N/16) blocks of
-// ceil(K/2) x 16 dwords; dword (p, l) of block b is (W[16b + l, 2p], W[16b + l, 2p + 1]),
-// zero past N and K. The factors change every step, so they are packed once per call.
+// stride_pairs x 16 dwords; dword (p, l) of block b is (W[16b + l, 2p], W[16b + l, 2p + 1]),
+// zero past N and K. Sixteen rows p of a block are one AMX-BF16 B tile as they lie. The
+// factors change every step, so they are packed once per call.
 struct Packed {
   std::shared_ptr<common::Scratch> buf;  // pooled: a fresh multi-MiB tensor page-faults
   const uint32_t* data = nullptr;
   int64_t n = 0, k = 0, blocks = 0, pairs = 0;
+  int64_t stride_pairs = 0;  // pairs rounded up to 16 (zeros): whole AMX B tiles per block
 };
 
 // Packs w [E, N, K], or with `transposed` the transpose of w [E, K, N], for the experts whose

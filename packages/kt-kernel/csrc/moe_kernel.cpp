@@ -620,11 +620,13 @@ std::tuple<at::Tensor, at::Tensor, std::vector<at::Tensor>> backward(
     // with the packed products, one fp32 sum over the expert's rows.
     // Timed on each thread: a timer around the region would see the calling thread only.
     std::optional<Timer> prep_timer(std::in_place, kWeightGrad);
-    at::Tensor w_col = pl.on ? at::Tensor() : w_rows.to(opts.dtype()).unsqueeze(1);
-    at::Tensor qw = pl.on ? q : q * w_col;      // dL/d(A_down h) / s, per row
-    at::Tensor zdw = pl.on ? zd : zd * w_col;   // routing weight folded into the down LoRA input
-    at::Tensor w_f = pl.on ? w_rows.to(at::kFloat).contiguous() : at::Tensor();
-    const float* wf = pl.on ? w_f.data_ptr<float>() : nullptr;
+    // With AMX, oneDNN's factor gradients on tiles beat lora::grad (AVX512_BF16).
+    const bool own_grad = pl.on && !has_amx();
+    at::Tensor w_col = own_grad ? at::Tensor() : w_rows.to(opts.dtype()).unsqueeze(1);
+    at::Tensor qw = own_grad ? q : q * w_col;      // dL/d(A_down h) / s, per row
+    at::Tensor zdw = own_grad ? zd : zd * w_col;   // routing weight folded into the down LoRA input
+    at::Tensor w_f = own_grad ? w_rows.to(at::kFloat).contiguous() : at::Tensor();
+    const float* wf = own_grad ? w_f.data_ptr<float>() : nullptr;
     at::Tensor d_acat = at::zeros_like(l.a_cat);
     at::Tensor d_bbd = fused ? at::zeros_like(l.b_bd) : at::Tensor();
     at::Tensor d_bg = fused ? at::Tensor() : at::zeros({num_e, inter, r}, opts);
@@ -639,7 +641,7 @@ std::tuple<at::Tensor, at::Tensor, std::vector<at::Tensor>> backward(
       at::Tensor d_bbd_e = fused ? d_bbd[e] : at::Tensor();
       at::Tensor d_bg_e = fused ? at::Tensor() : d_bg[e];
       at::Tensor d_bu_e = fused ? at::Tensor() : d_bu[e];
-      if (pl.on) {
+      if (own_grad) {
         const int64_t b = off[e], m = off[e + 1] - off[e];
         if (m == 0) return;
         const float s = static_cast<float>(l.s);
