@@ -1,4 +1,4 @@
-"""The op's bf16 LoRA products: the kernel's own AVX512_BF16 routines against ATen's, one process.
+"""The op's bf16 LoRA products: the kernel's own routines (AVX512_BF16, AMX) against ATen's.
 
 Usage: ``python bench_lora_products.py --out DIR [--quick] [--reps N] [--tokens T ...]
 [--formats F ...] [--stem NAME]``. Writes ``DIR/<stem>.{json,md}`` (stem
@@ -134,7 +134,7 @@ def main() -> None:
     ap.add_argument("--formats", nargs="+", default=None, help="weight formats (bf16, bf16-packed)")
     ap.add_argument("--stem", default="bench_lora_products", help="output file name stem")
     args = ap.parse_args()
-    torch.ops.kt_kernel.set_lora_products(1)  # CPUs with AMX start with them off
+    torch.ops.kt_kernel.set_lora_products(1)  # whatever KT_KERNEL_LORA_PRODUCTS said
     if not torch.ops.kt_kernel.lora_products():
         print("bench_lora_products: skipped: this CPU has no AVX512_BF16 (the products are off)")
         return

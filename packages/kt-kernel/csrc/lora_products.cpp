@@ -22,6 +22,7 @@
 #include <string>
 #include <vector>
 
+#include "amx_tiles.h"
 #include "formats.h"
 #include "moe_common.h"
 
@@ -73,62 +74,9 @@ bool available(at::ScalarType dt) {
 }
 
 bool default_on() {
-  // With AMX, oneDNN's AMX-BF16 products beat these from about 128 rows per expert
-  // (benchmarks/results/bench_lora_products.amx.md); the CPUs without AMX gain from them.
-  return !__builtin_cpu_supports("amx-bf16");
-}
-
-Packed pack(const at::Tensor& w, bool transposed, const std::vector<uint8_t>& used) {
-  TORCH_CHECK(w.dim() == 3 && w.scalar_type() == at::kBFloat16 && w.is_contiguous(),
-              "lora::pack needs a contiguous bf16 [E, ., .] tensor");
-  const int64_t experts = w.size(0);
-  const int64_t n = transposed ? w.size(2) : w.size(1), k = transposed ? w.size(1) : w.size(2);
-  Packed p;
-  p.n = n;
-  p.k = k;
-  p.blocks = (n + kBlock - 1) / kBlock;
-  p.pairs = (k + 1) / 2;
-  p.stride_pairs = ceil_to(p.pairs, 16);
-  const int64_t per = p.blocks * p.stride_pairs * kBlock;  // dwords per expert
-  p.buf = std::make_shared<common::Scratch>(experts, per, at::kInt);
-  auto* dst = reinterpret_cast<uint32_t*>(p.buf->t.data_ptr());
-  p.data = dst;
-  const auto* src = rows(w);
-  common::run_tasks(experts, [&](int64_t e) {
-    if (!used[e]) return;
-    const uint16_t* s = src + e * n * k;
-    uint32_t* d = dst + e * per;
-    std::fill(d, d + per, 0u);
-    // Loops in the order that reads the source's rows front to back.
-    for (int64_t b = 0; b < p.blocks; ++b) {
-      uint32_t* db = d + b * p.stride_pairs * kBlock;
-      const int64_t live = std::min<int64_t>(kBlock, n - b * kBlock);  // rows of W here
-      if (transposed) {  // W[row, c] is w[c, row]: rows c and c + 1 of w, 16 columns each
-        for (int64_t q = 0; q < p.pairs; ++q) {
-          const uint16_t* r0 = s + 2 * q * n + b * kBlock;
-          const uint16_t* r1 = 2 * q + 1 < k ? r0 + n : nullptr;
-          uint32_t* dq = db + q * kBlock;
-          for (int64_t l = 0; l < live; ++l) {
-            dq[l] = r0[l] | (r1 ? static_cast<uint32_t>(r1[l]) << 16 : 0u);
-          }
-          for (int64_t l = live; l < kBlock; ++l) dq[l] = 0;
-        }
-      } else {
-        for (int64_t l = 0; l < kBlock; ++l) {
-          if (l >= live) {
-            for (int64_t q = 0; q < p.pairs; ++q) db[q * kBlock + l] = 0;
-            continue;
-          }
-          const uint16_t* row = s + (b * kBlock + l) * k;
-          for (int64_t q = 0; q < p.pairs; ++q) {
-            const uint32_t hi = 2 * q + 1 < k ? row[2 * q + 1] : 0;
-            db[q * kBlock + l] = row[2 * q] | (hi << 16);
-          }
-        }
-      }
-    }
-  });
-  return p;
+  // Measured no slower at any shape, with and without AMX, and 1.02-1.08x the whole op on
+  // AMX (benchmarks/results/bench_lora_products.{amx,avx512}.md).
+  return true;
 }
 
 #pragma GCC push_options
@@ -154,6 +102,68 @@ inline void store_bf16(uint16_t* p, __mmask16 mask, __m512 v) {
 inline __mmask16 first(int64_t count) {
   if (count <= 0) return 0;
   return count >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << count) - 1);
+}
+
+// The 16 x 16 dwords r[l][j] -> r[j][l] (rows become the columns), in place.
+inline void transpose16(__m512i (&r)[16]) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  // u[4 g + c], 128-bit lane L: rows 4 g .. 4 g + 3 at column 4 L + c
+  for (int g = 0; g < 4; ++g) {
+    u[4 * g] = _mm512_unpacklo_epi64(t[4 * g], t[4 * g + 2]);
+    u[4 * g + 1] = _mm512_unpackhi_epi64(t[4 * g], t[4 * g + 2]);
+    u[4 * g + 2] = _mm512_unpacklo_epi64(t[4 * g + 1], t[4 * g + 3]);
+    u[4 * g + 3] = _mm512_unpackhi_epi64(t[4 * g + 1], t[4 * g + 3]);
+  }
+  for (int c = 0; c < 4; ++c) {
+    const __m512i a = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x88);
+    const __m512i b = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x88);
+    const __m512i a2 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xDD);
+    const __m512i b2 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xDD);
+    r[c] = _mm512_shuffle_i32x4(a, b, 0x88);
+    r[8 + c] = _mm512_shuffle_i32x4(a, b, 0xDD);
+    r[4 + c] = _mm512_shuffle_i32x4(a2, b2, 0x88);
+    r[12 + c] = _mm512_shuffle_i32x4(a2, b2, 0xDD);
+  }
+}
+
+// One expert of pack(): s is w_e ([N, K], or [K, N] when transposed), d its packed blocks.
+void pack_expert(const uint16_t* s, int64_t n, int64_t k, bool transposed, const Packed& p,
+                 uint32_t* d) {
+  for (int64_t b = 0; b < p.blocks; ++b) {
+    uint32_t* db = d + b * p.stride_pairs * kBlock;
+    const int64_t live = std::min<int64_t>(kBlock, n - b * kBlock);  // rows of W here
+    const __mmask16 lanes = first(live);
+    if (transposed) {  // W[row, c] is w[c, row]: rows c and c + 1 of w, 16 columns each
+      for (int64_t q = 0; q < p.stride_pairs; ++q) {
+        __m512i v = _mm512_setzero_si512();
+        if (q < p.pairs) {
+          const uint16_t* r0 = s + 2 * q * n + b * kBlock;
+          const __m512i lo = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(lanes, r0));
+          __m512i hi = _mm512_setzero_si512();
+          if (2 * q + 1 < k) hi = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(lanes, r0 + n));
+          v = _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
+        }
+        _mm512_storeu_si512(db + q * kBlock, v);
+      }
+      continue;
+    }
+    // W's 16 rows, 16 column pairs at a time: a 16 x 16 dword transpose.
+    for (int64_t q0 = 0; q0 < p.stride_pairs; q0 += 16) {
+      const int64_t cols = std::max<int64_t>(0, std::min<int64_t>(32, k - 2 * q0));
+      const __mmask32 mk = cols >= 32 ? ~__mmask32{0} : (__mmask32{1} << cols) - 1;
+      __m512i r[16];
+      for (int64_t l = 0; l < 16; ++l) {
+        r[l] = l < live ? _mm512_maskz_loadu_epi16(mk, s + (b * kBlock + l) * k + 2 * q0)
+                        : _mm512_setzero_si512();
+      }
+      transpose16(r);
+      for (int64_t j = 0; j < 16; ++j) _mm512_storeu_si512(db + (q0 + j) * kBlock, r[j]);
+    }
+  }
 }
 
 // out[r, 16 j + l] for MR rows and NB blocks: lane l adds x's column pairs against the block's
@@ -354,32 +364,13 @@ void grad_cols(const uint32_t* ap, int64_t jp, int64_t jcount, const uint32_t* x
 
 #pragma GCC pop_options
 
-// AMX-BF16: x's rows (copied to a zero-padded buffer) as A tiles, 16 pairs of a block of the
-// packed factor as one B tile, read in place; C through fp32 to bf16 (or added to out).
+// AMX-BF16 (where has_amx(), from 16 rows): x's rows as A tiles (in place, or from a
+// zero-padded copy), 16 pairs of a block of the packed factor as one B tile, read in place;
+// C through fp32 to bf16 (or added to out). oneDNN's small GEMMs on AMX took 25-70 us a call
+// at these shapes.
 #pragma GCC push_options
 #pragma GCC target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")
 namespace {
-
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// C tiles 0-3 (32 rows x 32 outputs), A tiles 4-5, B tiles 6-7: each 16 rows of 64 bytes.
-const TileConfig& tile_config() {
-  static const TileConfig cfg = [] {
-    TileConfig c;
-    for (int t = 0; t < 8; ++t) {
-      c.rows[t] = 16;
-      c.colsb[t] = 64;
-    }
-    return c;
-  }();
-  return cfg;
-}
 
 template <bool Acc>
 void amx_nt(const uint16_t* x_in, int64_t ldx_in, int64_t m, const Packed& w, int64_t e,
@@ -409,7 +400,7 @@ void amx_nt(const uint16_t* x_in, int64_t ldx_in, int64_t m, const Packed& w, in
   const uint32_t* we = w.data + e * w.blocks * bsd;
   const int64_t sa = ld * 2;
   const __m512 sv = _mm512_set1_ps(s);
-  _tile_loadconfig(&tile_config());  // per call: oneDNN loads its own on this thread
+  _tile_loadconfig(&tile_config_16x64());  // per call: oneDNN loads its own on this thread
   for (int64_t b = 0; b < w.blocks; b += 2) {
     const uint32_t* b0 = we + b * bsd;
     const bool two = b + 1 < w.blocks;
@@ -456,11 +447,86 @@ void amx_nt(const uint16_t* x_in, int64_t ldx_in, int64_t m, const Packed& w, in
   _tile_release();  // no tile state left for the OS to save at a context switch
 }
 
+// out [J, N] (or out_t: [N, J]) = s * sum over rows i of a'[i, j] x[i, n] on AMX tiles: A tiles
+// are rows of a'^T (apt: [32 j rows][mp16] dwords, pairs of rows i), B tiles 16 row pairs of x
+// (xp: [mp16][npd] dwords (x[2i, n], x[2i + 1, n])); both zero-padded.
+void amx_grad(const uint32_t* apt, int64_t mp16, const uint32_t* xp, int64_t npd, int64_t jt,
+              int64_t jcount, int64_t n, float s, uint16_t* out, int64_t ldo, bool out_t) {
+  alignas(64) float c[4][256];
+  const __m512 sv = _mm512_set1_ps(s);
+  _tile_loadconfig(&tile_config_16x64());
+  for (int64_t n0 = 0; n0 < npd; n0 += 32) {
+    for (int64_t j0 = 0; j0 < jt; j0 += 32) {
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int64_t t = 0; t < mp16; t += 16) {
+        _tile_loadd(4, apt + j0 * mp16 + t, mp16 * 4);
+        _tile_loadd(5, apt + (j0 + 16) * mp16 + t, mp16 * 4);
+        _tile_loadd(6, xp + t * npd + n0, npd * 4);
+        _tile_loadd(7, xp + t * npd + n0 + 16, npd * 4);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+      }
+      _tile_stored(0, c[0], 64);
+      _tile_stored(1, c[1], 64);
+      _tile_stored(2, c[2], 64);
+      _tile_stored(3, c[3], 64);
+      for (int i = 0; i < 2; ++i) {
+        for (int h = 0; h < 2; ++h) {
+          const int64_t col = n0 + 16 * h;
+          if (col >= n) continue;
+          const __mmask16 mask = first(n - col);
+          for (int r = 0; r < 16 && j0 + 16 * i + r < jcount; ++r) {
+            const int64_t j = j0 + 16 * i + r;
+            const __m512 v = _mm512_mul_ps(sv, _mm512_load_ps(c[2 * i + h] + 16 * r));
+            if (!out_t) {
+              store_bf16(out + j * ldo + col, mask, v);
+              continue;
+            }
+            alignas(64) uint16_t b[16];
+            _mm256_store_si256(reinterpret_cast<__m256i*>(b), (__m256i)_mm512_cvtneps_pbh(v));
+            for (int64_t q = 0; q < std::min<int64_t>(16, n - col); ++q) {
+              out[(col + q) * ldo + j] = b[q];
+            }
+          }
+        }
+      }
+    }
+  }
+  _tile_release();
+}
+
 }  // namespace
 
 #pragma GCC pop_options
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")
+
+Packed pack(const at::Tensor& w, bool transposed, const std::vector<uint8_t>& used) {
+  TORCH_CHECK(w.dim() == 3 && w.scalar_type() == at::kBFloat16 && w.is_contiguous(),
+              "lora::pack needs a contiguous bf16 [E, ., .] tensor");
+  const int64_t experts = w.size(0);
+  const int64_t n = transposed ? w.size(2) : w.size(1), k = transposed ? w.size(1) : w.size(2);
+  Packed p;
+  p.n = n;
+  p.k = k;
+  p.blocks = (n + kBlock - 1) / kBlock;
+  p.pairs = (k + 1) / 2;
+  p.stride_pairs = ceil_to(p.pairs, 16);
+  const int64_t per = p.blocks * p.stride_pairs * kBlock;  // dwords per expert
+  p.buf = std::make_shared<common::Scratch>(experts, per, at::kInt);
+  auto* dst = reinterpret_cast<uint32_t*>(p.buf->t.data_ptr());
+  p.data = dst;
+  const auto* src = rows(w);
+  common::run_tasks(experts, [&](int64_t e) {
+    if (used[e]) pack_expert(src + e * n * k, n, k, transposed, p, dst + e * per);
+  });
+  return p;
+}
 
 void nt(const at::Tensor& x, const Packed& w, int64_t e, at::Tensor& out, bool accumulate,
         float s) {
@@ -519,14 +585,17 @@ void grad(const at::Tensor& a, const float* w, const at::Tensor& x, float s, at:
   const int64_t jp = ceil_to(jcount, 16);
   thread_local std::vector<uint32_t> ap;
   weighted_pairs(a, w, m, jcount, jp, ap);
-  if (!out_t) {
+  const bool amx = m >= kAmxRows && has_amx();
+  if (!out_t && !amx) {
     grad_rows(ap.data(), jp, jcount, rows(x), x.stride(0), m, n, s, o, out.stride(0));
     return;
   }
-  // x's row pairs as dwords, for the broadcasts (unpack, then back in column order).
-  const int64_t mp = (m + 1) / 2, npd = ceil_to(n, 32);
+  // x's row pairs as dwords, for the broadcasts or the B tiles (unpack, then back in column
+  // order); AMX takes whole tiles of 16 row pairs (zero rows past m).
+  const int64_t mp = (m + 1) / 2, npd = ceil_to(n, 32), mp16 = ceil_to(mp, 16);
   thread_local std::vector<uint32_t> xpairs;
-  xpairs.resize(static_cast<size_t>(mp * npd));
+  xpairs.resize(static_cast<size_t>((amx ? mp16 : mp) * npd));
+  if (amx) std::fill(xpairs.begin() + mp * npd, xpairs.end(), 0u);
   const uint16_t* xr = rows(x);
   const int64_t ldx = x.stride(0);
   for (int64_t i = 0; i < mp; ++i) {
@@ -544,6 +613,17 @@ void grad(const at::Tensor& a, const float* w, const at::Tensor& x, float s, at:
       _mm512_storeu_si512(d, _mm512_permutex2var_epi32(lo, order_lo(), hi));
       _mm512_storeu_si512(d + 16, _mm512_permutex2var_epi32(lo, order_hi(), hi));
     }
+  }
+  if (amx) {
+    // a'^T: 32 j rows (zeros past J) of mp16 row pairs.
+    const int64_t jt = ceil_to(jcount, 32);
+    thread_local std::vector<uint32_t> apt;
+    apt.assign(static_cast<size_t>(jt * mp16), 0u);
+    for (int64_t i = 0; i < mp; ++i) {
+      for (int64_t j = 0; j < jcount; ++j) apt[j * mp16 + i] = ap[i * jp + j];
+    }
+    amx_grad(apt.data(), mp16, xpairs.data(), npd, jt, jcount, n, s, o, out.stride(0), out_t);
+    return;
   }
   if (jp == 16) {
     grad_cols<1>(ap.data(), jp, jcount, xpairs.data(), npd, mp, n, s, o, out.stride(0));

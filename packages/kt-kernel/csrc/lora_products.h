@@ -1,10 +1,11 @@
-// The expert op's LoRA products in bf16 on AVX512_BF16: rank-r products against packed factors
-// and the factor gradients, each summed in fp32 and rounded to bf16 once.
+// The expert op's LoRA products in bf16 on AVX512_BF16, and on AMX-BF16 tiles where the CPU
+// has them: rank-r products against packed factors and the factor gradients, each summed in
+// fp32 and rounded to bf16 once.
 //
-// Why: through ATen each of these is a separate small GEMM (e.g. 32 rows x 2048 x 32) whose
-// fixed cost is most of its time; the per-phase profile put the op's LoRA products at 7-23%
-// of the single-thread peak and 11-14% of its CPU time (benchmarks/results/history.md,
-// "LoRA products"). The op keeps its ATen products wherever available() is false.
+// Why: through ATen each of these is a separate small GEMM (e.g. 32 rows x 2048 x 16) whose
+// fixed cost is most of its time: 25-70 us a call on an AMX Xeon, 7-23% of the single-thread
+// peak on an AVX-512 EPYC (benchmarks/results/history.md, "LoRA products on the kernel's own
+// routines"). The op keeps its ATen products wherever available() is false.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -26,7 +27,7 @@ namespace lora {
 bool available(at::ScalarType dt);
 
 // The switch (torch.ops.kt_kernel.set_lora_products; KT_KERNEL_LORA_PRODUCTS=0 or 1 at start):
-// off, the op uses ATen's products. It starts at default_on(): on where the CPU has no AMX.
+// off, the op uses ATen's products. It starts at default_on(): on.
 std::atomic<bool>& enabled_setting();
 bool default_on();
 

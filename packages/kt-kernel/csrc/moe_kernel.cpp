@@ -620,8 +620,7 @@ std::tuple<at::Tensor, at::Tensor, std::vector<at::Tensor>> backward(
     // with the packed products, one fp32 sum over the expert's rows.
     // Timed on each thread: a timer around the region would see the calling thread only.
     std::optional<Timer> prep_timer(std::in_place, kWeightGrad);
-    // With AMX, oneDNN's factor gradients on tiles beat lora::grad (AVX512_BF16).
-    const bool own_grad = pl.on && !has_amx();
+    const bool own_grad = pl.on;
     at::Tensor w_col = own_grad ? at::Tensor() : w_rows.to(opts.dtype()).unsqueeze(1);
     at::Tensor qw = own_grad ? q : q * w_col;      // dL/d(A_down h) / s, per row
     at::Tensor zdw = own_grad ? zd : zd * w_col;   // routing weight folded into the down LoRA input

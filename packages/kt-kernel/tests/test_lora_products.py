@@ -1,4 +1,5 @@
-"""The op's bf16 LoRA products on the kernel's own AVX512_BF16 routines (lora_products.cpp).
+"""The op's bf16 LoRA products on the kernel's own routines (lora_products.cpp): AVX512_BF16, and
+AMX-BF16 tiles from 16 rows where the CPU has AMX (a child with KT_KERNEL_AMX=0 runs without).
 
 Every output of forward + backward (y, dx, the routing-weight gradient and each LoRA factor
 gradient) is checked against the float64 oracle with the routines on and with them off (ATen's
@@ -32,7 +33,7 @@ CASES = [
 
 
 def _products_run() -> bool:
-    """Whether the routines can run here (switched on: CPUs with AMX start with them off)."""
+    """Whether the routines can run here (switched on, whatever an earlier test left)."""
     if kk.backend_info().active != "native":
         return False
     torch.ops.kt_kernel.set_lora_products(1)
@@ -129,11 +130,50 @@ def test_switch_environment_and_default() -> None:
     ops = torch.ops.kt_kernel
     ops.set_lora_products(0)
     assert not ops.lora_products()
-    ops.set_lora_products(-1)  # the default: on where the CPU has no AMX
-    assert ops.lora_products() == ("amx-bf16" not in kk.backend_info().cpu_features)
+    ops.set_lora_products(-1)  # the default: on
+    assert ops.lora_products()
     code = "import torch, kt_kernel; print(torch.ops.kt_kernel.lora_products())"
     for value, want in (("0", "False"), ("1", "True")):
         env = {**os.environ, "KT_KERNEL_LORA_PRODUCTS": value}
         out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True)
         assert out.returncode == 0, out.stderr
         assert out.stdout.strip() == want, value
+
+
+_CHILD = """
+import sys, torch
+sys.path.insert(0, {here!r})
+import test_lora_products as t
+torch.ops.kt_kernel.set_lora_products(1)
+problem = t._problem(*t.CASES[2][:7], seed=7)
+got = t._run(*problem, "native", "save")
+torch.save({{"got": got, "amx": torch.ops.kt_kernel.amx()}}, sys.argv[1])
+"""
+
+
+@pytest.mark.timeout(300)
+def test_amx_tiles_and_avx512_agree_with_the_oracle_in_children() -> None:
+    """The same problem with AMX tiles (where the CPU has them) and with KT_KERNEL_AMX=0."""
+    if not _products_run():
+        pytest.skip("the kernel's LoRA products need AVX512_BF16")
+    here = os.path.dirname(__file__)
+    out = {}
+    for name, extra in (("default", {}), ("no_amx", {"KT_KERNEL_AMX": "0"})):
+        path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"kt_lora_{os.getpid()}_{name}.pt")
+        run = subprocess.run(
+            [sys.executable, "-c", _CHILD.format(here=here), path],
+            env={**os.environ, **extra},
+            capture_output=True,
+            text=True,
+            timeout=300,
+        )
+        assert run.returncode == 0, run.stderr[-3000:]
+        out[name] = torch.load(path)
+        os.remove(path)
+    assert out["default"]["amx"] == torch.ops.kt_kernel.amx()
+    assert not out["no_amx"]["amx"]
+    problem = _problem(*CASES[2][:7], seed=7)
+    ref = _reference(*problem, "save")
+    for name in out:
+        for a, r in zip(out[name]["got"], ref, strict=True):
+            assert _err(a, r) < OP_BF16_TOL, (name, _err(a, r))
