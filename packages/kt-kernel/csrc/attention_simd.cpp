@@ -4,6 +4,7 @@
 // fp32 GEMMs torch exposes (MKL's, cpublas) run at under half the bf16 peak on AMD CPUs; the
 // scores must stay fp32 for the softmax.
 #include "attention.h"
+#include "amx_tiles.h"
 #include "formats.h"
 
 #include <immintrin.h>
@@ -100,31 +101,11 @@ static void gemm_bf16(int64_t M, int64_t N, int64_t K, const uint16_t* A, int64_
 #pragma GCC target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16,fma,bmi2")
 namespace isa_amx {
 
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// C tiles 0-3 (a 32 x 32 block of C), A tiles 4-5 (32 rows x 32 k), B tiles 6-7 (32 k x 32
-// columns): every tile is 16 rows of 64 bytes.
-static TileConfig make_config() {
-  TileConfig cfg;
-  for (int t = 0; t < 8; ++t) {
-    cfg.rows[t] = 16;
-    cfg.colsb[t] = 64;
-  }
-  return cfg;
-}
-
 // The 32-aligned part of C (M32 x N32, over K32) on AMX; the caller does the edges.
 static void blocks(int64_t M32, int64_t N32, int64_t K32, const uint16_t* A, int64_t lda,
                    const uint16_t* B, int64_t ldb, float* C, int64_t ldc, bool accumulate) {
-  static const TileConfig cfg = make_config();
   // Per call: other code on this thread (oneDNN) loads its own configuration.
-  _tile_loadconfig(&cfg);
+  _tile_loadconfig(&tile_config_16x64());
   const int64_t sa = lda * 2, sb = ldb * 4, sc = ldc * 4;  // row strides in bytes
   for (int64_t n0 = 0; n0 < N32; n0 += 32) {
     for (int64_t m0 = 0; m0 < M32; m0 += 32) {

@@ -32,6 +32,7 @@
 #include <cstring>
 #include <vector>
 
+#include "amx_tiles.h"
 #include "formats.h"
 
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -304,27 +305,6 @@ void nn(const uint16_t* p, int64_t n, int64_t k, const uint16_t* dy, int64_t ldi
 #pragma GCC target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")
 namespace amx {
 
-struct alignas(64) TileConfig {
-  uint8_t palette = 1;
-  uint8_t start_row = 0;
-  uint8_t reserved[14] = {};
-  uint16_t colsb[16] = {};
-  uint8_t rows[16] = {};
-};
-
-// C tiles 0-3 (32 rows x 32 outputs), A tiles 4-5, B tiles 6-7: each 16 rows of 64 bytes.
-const TileConfig& config() {
-  static const TileConfig cfg = [] {
-    TileConfig c;
-    for (int t = 0; t < 8; ++t) {
-      c.rows[t] = 16;
-      c.colsb[t] = 64;
-    }
-    return c;
-  }();
-  return cfg;
-}
-
 constexpr int64_t kTile = 512;  // bf16 elements of one tile
 
 // `in` [m, cols] into a zero-padded [ceil32(m), ld] buffer, ld = ceil32(cols) + 32 (the extra
@@ -409,7 +389,7 @@ void nt(const uint16_t* p, int64_t n, int64_t k, const uint16_t* x_in, int64_t l
   thread_local std::vector<uint16_t> bt;
   bt.resize(static_cast<size_t>(steps * 2 * kTile));
   const __m512i sh = to_rows();
-  _tile_loadconfig(&config());  // per call: oneDNN loads its own on this thread
+  _tile_loadconfig(&tile_config_16x64());  // per call: oneDNN loads its own on this thread
   for (int64_t b = 0; b < blocks; b += 2) {
     for (int64_t s = 0; s < steps; ++s) {
       for (int j = 0; j < 2; ++j) {
@@ -473,7 +453,7 @@ void nn(const uint16_t* p, int64_t n, int64_t k, const uint16_t* dy_in, int64_t 
   const uint16_t* dy = padded(dy_in, ldi, m, n, ld, rows);
   thread_local std::vector<uint16_t> bt;
   bt.resize(static_cast<size_t>(steps * 2 * kTile));
-  _tile_loadconfig(&config());
+  _tile_loadconfig(&tile_config_16x64());
   for (int64_t c0 = 0; c0 < k; c0 += 32) {
     for (int64_t s = 0; s < steps; ++s) {
       for (int j = 0; j < 2; ++j) {  // the 16 output columns c0 + 16 j ...

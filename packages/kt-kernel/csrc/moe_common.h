@@ -68,7 +68,7 @@ class Pool {
   }
 
  private:
-  static constexpr size_t kMaxFree = 8;
+  static constexpr size_t kMaxFree = 16;
   std::mutex mu_;
   std::vector<at::Tensor> free_;
 };

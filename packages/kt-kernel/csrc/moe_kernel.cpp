@@ -27,6 +27,7 @@
 
 #include "elementwise.h"
 #include "formats.h"
+#include "lora_products.h"
 #include "moe_common.h"
 
 namespace kt_kernel {
@@ -326,9 +327,49 @@ Routing check_saved_routing(const std::vector<at::Tensor>& saved, const Call& c,
   return Routing{saved[0], saved[1], saved[2]};
 }
 
+// The LoRA factors packed for lora::nt where lora::available (else `on` is false and the op
+// uses ATen's products): the forward's factors as stored, the backward's transposed.
+struct PackedLora {
+  bool on = false;
+  lora::Packed a_cat, b_bd, a_down, b_down;          // x A^T, z B^T
+  lora::Packed a_cat_t, b_bd_t, a_down_t, b_down_t;  // dz A, dgu B
+};
+
+// Experts with at least one row: only their factors are packed.
+std::vector<uint8_t> experts_with_rows(const at::Tensor& offsets) {
+  const int64_t* off = offsets.data_ptr<int64_t>();
+  std::vector<uint8_t> used(static_cast<size_t>(offsets.numel() - 1));
+  for (size_t e = 0; e < used.size(); ++e) used[e] = off[e + 1] > off[e];
+  return used;
+}
+
+// `forward_factors` packs what forward (and backward's recompute) reads, `backward_factors`
+// what backward's products read.
+PackedLora pack_lora(const Lora& l, at::ScalarType dt, const at::Tensor& offsets,
+                     bool forward_factors, bool backward_factors) {
+  PackedLora p;
+  if (!l.on || !lora::available(dt)) return p;
+  KT_TIME(kPrep);
+  p.on = true;
+  const std::vector<uint8_t> used = experts_with_rows(offsets);
+  if (forward_factors) {
+    p.a_cat = lora::pack(l.a_cat, false, used);
+    p.b_bd = lora::pack(l.b_bd, false, used);
+    p.a_down = lora::pack(l.a_down, false, used);
+    p.b_down = lora::pack(l.b_down, false, used);
+  }
+  if (backward_factors) {
+    p.a_cat_t = lora::pack(l.a_cat, true, used);
+    p.b_bd_t = lora::pack(l.b_bd, true, used);
+    p.a_down_t = lora::pack(l.a_down, true, used);
+    p.b_down_t = lora::pack(l.b_down, true, used);
+  }
+  return p;
+}
+
 // gu = xs @ W_gu[e]^T (+ bias) (+ s * (xs @ A_cat^T) @ B_bd^T, keeping z = xs @ A_cat^T).
-void gate_up_rows(const at::Tensor& xs, const Call& c, const Lora& l, int64_t e, at::Tensor& gu,
-                  at::Tensor* z) {
+void gate_up_rows(const at::Tensor& xs, const Call& c, const Lora& l, const PackedLora& pl,
+                  int64_t e, at::Tensor& gu, at::Tensor* z) {
   {
     KT_TIME(kGemmGateUp);
     c.gu.nt(gu, xs, e);
@@ -336,8 +377,13 @@ void gate_up_rows(const at::Tensor& xs, const Call& c, const Lora& l, int64_t e,
   }
   if (l.on) {
     KT_TIME(kLoraGateUp);
-    at::mm_out(*z, xs, l.a_cat[e].t());
-    gu.addmm_(*z, l.b_bd[e].t(), 1.0, l.s);
+    if (pl.on) {
+      lora::nt(xs, pl.a_cat, e, *z, false, 1.0f);
+      lora::nt(*z, pl.b_bd, e, gu, true, static_cast<float>(l.s));
+    } else {
+      at::mm_out(*z, xs, l.a_cat[e].t());
+      gu.addmm_(*z, l.b_bd[e].t(), 1.0, l.s);
+    }
   }
 }
 
@@ -366,6 +412,7 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> forward(
     KT_TIME(kPrep);
     return prepare_lora(lora_t, fused, scaling, inter);
   }();
+  const PackedLora pl = pack_lora(l, c.dt, rt.offsets, true, false);
   const int64_t ra = l.on ? l.a_cat.size(1) : 0;
   const int64_t np = rt.perm.numel();  // padded row count
   auto opts = x.options();
@@ -387,7 +434,7 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> forward(
     at::Tensor xs_t = xs.narrow(0, b, m);
     at::Tensor gu_t = gu.narrow(0, b, m);
     at::Tensor z_t = l.on ? z.narrow(0, b, m) : at::Tensor();
-    gate_up_rows(xs_t, c, l, e, gu_t, &z_t);
+    gate_up_rows(xs_t, c, l, pl, e, gu_t, &z_t);
     at::Tensor h_t = at::empty({m, inter}, opts);
     {
       KT_TIME(kAct);
@@ -402,8 +449,13 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> forward(
     if (l.on) {
       KT_TIME(kLoraDown);
       at::Tensor zd_t = zd.narrow(0, b, m);
-      at::mm_out(zd_t, h_t, l.a_down[e].t());
-      o_t.addmm_(zd_t, l.b_down[e].t(), 1.0, l.s);
+      if (pl.on) {
+        lora::nt(h_t, pl.a_down, e, zd_t, false, 1.0f);
+        lora::nt(zd_t, pl.b_down, e, o_t, true, static_cast<float>(l.s));
+      } else {
+        at::mm_out(zd_t, h_t, l.a_down[e].t());
+        o_t.addmm_(zd_t, l.b_down[e].t(), 1.0, l.s);
+      }
     }
   });
   // Timed inside: scatter runs on torch's threads, which a timer here would not see.
@@ -444,6 +496,7 @@ std::tuple<at::Tensor, at::Tensor, std::vector<at::Tensor>> backward(
   Routing rt = check_saved_routing(saved, c, c.fmt->row_pad);
   const bool have_saved = saved.size() == 6;
   Lora l = prepare_lora(lora_t, fused, scaling, inter);
+  const PackedLora pl = pack_lora(l, c.dt, rt.offsets, !have_saved, true);
   const int64_t ra = l.on ? l.a_cat.size(1) : 0, r = l.rank;
   auto opts = x.options();
   const int64_t* perm = rt.perm.data_ptr<int64_t>();
@@ -503,7 +556,7 @@ std::tuple<at::Tensor, at::Tensor, std::vector<at::Tensor>> backward(
       KT_TIME(kRecompute);
       gu_t = at::empty({m, 2 * inter}, opts);
       at::Tensor z_t = l.on ? z.narrow(0, b, m) : at::Tensor();
-      gate_up_rows(xs.narrow(0, b, m), c, l, e, gu_t, &z_t);
+      gate_up_rows(xs.narrow(0, b, m), c, l, pl, e, gu_t, &z_t);
     }
     {
       KT_TIME(kGather);
@@ -518,8 +571,13 @@ std::tuple<at::Tensor, at::Tensor, std::vector<at::Tensor>> backward(
     if (l.on) {
       KT_TIME(kBwdLoraDown);
       at::Tensor q_t = q.narrow(0, b, m);
-      at::mm_out(q_t, dys_t, l.b_down[e]);
-      gh_t.addmm_(q_t, l.a_down[e], 1.0, l.s);
+      if (pl.on) {
+        lora::nt(dys_t, pl.b_down_t, e, q_t, false, 1.0f);
+        lora::nt(q_t, pl.a_down_t, e, gh_t, true, static_cast<float>(l.s));
+      } else {
+        at::mm_out(q_t, dys_t, l.b_down[e]);
+        gh_t.addmm_(q_t, l.a_down[e], 1.0, l.s);
+      }
     }
     at::Tensor dgu_t = dgu.narrow(0, b, m);
     at::Tensor h_t = l.on ? h.narrow(0, b, m) : at::empty({m, inter}, opts);
@@ -534,29 +592,40 @@ std::tuple<at::Tensor, at::Tensor, std::vector<at::Tensor>> backward(
     }
     if (l.on) {
       KT_TIME(kBwdLoraGateUp);
-      if (!have_saved) {
-        at::Tensor zd_t = zd.narrow(0, b, m);
-        at::mm_out(zd_t, h_t, l.a_down[e].t());
-      }
+      at::Tensor zd_t = have_saved ? at::Tensor() : zd.narrow(0, b, m);
       at::Tensor dz_t = dz.narrow(0, b, m);
-      at::mm_out(dz_t, dgu_t, l.b_bd[e]);
+      if (pl.on) {
+        if (!have_saved) lora::nt(h_t, pl.a_down, e, zd_t, false, 1.0f);
+        lora::nt(dgu_t, pl.b_bd_t, e, dz_t, false, 1.0f);
+      } else {
+        if (!have_saved) at::mm_out(zd_t, h_t, l.a_down[e].t());
+        at::mm_out(dz_t, dgu_t, l.b_bd[e]);
+      }
     }
     if (need_dx) {
       KT_TIME(kBwdGemmGateUp);
       at::Tensor dxs_t = dxs.narrow(0, b, m);
       c.gu.nn(dxs_t, dgu_t, e);
-      if (l.on) dxs_t.addmm_(dz.narrow(0, b, m), l.a_cat[e], 1.0, l.s);
+      if (pl.on) {
+        lora::nt(dz.narrow(0, b, m), pl.a_cat_t, e, dxs_t, true, static_cast<float>(l.s));
+      } else if (l.on) {
+        dxs_t.addmm_(dz.narrow(0, b, m), l.a_cat[e], 1.0, l.s);
+      }
     }
   });
 
   std::vector<at::Tensor> grads;
   if (l.on) {
-    // Weight gradients: one GEMM per row tile of an expert, summed in order (fixed reduction).
+    // Weight gradients: one GEMM per row tile of an expert, summed in order (fixed reduction);
+    // with the packed products, one fp32 sum over the expert's rows.
     // Timed on each thread: a timer around the region would see the calling thread only.
     std::optional<Timer> prep_timer(std::in_place, kWeightGrad);
-    at::Tensor w_col = w_rows.to(opts.dtype()).unsqueeze(1);
-    at::Tensor qw = q * w_col;    // dL/d(A_down h) / s, per row
-    at::Tensor zdw = zd * w_col;  // routing weight folded into the down LoRA input
+    const bool own_grad = pl.on;
+    at::Tensor w_col = own_grad ? at::Tensor() : w_rows.to(opts.dtype()).unsqueeze(1);
+    at::Tensor qw = own_grad ? q : q * w_col;      // dL/d(A_down h) / s, per row
+    at::Tensor zdw = own_grad ? zd : zd * w_col;   // routing weight folded into the down LoRA input
+    at::Tensor w_f = own_grad ? w_rows.to(at::kFloat).contiguous() : at::Tensor();
+    const float* wf = own_grad ? w_f.data_ptr<float>() : nullptr;
     at::Tensor d_acat = at::zeros_like(l.a_cat);
     at::Tensor d_bbd = fused ? at::zeros_like(l.b_bd) : at::Tensor();
     at::Tensor d_bg = fused ? at::Tensor() : at::zeros({num_e, inter, r}, opts);
@@ -571,6 +640,22 @@ std::tuple<at::Tensor, at::Tensor, std::vector<at::Tensor>> backward(
       at::Tensor d_bbd_e = fused ? d_bbd[e] : at::Tensor();
       at::Tensor d_bg_e = fused ? at::Tensor() : d_bg[e];
       at::Tensor d_bu_e = fused ? at::Tensor() : d_bu[e];
+      if (own_grad) {
+        const int64_t b = off[e], m = off[e + 1] - off[e];
+        if (m == 0) return;
+        const float s = static_cast<float>(l.s);
+        at::Tensor dgu_t = dgu.narrow(0, b, m), z_t = z.narrow(0, b, m);
+        lora::grad(zd.narrow(0, b, m), wf + b, dys.narrow(0, b, m), s, d_bd_e, true);
+        lora::grad(q.narrow(0, b, m), wf + b, h.narrow(0, b, m), s, d_ad_e, false);
+        if (fused) {
+          lora::grad(z_t, nullptr, dgu_t, s, d_bbd_e, true);
+        } else {
+          lora::grad(z_t.narrow(1, 0, r), nullptr, dgu_t.narrow(1, 0, inter), s, d_bg_e, true);
+          lora::grad(z_t.narrow(1, r, r), nullptr, dgu_t.narrow(1, inter, inter), s, d_bu_e, true);
+        }
+        lora::grad(dz.narrow(0, b, m), nullptr, xs.narrow(0, b, m), s, d_acat_e, false);
+        return;
+      }
       for (int64_t b = off[e]; b < off[e + 1]; b = common::tile_end(b, off[e + 1], tile_rows)) {
         const int64_t m = common::tile_end(b, off[e + 1], tile_rows) - b;
         at::Tensor dgu_t = dgu.narrow(0, b, m), z_t = z.narrow(0, b, m);
@@ -668,6 +753,13 @@ TORCH_LIBRARY(kt_kernel, m) {
     kt_kernel::common::thread_override().store(n > 0 ? static_cast<int>(n) : 0);
   });
   m.def("gemv_rows", []() { return kt_kernel::common::gemv_rows(); });
+  // 1: the kernel's bf16 LoRA products where the CPU has AVX512_BF16; 0: ATen's; negative: the
+  // CPU's default (on without AMX).
+  m.def("set_lora_products", [](int64_t on) {
+    kt_kernel::lora::enabled_setting().store(on < 0 ? kt_kernel::lora::default_on() : on != 0);
+  });
+  // Whether bf16 LoRA products run on the kernel's own AVX512_BF16 routines here (else ATen's).
+  m.def("lora_products", []() { return kt_kernel::lora::available(at::kBFloat16); });
   m.def("isa", []() { return std::string(kt_kernel::isa_name(kt_kernel::isa_level())); });
   m.def("int8_isa", []() { return kt_kernel::formats::int8_isa(); });
   // Whether the kernel's own AMX-BF16 tile products run here (KT_KERNEL_AMX=0 turns them off).

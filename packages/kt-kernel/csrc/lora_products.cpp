@@ -1,0 +1,664 @@
+// LoRA products of the expert op on AVX512_BF16 (see lora_products.h).
+//
+// nt() is the pattern of bf16_packed's x W^T without its shuffle: the factor is packed so that
+// each 64-byte load holds 16 output rows' column pairs, and one vdpbf16ps against a broadcast
+// pair of x gives 16 outputs. The LoRA factors are small (rank x H), so packing both
+// orientations each call costs less than one ATen call's overhead per expert.
+//
+// grad() sums over the expert's rows, two at a time: a row pair of x, interleaved in
+// registers, against a broadcast pair of (a w) for out [J, N]; for out [N, J] the roles turn
+// round (a's 16 columns as one vector against a broadcast pair of x) so that each stored
+// vector is 16 contiguous outputs.
+#include "lora_products.h"
+
+#include <ATen/core/grad_mode.h>
+#include <c10/util/BFloat16.h>
+#include <c10/util/Exception.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "amx_tiles.h"
+#include "formats.h"
+#include "moe_common.h"
+
+#if defined(__x86_64__) && defined(__GNUC__)
+#include <immintrin.h>
+#define KT_LORA_SIMD 1
+#endif
+
+namespace kt_kernel {
+namespace lora {
+namespace {
+
+constexpr int64_t kBlock = 16;
+constexpr int64_t kAmxRows = 16;  // rows from which nt() takes AMX tiles where the CPU has them
+
+inline int64_t ceil_to(int64_t a, int64_t b) { return (a + b - 1) / b * b; }
+inline uint16_t bits(const at::Tensor& t, int64_t i, int64_t j) {
+  return reinterpret_cast<const uint16_t*>(t.data_ptr())[i * t.stride(0) + j];
+}
+inline const uint16_t* rows(const at::Tensor& t) {
+  return reinterpret_cast<const uint16_t*>(t.data_ptr());
+}
+
+void check_rows(const at::Tensor& t, const char* what) {
+  TORCH_CHECK(t.dim() == 2 && t.scalar_type() == at::kBFloat16 && t.stride(1) == 1, "lora::",
+              what, " must be 2-D bf16 with unit column stride");
+}
+
+}  // namespace
+
+bool default_on();
+
+std::atomic<bool>& enabled_setting() {
+  // KT_KERNEL_LORA_PRODUCTS=0 / 1 overrides the CPU's default at the start (read once).
+  static std::atomic<bool> v{[] {
+    const char* e = std::getenv("KT_KERNEL_LORA_PRODUCTS");
+    if (e != nullptr && std::string(e) == "0") return false;
+    if (e != nullptr && std::string(e) == "1") return true;
+    return default_on();
+  }()};
+  return v;
+}
+
+#ifdef KT_LORA_SIMD
+
+bool available(at::ScalarType dt) {
+  return enabled_setting().load(std::memory_order_relaxed) && dt == at::kBFloat16 &&
+         has_avx512_bf16();
+}
+
+bool default_on() {
+  // Measured no slower at any shape, with and without AMX, and 1.02-1.08x the whole op on
+  // AMX (benchmarks/results/bench_lora_products.{amx,avx512}.md).
+  return true;
+}
+
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")
+
+namespace {
+
+inline uint32_t pair_at(const uint16_t* row, int64_t col) {
+  uint32_t v;
+  std::memcpy(&v, row + col, 4);
+  return v;
+}
+
+inline __m512 load_bf16(const uint16_t* p, __mmask16 mask) {
+  const __m256i v = _mm256_maskz_loadu_epi16(mask, p);
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+}
+
+inline void store_bf16(uint16_t* p, __mmask16 mask, __m512 v) {
+  _mm256_mask_storeu_epi16(p, mask, (__m256i)_mm512_cvtneps_pbh(v));
+}
+
+inline __mmask16 first(int64_t count) {
+  if (count <= 0) return 0;
+  return count >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << count) - 1);
+}
+
+// The 16 x 16 dwords r[l][j] -> r[j][l] (rows become the columns), in place.
+inline void transpose16(__m512i (&r)[16]) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 8; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
+  }
+  // u[4 g + c], 128-bit lane L: rows 4 g .. 4 g + 3 at column 4 L + c
+  for (int g = 0; g < 4; ++g) {
+    u[4 * g] = _mm512_unpacklo_epi64(t[4 * g], t[4 * g + 2]);
+    u[4 * g + 1] = _mm512_unpackhi_epi64(t[4 * g], t[4 * g + 2]);
+    u[4 * g + 2] = _mm512_unpacklo_epi64(t[4 * g + 1], t[4 * g + 3]);
+    u[4 * g + 3] = _mm512_unpackhi_epi64(t[4 * g + 1], t[4 * g + 3]);
+  }
+  for (int c = 0; c < 4; ++c) {
+    const __m512i a = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x88);
+    const __m512i b = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x88);
+    const __m512i a2 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xDD);
+    const __m512i b2 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xDD);
+    r[c] = _mm512_shuffle_i32x4(a, b, 0x88);
+    r[8 + c] = _mm512_shuffle_i32x4(a, b, 0xDD);
+    r[4 + c] = _mm512_shuffle_i32x4(a2, b2, 0x88);
+    r[12 + c] = _mm512_shuffle_i32x4(a2, b2, 0xDD);
+  }
+}
+
+// One expert of pack(): s is w_e ([N, K], or [K, N] when transposed), d its packed blocks.
+void pack_expert(const uint16_t* s, int64_t n, int64_t k, bool transposed, const Packed& p,
+                 uint32_t* d) {
+  for (int64_t b = 0; b < p.blocks; ++b) {
+    uint32_t* db = d + b * p.stride_pairs * kBlock;
+    const int64_t live = std::min<int64_t>(kBlock, n - b * kBlock);  // rows of W here
+    const __mmask16 lanes = first(live);
+    if (transposed) {  // W[row, c] is w[c, row]: rows c and c + 1 of w, 16 columns each
+      for (int64_t q = 0; q < p.stride_pairs; ++q) {
+        __m512i v = _mm512_setzero_si512();
+        if (q < p.pairs) {
+          const uint16_t* r0 = s + 2 * q * n + b * kBlock;
+          const __m512i lo = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(lanes, r0));
+          __m512i hi = _mm512_setzero_si512();
+          if (2 * q + 1 < k) hi = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(lanes, r0 + n));
+          v = _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16));
+        }
+        _mm512_storeu_si512(db + q * kBlock, v);
+      }
+      continue;
+    }
+    // W's 16 rows, 16 column pairs at a time: a 16 x 16 dword transpose.
+    for (int64_t q0 = 0; q0 < p.stride_pairs; q0 += 16) {
+      const int64_t cols = std::max<int64_t>(0, std::min<int64_t>(32, k - 2 * q0));
+      const __mmask32 mk = cols >= 32 ? ~__mmask32{0} : (__mmask32{1} << cols) - 1;
+      __m512i r[16];
+      for (int64_t l = 0; l < 16; ++l) {
+        r[l] = l < live ? _mm512_maskz_loadu_epi16(mk, s + (b * kBlock + l) * k + 2 * q0)
+                        : _mm512_setzero_si512();
+      }
+      transpose16(r);
+      for (int64_t j = 0; j < 16; ++j) _mm512_storeu_si512(db + (q0 + j) * kBlock, r[j]);
+    }
+  }
+}
+
+// out[r, 16 j + l] for MR rows and NB blocks: lane l adds x's column pairs against the block's
+// in order (fp32), then stores once (or adds s times the sum to out).
+template <int MR, int NB, bool Acc>
+void nt_tile(const uint16_t* x, int64_t ldx, const uint32_t* w, int64_t bsd, int64_t full,
+             bool odd, int last, uint16_t* out, int64_t ldo, float s) {
+  __m512 acc[MR][NB];
+  for (int r = 0; r < MR; ++r) {
+    for (int j = 0; j < NB; ++j) acc[r][j] = _mm512_setzero_ps();
+  }
+  for (int64_t p = 0; p < full; ++p) {
+    __m512bh wv[NB];
+    for (int j = 0; j < NB; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(w + j * bsd + p * kBlock);
+    for (int r = 0; r < MR; ++r) {
+      const auto xv = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair_at(x + r * ldx, 2 * p)));
+      for (int j = 0; j < NB; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], xv, wv[j]);
+    }
+  }
+  if (odd) {  // K's last column, paired with a zero (the packed column K is zero too)
+    __m512bh wv[NB];
+    for (int j = 0; j < NB; ++j) wv[j] = (__m512bh)_mm512_loadu_si512(w + j * bsd + full * kBlock);
+    for (int r = 0; r < MR; ++r) {
+      const auto xv = (__m512bh)_mm512_set1_epi32(static_cast<int>(x[r * ldx + 2 * full]));
+      for (int j = 0; j < NB; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], xv, wv[j]);
+    }
+  }
+  const __m512 sv = _mm512_set1_ps(s);
+  for (int r = 0; r < MR; ++r) {
+    for (int j = 0; j < NB; ++j) {
+      const __mmask16 mask = j == NB - 1 ? first(last) : static_cast<__mmask16>(0xFFFF);
+      uint16_t* o = out + r * ldo + j * kBlock;
+      __m512 v = acc[r][j];
+      if constexpr (Acc) v = _mm512_fmadd_ps(v, sv, load_bf16(o, mask));
+      store_bf16(o, mask, v);
+    }
+  }
+}
+
+template <int NB, bool Acc>
+void nt_rows(const uint16_t* x, int64_t ldx, int64_t m, const uint32_t* w, int64_t bsd,
+             int64_t full, bool odd, int last, uint16_t* out, int64_t ldo, float s) {
+  int64_t r = 0;
+  for (; r + 12 <= m; r += 12) {
+    nt_tile<12, NB, Acc>(x + r * ldx, ldx, w, bsd, full, odd, last, out + r * ldo, ldo, s);
+  }
+  for (; r + 4 <= m; r += 4) {
+    nt_tile<4, NB, Acc>(x + r * ldx, ldx, w, bsd, full, odd, last, out + r * ldo, ldo, s);
+  }
+  for (; r < m; ++r) {
+    nt_tile<1, NB, Acc>(x + r * ldx, ldx, w, bsd, full, odd, last, out + r * ldo, ldo, s);
+  }
+}
+
+template <bool Acc>
+void nt_all(const uint16_t* x, int64_t ldx, int64_t m, const Packed& w, int64_t e, uint16_t* out,
+            int64_t ldo, float s) {
+  const int64_t bsd = w.stride_pairs * kBlock;
+  const uint32_t* we = w.data + e * w.blocks * bsd;
+  const int64_t full = w.k / 2;
+  const bool odd = (w.k & 1) != 0;
+  const int rest = static_cast<int>(w.n - (w.blocks - 1) * kBlock);
+  int64_t b = 0;
+  for (; b + 2 <= w.blocks; b += 2) {
+    const int last = b + 2 == w.blocks ? rest : static_cast<int>(kBlock);
+    nt_rows<2, Acc>(x, ldx, m, we + b * bsd, bsd, full, odd, last, out + b * kBlock, ldo, s);
+  }
+  if (b < w.blocks) {
+    nt_rows<1, Acc>(x, ldx, m, we + b * bsd, bsd, full, odd, rest, out + b * kBlock, ldo, s);
+  }
+}
+
+// Dword (i, j) of the result: (a[2i, j] w[2i], a[2i + 1, j] w[2i + 1]) in bf16, zero past m and J;
+// jp (a multiple of 16) dwords per row pair.
+void weighted_pairs(const at::Tensor& a, const float* w, int64_t m, int64_t jcount, int64_t jp,
+                    std::vector<uint32_t>& out) {
+  const int64_t mp = (m + 1) / 2;
+  out.assign(static_cast<size_t>(mp * jp), 0u);
+  for (int64_t i = 0; i < m; ++i) {
+    const float wi = w ? static_cast<float>(c10::BFloat16(w[i])) : 1.0f;
+    for (int64_t j = 0; j < jcount; ++j) {
+      uint16_t v = bits(a, i, j);
+      if (w) {
+        uint32_t f32 = static_cast<uint32_t>(v) << 16;
+        float f;
+        std::memcpy(&f, &f32, 4);
+        v = c10::BFloat16(f * wi).x;
+      }
+      out[(i / 2) * jp + j] |= static_cast<uint32_t>(v) << (16 * (i & 1));
+    }
+  }
+}
+
+// unpacklo/hi_epi16 of two rows' 32 columns give lanes 4L + t = column 8L + t (lo) and
+// 8L + 4 + t (hi); these put them back in column order.
+inline __m512i order_lo() {
+  return _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+}
+inline __m512i order_hi() {
+  return _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
+}
+
+// out [J, N]: MJ rows of out from column j0, 64 columns from n0 (`cols` of them exist): four
+// accumulators per row, one per unpack half of two 32-column chunks.
+template <int MJ>
+void grad_rows_tile(const uint32_t* ap, int64_t jp, int64_t j0, const uint16_t* x, int64_t ldx,
+                    int64_t m, int64_t n0, int64_t cols, float s, uint16_t* out, int64_t ldo) {
+  __m512 acc[MJ][4];
+  for (int j = 0; j < MJ; ++j) {
+    for (int v = 0; v < 4; ++v) acc[j][v] = _mm512_setzero_ps();
+  }
+  const __mmask32 m0 = cols >= 32 ? ~__mmask32{0} : (__mmask32{1} << cols) - 1;
+  const int64_t c1 = cols - 32;
+  const __mmask32 m1 = c1 >= 32 ? ~__mmask32{0} : (c1 > 0 ? (__mmask32{1} << c1) - 1 : 0);
+  for (int64_t i = 0; i < m; i += 2) {
+    const uint16_t* r0 = x + i * ldx + n0;
+    const uint16_t* r1 = r0 + ldx;
+    const bool two = i + 1 < m;
+    __m512bh xv[4];
+    for (int c = 0; c < 2; ++c) {
+      const __mmask32 mk = c == 0 ? m0 : m1;
+      const __m512i a = _mm512_maskz_loadu_epi16(mk, r0 + 32 * c);
+      const __m512i b = two ? _mm512_maskz_loadu_epi16(mk, r1 + 32 * c) : _mm512_setzero_si512();
+      xv[2 * c] = (__m512bh)_mm512_unpacklo_epi16(a, b);
+      xv[2 * c + 1] = (__m512bh)_mm512_unpackhi_epi16(a, b);
+    }
+    const uint32_t* api = ap + (i / 2) * jp + j0;
+    for (int j = 0; j < MJ; ++j) {
+      const auto av = (__m512bh)_mm512_set1_epi32(static_cast<int>(api[j]));
+      for (int v = 0; v < 4; ++v) acc[j][v] = _mm512_dpbf16_ps(acc[j][v], av, xv[v]);
+    }
+  }
+  const __m512 sv = _mm512_set1_ps(s);
+  for (int j = 0; j < MJ; ++j) {
+    uint16_t* o = out + (j0 + j) * ldo + n0;
+    for (int c = 0; c < 2; ++c) {
+      const __m512 lo = acc[j][2 * c], hi = acc[j][2 * c + 1];
+      const int64_t left = cols - 32 * c;
+      if (left <= 0) break;
+      store_bf16(o + 32 * c, first(left),
+                 _mm512_mul_ps(sv, _mm512_permutex2var_ps(lo, order_lo(), hi)));
+      if (left > 16) {
+        store_bf16(o + 32 * c + 16, first(left - 16),
+                   _mm512_mul_ps(sv, _mm512_permutex2var_ps(lo, order_hi(), hi)));
+      }
+    }
+  }
+}
+
+void grad_rows(const uint32_t* ap, int64_t jp, int64_t jcount, const uint16_t* x, int64_t ldx,
+               int64_t m, int64_t n, float s, uint16_t* out, int64_t ldo) {
+  for (int64_t n0 = 0; n0 < n; n0 += 64) {
+    const int64_t cols = std::min<int64_t>(64, n - n0);
+    int64_t j = 0;
+    for (; j + 6 <= jcount; j += 6) grad_rows_tile<6>(ap, jp, j, x, ldx, m, n0, cols, s, out, ldo);
+    for (; j + 2 <= jcount; j += 2) grad_rows_tile<2>(ap, jp, j, x, ldx, m, n0, cols, s, out, ldo);
+    for (; j < jcount; ++j) grad_rows_tile<1>(ap, jp, j, x, ldx, m, n0, cols, s, out, ldo);
+  }
+}
+
+// out [N, J]: MN rows of out from n0, JB vectors of 16 of a's columns: xp holds x's row pairs
+// as dwords (x[2i, n], x[2i + 1, n]), np per row pair.
+template <int MN, int JB>
+void grad_cols_tile(const uint32_t* ap, int64_t jp, int64_t jcount, const uint32_t* xp,
+                    int64_t npd, int64_t mp, int64_t n0, float s, uint16_t* out, int64_t ldo) {
+  __m512 acc[MN][JB];
+  for (int r = 0; r < MN; ++r) {
+    for (int j = 0; j < JB; ++j) acc[r][j] = _mm512_setzero_ps();
+  }
+  for (int64_t i = 0; i < mp; ++i) {
+    __m512bh av[JB];
+    for (int j = 0; j < JB; ++j) av[j] = (__m512bh)_mm512_loadu_si512(ap + i * jp + 16 * j);
+    const uint32_t* xr = xp + i * npd + n0;
+    for (int r = 0; r < MN; ++r) {
+      const auto xv = (__m512bh)_mm512_set1_epi32(static_cast<int>(xr[r]));
+      for (int j = 0; j < JB; ++j) acc[r][j] = _mm512_dpbf16_ps(acc[r][j], xv, av[j]);
+    }
+  }
+  const __m512 sv = _mm512_set1_ps(s);
+  for (int r = 0; r < MN; ++r) {
+    for (int j = 0; j < JB; ++j) {
+      store_bf16(out + (n0 + r) * ldo + 16 * j, first(jcount - 16 * j),
+                 _mm512_mul_ps(sv, acc[r][j]));
+    }
+  }
+}
+
+template <int JB>
+void grad_cols(const uint32_t* ap, int64_t jp, int64_t jcount, const uint32_t* xp, int64_t npd,
+               int64_t mp, int64_t n, float s, uint16_t* out, int64_t ldo) {
+  int64_t r = 0;
+  for (; r + 12 <= n; r += 12) grad_cols_tile<12, JB>(ap, jp, jcount, xp, npd, mp, r, s, out, ldo);
+  for (; r + 4 <= n; r += 4) grad_cols_tile<4, JB>(ap, jp, jcount, xp, npd, mp, r, s, out, ldo);
+  for (; r < n; ++r) grad_cols_tile<1, JB>(ap, jp, jcount, xp, npd, mp, r, s, out, ldo);
+}
+
+}  // namespace
+
+#pragma GCC pop_options
+
+// AMX-BF16 (where has_amx(), from 16 rows): x's rows as A tiles (in place, or from a
+// zero-padded copy), 16 pairs of a block of the packed factor as one B tile, read in place;
+// C through fp32 to bf16 (or added to out). oneDNN's small GEMMs on AMX took 25-70 us a call
+// at these shapes.
+#pragma GCC push_options
+#pragma GCC target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")
+namespace {
+
+template <bool Acc>
+void amx_nt(const uint16_t* x_in, int64_t ldx_in, int64_t m, const Packed& w, int64_t e,
+            uint16_t* out, int64_t ldo, float s) {
+  const int64_t steps = w.stride_pairs / 16, bsd = w.stride_pairs * kBlock;
+  const int64_t rows = ceil_to(m, 32);
+  alignas(64) static const uint32_t zero_tile[256] = {};
+  // x is read in place where its rows are whole A tiles: every 32 of K's columns exist
+  // (K % 32 == 0, so the zero pairs of the factor's last tile meet no column) and the rows
+  // come in 16s (the op's tasks); a missing second 16 rows is a zero tile. Else a padded copy.
+  const uint16_t* xa = x_in;
+  int64_t ld = ldx_in;
+  if (w.k % 32 != 0 || w.k != 32 * steps || m % 16 != 0) {
+    ld = 32 * steps + 32;
+    thread_local std::vector<uint16_t> xbuf;
+    xbuf.resize(static_cast<size_t>(rows * ld));
+    for (int64_t r = 0; r < rows; ++r) {
+      uint16_t* d = xbuf.data() + r * ld;
+      const int64_t done = r < m ? w.k : 0;
+      if (r < m) std::memcpy(d, x_in + r * ldx_in, static_cast<size_t>(w.k) * 2);
+      std::fill(d + done, d + ld, uint16_t{0});
+    }
+    xa = xbuf.data();
+  }
+  const int64_t live = xa == x_in ? m : rows;  // rows that may be loaded
+  alignas(64) float c[4][256];
+  const uint32_t* we = w.data + e * w.blocks * bsd;
+  const int64_t sa = ld * 2;
+  const __m512 sv = _mm512_set1_ps(s);
+  _tile_loadconfig(&tile_config_16x64());  // per call: oneDNN loads its own on this thread
+  for (int64_t b = 0; b < w.blocks; b += 2) {
+    const uint32_t* b0 = we + b * bsd;
+    const bool two = b + 1 < w.blocks;
+    const uint32_t* b1 = two ? we + (b + 1) * bsd : zero_tile;
+    const int64_t b1_step = two ? 256 : 0;  // dwords from one B tile to the next
+    for (int64_t m0 = 0; m0 < rows; m0 += 32) {
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      const uint16_t* a0 = xa + m0 * ld;
+      const bool a1_live = m0 + 16 < live;
+      const uint16_t* a1 = a1_live ? a0 + 16 * ld : reinterpret_cast<const uint16_t*>(zero_tile);
+      const int64_t a1_stride = a1_live ? sa : 0, a1_step = a1_live ? 32 : 0;
+      for (int64_t t = 0; t < steps; ++t) {
+        _tile_loadd(4, a0 + 32 * t, sa);
+        _tile_loadd(5, a1 + a1_step * t, a1_stride);
+        _tile_loadd(6, b0 + 256 * t, 64);
+        _tile_loadd(7, b1 + b1_step * t, 64);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+      }
+      _tile_stored(0, c[0], 64);
+      _tile_stored(1, c[1], 64);
+      _tile_stored(2, c[2], 64);
+      _tile_stored(3, c[3], 64);
+      for (int i = 0; i < 2; ++i) {
+        for (int j = 0; j < 2; ++j) {
+          const int64_t col = (b + j) * kBlock;
+          if (col >= w.n) continue;
+          const __mmask16 mask = first(w.n - col);
+          for (int r = 0; r < 16 && m0 + 16 * i + r < m; ++r) {
+            uint16_t* o = out + (m0 + 16 * i + r) * ldo + col;
+            __m512 v = _mm512_load_ps(c[2 * i + j] + 16 * r);
+            if constexpr (Acc) v = _mm512_fmadd_ps(v, sv, load_bf16(o, mask));
+            store_bf16(o, mask, v);
+          }
+        }
+      }
+    }
+  }
+  _tile_release();  // no tile state left for the OS to save at a context switch
+}
+
+// out [J, N] (or out_t: [N, J]) = s * sum over rows i of a'[i, j] x[i, n] on AMX tiles: A tiles
+// are rows of a'^T (apt: [32 j rows][mp16] dwords, pairs of rows i), B tiles 16 row pairs of x
+// (xp: [mp16][npd] dwords (x[2i, n], x[2i + 1, n])); both zero-padded.
+void amx_grad(const uint32_t* apt, int64_t mp16, const uint32_t* xp, int64_t npd, int64_t jt,
+              int64_t jcount, int64_t n, float s, uint16_t* out, int64_t ldo, bool out_t) {
+  alignas(64) float c[4][256];
+  const __m512 sv = _mm512_set1_ps(s);
+  _tile_loadconfig(&tile_config_16x64());
+  for (int64_t n0 = 0; n0 < npd; n0 += 32) {
+    for (int64_t j0 = 0; j0 < jt; j0 += 32) {
+      _tile_zero(0);
+      _tile_zero(1);
+      _tile_zero(2);
+      _tile_zero(3);
+      for (int64_t t = 0; t < mp16; t += 16) {
+        _tile_loadd(4, apt + j0 * mp16 + t, mp16 * 4);
+        _tile_loadd(5, apt + (j0 + 16) * mp16 + t, mp16 * 4);
+        _tile_loadd(6, xp + t * npd + n0, npd * 4);
+        _tile_loadd(7, xp + t * npd + n0 + 16, npd * 4);
+        _tile_dpbf16ps(0, 4, 6);
+        _tile_dpbf16ps(1, 4, 7);
+        _tile_dpbf16ps(2, 5, 6);
+        _tile_dpbf16ps(3, 5, 7);
+      }
+      _tile_stored(0, c[0], 64);
+      _tile_stored(1, c[1], 64);
+      _tile_stored(2, c[2], 64);
+      _tile_stored(3, c[3], 64);
+      for (int i = 0; i < 2; ++i) {
+        for (int h = 0; h < 2; ++h) {
+          const int64_t col = n0 + 16 * h;
+          if (col >= n) continue;
+          const __mmask16 mask = first(n - col);
+          for (int r = 0; r < 16 && j0 + 16 * i + r < jcount; ++r) {
+            const int64_t j = j0 + 16 * i + r;
+            const __m512 v = _mm512_mul_ps(sv, _mm512_load_ps(c[2 * i + h] + 16 * r));
+            if (!out_t) {
+              store_bf16(out + j * ldo + col, mask, v);
+              continue;
+            }
+            alignas(64) uint16_t b[16];
+            _mm256_store_si256(reinterpret_cast<__m256i*>(b), (__m256i)_mm512_cvtneps_pbh(v));
+            for (int64_t q = 0; q < std::min<int64_t>(16, n - col); ++q) {
+              out[(col + q) * ldo + j] = b[q];
+            }
+          }
+        }
+      }
+    }
+  }
+  _tile_release();
+}
+
+}  // namespace
+
+#pragma GCC pop_options
+#pragma GCC push_options
+#pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")
+
+Packed pack(const at::Tensor& w, bool transposed, const std::vector<uint8_t>& used) {
+  TORCH_CHECK(w.dim() == 3 && w.scalar_type() == at::kBFloat16 && w.is_contiguous(),
+              "lora::pack needs a contiguous bf16 [E, ., .] tensor");
+  const int64_t experts = w.size(0);
+  const int64_t n = transposed ? w.size(2) : w.size(1), k = transposed ? w.size(1) : w.size(2);
+  Packed p;
+  p.n = n;
+  p.k = k;
+  p.blocks = (n + kBlock - 1) / kBlock;
+  p.pairs = (k + 1) / 2;
+  p.stride_pairs = ceil_to(p.pairs, 16);
+  const int64_t per = p.blocks * p.stride_pairs * kBlock;  // dwords per expert
+  p.buf = std::make_shared<common::Scratch>(experts, per, at::kInt);
+  auto* dst = reinterpret_cast<uint32_t*>(p.buf->t.data_ptr());
+  p.data = dst;
+  const auto* src = rows(w);
+  common::run_tasks(experts, [&](int64_t e) {
+    if (used[e]) pack_expert(src + e * n * k, n, k, transposed, p, dst + e * per);
+  });
+  return p;
+}
+
+void nt(const at::Tensor& x, const Packed& w, int64_t e, at::Tensor& out, bool accumulate,
+        float s) {
+  check_rows(x, "nt x");
+  check_rows(out, "nt out");
+  TORCH_CHECK(x.size(1) == w.k && out.size(1) == w.n && out.size(0) == x.size(0),
+              "lora::nt: shapes do not match the packed factor");
+  const int64_t m = x.size(0);
+  if (m == 0) return;
+  const uint16_t* xp = rows(x);
+  int64_t ldx = x.stride(0);
+  auto* o = reinterpret_cast<uint16_t*>(out.data_ptr());
+  if (m >= kAmxRows && has_amx()) {
+    if (accumulate) {
+      amx_nt<true>(xp, ldx, m, w, e, o, out.stride(0), s);
+    } else {
+      amx_nt<false>(xp, ldx, m, w, e, o, out.stride(0), 1.0f);
+    }
+    return;
+  }
+  // The rows of a register block are read together; at a stride of a multiple of 1 KiB
+  // (H = 2048: 4 KiB) twelve of them share too few L1 sets. A copy at a padded stride costs
+  // K/32 vector moves per row against N K / 32 products.
+  thread_local std::vector<uint16_t> xbuf;
+  if ((ldx * 2) % 1024 == 0 && m > 4) {
+    const int64_t ld = ceil_to(w.k, 2) + 32;
+    xbuf.resize(static_cast<size_t>(m * ld));
+    for (int64_t r = 0; r < m; ++r) {
+      std::memcpy(xbuf.data() + r * ld, xp + r * ldx, static_cast<size_t>(w.k) * 2);
+    }
+    xp = xbuf.data();
+    ldx = ld;
+  }
+  if (accumulate) {
+    nt_all<true>(xp, ldx, m, w, e, o, out.stride(0), s);
+  } else {
+    nt_all<false>(xp, ldx, m, w, e, o, out.stride(0), 1.0f);
+  }
+}
+
+void grad(const at::Tensor& a, const float* w, const at::Tensor& x, float s, at::Tensor& out,
+          bool out_t) {
+  check_rows(a, "grad a");
+  check_rows(x, "grad x");
+  check_rows(out, "grad out");
+  const int64_t m = a.size(0), jcount = a.size(1), n = x.size(1);
+  TORCH_CHECK(x.size(0) == m, "lora::grad: a and x must have the same rows");
+  TORCH_CHECK(out_t ? (out.size(0) == n && out.size(1) == jcount)
+                    : (out.size(0) == jcount && out.size(1) == n),
+              "lora::grad: out has the wrong shape");
+  auto* o = reinterpret_cast<uint16_t*>(out.data_ptr());
+  if (m == 0) {
+    out.zero_();
+    return;
+  }
+  const int64_t jp = ceil_to(jcount, 16);
+  thread_local std::vector<uint32_t> ap;
+  weighted_pairs(a, w, m, jcount, jp, ap);
+  const bool amx = m >= kAmxRows && has_amx();
+  if (!out_t && !amx) {
+    grad_rows(ap.data(), jp, jcount, rows(x), x.stride(0), m, n, s, o, out.stride(0));
+    return;
+  }
+  // x's row pairs as dwords, for the broadcasts or the B tiles (unpack, then back in column
+  // order); AMX takes whole tiles of 16 row pairs (zero rows past m).
+  const int64_t mp = (m + 1) / 2, npd = ceil_to(n, 32), mp16 = ceil_to(mp, 16);
+  thread_local std::vector<uint32_t> xpairs;
+  xpairs.resize(static_cast<size_t>((amx ? mp16 : mp) * npd));
+  if (amx) std::fill(xpairs.begin() + mp * npd, xpairs.end(), 0u);
+  const uint16_t* xr = rows(x);
+  const int64_t ldx = x.stride(0);
+  for (int64_t i = 0; i < mp; ++i) {
+    const uint16_t* r0 = xr + 2 * i * ldx;
+    const bool two = 2 * i + 1 < m;
+    for (int64_t c = 0; c < n; c += 32) {
+      const int64_t left = n - c;
+      const __mmask32 mk = left >= 32 ? ~__mmask32{0} : (__mmask32{1} << left) - 1;
+      const __m512i lo_a = _mm512_maskz_loadu_epi16(mk, r0 + c);
+      const __m512i lo_b =
+          two ? _mm512_maskz_loadu_epi16(mk, r0 + ldx + c) : _mm512_setzero_si512();
+      const __m512i lo = _mm512_unpacklo_epi16(lo_a, lo_b);
+      const __m512i hi = _mm512_unpackhi_epi16(lo_a, lo_b);
+      uint32_t* d = xpairs.data() + i * npd + c;
+      _mm512_storeu_si512(d, _mm512_permutex2var_epi32(lo, order_lo(), hi));
+      _mm512_storeu_si512(d + 16, _mm512_permutex2var_epi32(lo, order_hi(), hi));
+    }
+  }
+  if (amx) {
+    // a'^T: 32 j rows (zeros past J) of mp16 row pairs.
+    const int64_t jt = ceil_to(jcount, 32);
+    thread_local std::vector<uint32_t> apt;
+    apt.assign(static_cast<size_t>(jt * mp16), 0u);
+    for (int64_t i = 0; i < mp; ++i) {
+      for (int64_t j = 0; j < jcount; ++j) apt[j * mp16 + i] = ap[i * jp + j];
+    }
+    amx_grad(apt.data(), mp16, xpairs.data(), npd, jt, jcount, n, s, o, out.stride(0), out_t);
+    return;
+  }
+  if (jp == 16) {
+    grad_cols<1>(ap.data(), jp, jcount, xpairs.data(), npd, mp, n, s, o, out.stride(0));
+  } else if (jp == 32) {
+    grad_cols<2>(ap.data(), jp, jcount, xpairs.data(), npd, mp, n, s, o, out.stride(0));
+  } else {
+    // Ranks above 32: 32 columns of a at a time (out's column blocks), from a narrowed copy.
+    for (int64_t j0 = 0; j0 < jcount; j0 += 32) {
+      const int64_t jc = std::min<int64_t>(32, jcount - j0);
+      std::vector<uint32_t> sub(static_cast<size_t>(mp * 32), 0u);
+      for (int64_t i = 0; i < mp; ++i) {
+        std::copy(ap.begin() + i * jp + j0, ap.begin() + i * jp + j0 + jc, sub.begin() + i * 32);
+      }
+      grad_cols<2>(sub.data(), 32, jc, xpairs.data(), npd, mp, n, s, o + j0, out.stride(0));
+    }
+  }
+}
+
+#pragma GCC pop_options
+
+#else  // no x86-64 GCC: the op never calls these (available() is false)
+
+bool available(at::ScalarType) { return false; }
+bool default_on() { return false; }
+Packed pack(const at::Tensor&, bool, const std::vector<uint8_t>&) {
+  TORCH_CHECK(false, "lora::pack needs AVX512_BF16");
+}
+void nt(const at::Tensor&, const Packed&, int64_t, at::Tensor&, bool, float) {
+  TORCH_CHECK(false, "lora::nt needs AVX512_BF16");
+}
+void grad(const at::Tensor&, const float*, const at::Tensor&, float, at::Tensor&, bool) {
+  TORCH_CHECK(false, "lora::grad needs AVX512_BF16");
+}
+
+#endif  // KT_LORA_SIMD
+
+}  // namespace lora
+}  // namespace kt_kernel
