@@ -22,25 +22,15 @@ import sys
 from pathlib import Path
 
 import _timing as tm
+import bench_profile
 import torch
 from _impls import Shape, flops
 
 import kt_kernel as kk
 
-SHAPES = (
-    Shape("e64_i1408_k6", 2048, 1408, 64, 6, 16),
-    Shape("qwen3_30b_a3b", 2048, 768, 128, 8, 16),
-)
+SHAPES = tuple(bench_profile.SHAPES.values())  # issue 25's two shapes
 QUICK = Shape("quick", 512, 256, 16, 4, 16)
-LORA_PHASES = (
-    "lora_gate_up",
-    "lora_down",
-    "bwd_lora_down",
-    "bwd_lora_gate_up",
-    "lora_weight_grad",
-    "lora_weight_grad_prep",
-    "prepare_lora",
-)
+LORA_PHASES = (*bench_profile.LORA_PHASES, "prepare_lora")  # packing the factors, too
 VARIANTS = ("aten", "kernel")
 
 

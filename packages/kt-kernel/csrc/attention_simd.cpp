@@ -116,22 +116,12 @@ static void blocks(int64_t M32, int64_t N32, int64_t K32, const uint16_t* A, int
         _tile_loadd(2, c + 16 * ldc, sc);
         _tile_loadd(3, c + 16 * ldc + 16, sc);
       } else {
-        _tile_zero(0);
-        _tile_zero(1);
-        _tile_zero(2);
-        _tile_zero(3);
+        tiles_zero();
       }
       const uint16_t* a = A + m0 * lda;
       for (int64_t k0 = 0; k0 < K32; k0 += 32) {
         const uint16_t* b = B + 2 * ((k0 / 2) * ldb + n0);
-        _tile_loadd(4, a + k0, sa);
-        _tile_loadd(5, a + 16 * lda + k0, sa);
-        _tile_loadd(6, b, sb);
-        _tile_loadd(7, b + 32, sb);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(1, 4, 7);
-        _tile_dpbf16ps(2, 5, 6);
-        _tile_dpbf16ps(3, 5, 7);
+        tile_step(a + k0, sa, a + 16 * lda + k0, sa, b, b + 32, sb);
       }
       _tile_stored(0, c, sc);
       _tile_stored(1, c + 16, sc);

@@ -356,26 +356,14 @@ void row_tiles(const uint16_t* a, int64_t ld, int64_t rows, int64_t m, const uin
                const Prefetch& prefetch) {
   alignas(64) float c[4][256];
   for (int64_t m0 = 0; m0 < rows; m0 += 32) {
-    _tile_zero(0);
-    _tile_zero(1);
-    _tile_zero(2);
-    _tile_zero(3);
+    tiles_zero();
     const uint16_t* a0 = a + m0 * ld;
     for (int64_t s = 0; s < steps; ++s) {
       if (m0 == 0) prefetch(s);
-      _tile_loadd(4, a0 + 32 * s, ld * 2);
-      _tile_loadd(5, a0 + 16 * ld + 32 * s, ld * 2);
-      _tile_loadd(6, b + 2 * s * kTile, 64);
-      _tile_loadd(7, b + (2 * s + 1) * kTile, 64);
-      _tile_dpbf16ps(0, 4, 6);
-      _tile_dpbf16ps(1, 4, 7);
-      _tile_dpbf16ps(2, 5, 6);
-      _tile_dpbf16ps(3, 5, 7);
+      tile_step(a0 + 32 * s, ld * 2, a0 + 16 * ld + 32 * s, ld * 2, b + 2 * s * kTile,
+                b + (2 * s + 1) * kTile, 64);
     }
-    _tile_stored(0, c[0], 64);
-    _tile_stored(1, c[1], 64);
-    _tile_stored(2, c[2], 64);
-    _tile_stored(3, c[3], 64);
+    tiles_store(c);
     store_c(c, m0, m, c0, n, out, ldo);
   }
 }

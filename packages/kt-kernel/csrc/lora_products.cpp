@@ -407,28 +407,16 @@ void amx_nt(const uint16_t* x_in, int64_t ldx_in, int64_t m, const Packed& w, in
     const uint32_t* b1 = two ? we + (b + 1) * bsd : zero_tile;
     const int64_t b1_step = two ? 256 : 0;  // dwords from one B tile to the next
     for (int64_t m0 = 0; m0 < rows; m0 += 32) {
-      _tile_zero(0);
-      _tile_zero(1);
-      _tile_zero(2);
-      _tile_zero(3);
+      tiles_zero();
       const uint16_t* a0 = xa + m0 * ld;
       const bool a1_live = m0 + 16 < live;
       const uint16_t* a1 = a1_live ? a0 + 16 * ld : reinterpret_cast<const uint16_t*>(zero_tile);
       const int64_t a1_stride = a1_live ? sa : 0, a1_step = a1_live ? 32 : 0;
       for (int64_t t = 0; t < steps; ++t) {
-        _tile_loadd(4, a0 + 32 * t, sa);
-        _tile_loadd(5, a1 + a1_step * t, a1_stride);
-        _tile_loadd(6, b0 + 256 * t, 64);
-        _tile_loadd(7, b1 + b1_step * t, 64);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(1, 4, 7);
-        _tile_dpbf16ps(2, 5, 6);
-        _tile_dpbf16ps(3, 5, 7);
+        tile_step(a0 + 32 * t, sa, a1 + a1_step * t, a1_stride, b0 + 256 * t, b1 + b1_step * t,
+                  64);
       }
-      _tile_stored(0, c[0], 64);
-      _tile_stored(1, c[1], 64);
-      _tile_stored(2, c[2], 64);
-      _tile_stored(3, c[3], 64);
+      tiles_store(c);
       for (int i = 0; i < 2; ++i) {
         for (int j = 0; j < 2; ++j) {
           const int64_t col = (b + j) * kBlock;
@@ -457,24 +445,12 @@ void amx_grad(const uint32_t* apt, int64_t mp16, const uint32_t* xp, int64_t npd
   _tile_loadconfig(&tile_config_16x64());
   for (int64_t n0 = 0; n0 < npd; n0 += 32) {
     for (int64_t j0 = 0; j0 < jt; j0 += 32) {
-      _tile_zero(0);
-      _tile_zero(1);
-      _tile_zero(2);
-      _tile_zero(3);
+      tiles_zero();
       for (int64_t t = 0; t < mp16; t += 16) {
-        _tile_loadd(4, apt + j0 * mp16 + t, mp16 * 4);
-        _tile_loadd(5, apt + (j0 + 16) * mp16 + t, mp16 * 4);
-        _tile_loadd(6, xp + t * npd + n0, npd * 4);
-        _tile_loadd(7, xp + t * npd + n0 + 16, npd * 4);
-        _tile_dpbf16ps(0, 4, 6);
-        _tile_dpbf16ps(1, 4, 7);
-        _tile_dpbf16ps(2, 5, 6);
-        _tile_dpbf16ps(3, 5, 7);
+        tile_step(apt + j0 * mp16 + t, mp16 * 4, apt + (j0 + 16) * mp16 + t, mp16 * 4,
+                  xp + t * npd + n0, xp + t * npd + n0 + 16, npd * 4);
       }
-      _tile_stored(0, c[0], 64);
-      _tile_stored(1, c[1], 64);
-      _tile_stored(2, c[2], 64);
-      _tile_stored(3, c[3], 64);
+      tiles_store(c);
       for (int i = 0; i < 2; ++i) {
         for (int h = 0; h < 2; ++h) {
           const int64_t col = n0 + 16 * h;

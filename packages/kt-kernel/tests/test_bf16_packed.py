@@ -198,6 +198,17 @@ def _problem(seed: int = 3):
     return op_problem("bf16-packed", torch.bfloat16, seed)
 
 
+def _oracle(weights, lora, x, ids, tw, dy) -> list[torch.Tensor]:
+    """The float64 reference op on the packed weights' values and the bf16-rounded LoRA."""
+    deq = weights.dequantized()
+    w64 = kk.ExpertWeights.from_fused(weights.spec, deq.gate_up, deq.down, dtype=torch.float64)
+    lora64 = kk.LoraBuffers(weights.spec, 4, 8.0, "fused", dtype=torch.float64)
+    with torch.no_grad():
+        for (_, a), (_, b) in zip(lora64.named_parameters(), lora.named_parameters(), strict=True):
+            a.copy_(b.to(torch.bfloat16))
+    return _run(w64, lora64, x.double(), ids, tw, dy.double(), "reference")
+
+
 def test_op_matches_the_float64_oracle_through_both_routes() -> None:
     if not _native():
         pytest.skip("needs the native extension")
@@ -205,12 +216,7 @@ def test_op_matches_the_float64_oracle_through_both_routes() -> None:
     weights, lora, x, ids, tw, dy = _problem()
     deq = weights.dequantized()
     assert deq.weight_dtype == "bf16"
-    w64 = kk.ExpertWeights.from_fused(weights.spec, deq.gate_up, deq.down, dtype=torch.float64)
-    lora64 = kk.LoraBuffers(weights.spec, 4, 8.0, "fused", dtype=torch.float64)
-    with torch.no_grad():
-        for (_, a), (_, b) in zip(lora64.named_parameters(), lora.named_parameters(), strict=True):
-            a.copy_(b.to(torch.bfloat16))
-    ref = _run(w64, lora64, x.double(), ids, tw, dy.double(), "reference")
+    ref = _oracle(weights, lora, x, ids, tw, dy)
     # The same bytes as dense bf16: the two formats agree as closely as each agrees with ref.
     dense = _run(deq, lora, x, ids, tw, dy)
     try:
@@ -284,14 +290,7 @@ def test_forced_isas_agree_amx_avx512_and_tile_gemm() -> None:
         assert not out["default"]["amx"]
     assert not out["no_amx"]["amx"]
     assert not out["avx2"]["amx"]
-    weights, lora, x, ids, tw, dy = _problem(8)
-    deq = weights.dequantized()
-    w64 = kk.ExpertWeights.from_fused(weights.spec, deq.gate_up, deq.down, dtype=torch.float64)
-    lora64 = kk.LoraBuffers(weights.spec, 4, 8.0, "fused", dtype=torch.float64)
-    with torch.no_grad():
-        for (_, a), (_, b) in zip(lora64.named_parameters(), lora.named_parameters(), strict=True):
-            a.copy_(b.to(torch.bfloat16))
-    ref = _run(w64, lora64, x.double(), ids, tw, dy.double(), "reference")
+    ref = _oracle(*_problem(8))
     for name in runs:
         for a, b in zip(out[name]["got"], ref, strict=True):
             err = float((a.double() - b).abs().max() / b.abs().max())
