@@ -5,7 +5,10 @@
 // configuration on the same threads.
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
+#include <cstring>
+#include <vector>
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #include <immintrin.h>
@@ -65,6 +68,50 @@ __attribute__((target("amx-tile"))) inline void tiles_store(float (&c)[4][256]) 
   _tile_stored(2, c[2], 64);
   _tile_stored(3, c[3], 64);
 }
+
+// c (tiles_store of the block at rows m0, outputs c0) into bf16 out [m, n]: rows and outputs
+// past m and n are dropped; with Acc, out = out + s * c, rounded once.
+template <bool Acc>
+__attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) inline void store_c_tiles(
+    const float (&c)[4][256], int64_t m0, int64_t m, int64_t c0, int64_t n, uint16_t* out,
+    int64_t ldo, float s) {
+  const __m512 sv = _mm512_set1_ps(s);
+  for (int i = 0; i < 2; ++i) {
+    for (int j = 0; j < 2; ++j) {
+      const int64_t cols = std::min<int64_t>(16, n - c0 - 16 * j);
+      if (cols <= 0) continue;
+      const __mmask16 mask = static_cast<__mmask16>(cols >= 16 ? 0xFFFF : (1u << cols) - 1);
+      for (int r = 0; r < 16 && m0 + 16 * i + r < m; ++r) {
+        uint16_t* o = out + (m0 + 16 * i + r) * ldo + c0 + 16 * j;
+        __m512 v = _mm512_load_ps(c[2 * i + j] + 16 * r);
+        if constexpr (Acc) {
+          const __m256i old = _mm256_maskz_loadu_epi16(mask, o);
+          v = _mm512_fmadd_ps(
+              v, sv, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(old), 16)));
+        }
+        _mm256_mask_storeu_epi16(o, mask, (__m256i)_mm512_cvtneps_pbh(v));
+      }
+    }
+  }
+}
 #endif
+
+// `in` [m, cols] (row stride ldi) copied to a zero-padded [rows, ld] buffer of this thread,
+// rows = ceil32(m), ld = ceil32(cols) + 32 (the extra 64 bytes keep rows off 4 KiB
+// multiples), so that every A tile is whole. The buffer is reused by the next call.
+inline const uint16_t* padded_rows(const uint16_t* in, int64_t ldi, int64_t m, int64_t cols,
+                                   int64_t& ld, int64_t& rows) {
+  thread_local std::vector<uint16_t> buf;
+  ld = (cols + 31) / 32 * 32 + 32;
+  rows = (m + 31) / 32 * 32;
+  buf.resize(static_cast<size_t>(rows * ld));
+  for (int64_t r = 0; r < rows; ++r) {
+    uint16_t* d = buf.data() + r * ld;
+    const int64_t done = r < m ? cols : 0;
+    if (r < m) std::memcpy(d, in + r * ldi, static_cast<size_t>(cols) * 2);
+    std::fill(d + done, d + ld, uint16_t{0});
+  }
+  return buf.data();
+}
 
 }  // namespace kt_kernel

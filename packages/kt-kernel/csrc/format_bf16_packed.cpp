@@ -307,45 +307,6 @@ namespace amx {
 
 constexpr int64_t kTile = 512;  // bf16 elements of one tile
 
-// `in` [m, cols] into a zero-padded [ceil32(m), ld] buffer, ld = ceil32(cols) + 32 (the extra
-// 64 bytes keep rows off 4 KiB multiples).
-const uint16_t* padded(const uint16_t* in, int64_t ldi, int64_t m, int64_t cols, int64_t& ld,
-                       int64_t& rows) {
-  thread_local std::vector<uint16_t> buf;
-  ld = ceil_div(cols, 32) * 32 + 32;
-  rows = ceil_div(m, 32) * 32;
-  buf.resize(static_cast<size_t>(rows * ld));
-  for (int64_t r = 0; r < rows; ++r) {
-    uint16_t* d = buf.data() + r * ld;
-    int64_t done = 0;
-    if (r < m) {
-      std::memcpy(d, in + r * ldi, static_cast<size_t>(cols) * 2);
-      done = cols;
-    }
-    std::fill(d + done, d + ld, uint16_t{0});
-  }
-  return buf.data();
-}
-
-// Four C tiles (rows m0 .. m0 + 31, outputs c0 .. c0 + 31) to bf16 out, `m` rows and `n`
-// outputs in all.
-void store_c(float (&c)[4][256], int64_t m0, int64_t m, int64_t c0, int64_t n, uint16_t* out,
-             int64_t ldo) {
-  for (int i = 0; i < 2; ++i) {
-    for (int j = 0; j < 2; ++j) {
-      const int64_t cols = std::min<int64_t>(16, n - c0 - 16 * j);
-      if (cols <= 0) continue;
-      const __mmask16 mask = static_cast<__mmask16>(cols >= 16 ? 0xFFFF : (1u << cols) - 1);
-      for (int r = 0; r < 16; ++r) {
-        const int64_t row = m0 + 16 * i + r;
-        if (row >= m) break;
-        const __m256i v = (__m256i)_mm512_cvtneps_pbh(_mm512_load_ps(c[2 * i + j] + 16 * r));
-        _mm256_mask_storeu_epi16(out + row * ldo + c0 + 16 * j, mask, v);
-      }
-    }
-  }
-}
-
 // Every row tile of a (rows x ld, padded) against `steps` pairs of B tiles at b (1 KiB each,
 // the pair for outputs c0 .. c0 + 31 of step s at b + 2 s kTile).
 // `prefetch(s)` runs at step s of the first row tile: it asks for the weights that the next
@@ -364,7 +325,7 @@ void row_tiles(const uint16_t* a, int64_t ld, int64_t rows, int64_t m, const uin
                 b + (2 * s + 1) * kTile, 64);
     }
     tiles_store(c);
-    store_c(c, m0, m, c0, n, out, ldo);
+    store_c_tiles<false>(c, m0, m, c0, n, out, ldo, 1.0f);
   }
 }
 
@@ -373,7 +334,7 @@ void nt(const uint16_t* p, int64_t n, int64_t k, const uint16_t* x_in, int64_t l
   const int64_t bs = block_elems(k), blocks = ceil_div(n, kBlock), pairs = even_up(k) / 2;
   const int64_t steps = ceil_div(pairs, 16);  // 32 columns of x per tile product
   int64_t ld = 0, rows = 0;
-  const uint16_t* x = padded(x_in, ldx_in, m, k, ld, rows);
+  const uint16_t* x = padded_rows(x_in, ldx_in, m, k, ld, rows);
   thread_local std::vector<uint16_t> bt;
   bt.resize(static_cast<size_t>(steps * 2 * kTile));
   const __m512i sh = to_rows();
@@ -438,7 +399,7 @@ void nn(const uint16_t* p, int64_t n, int64_t k, const uint16_t* dy_in, int64_t 
   const int64_t bs = block_elems(k), blocks = ceil_div(n, kBlock), pairs = even_up(k) / 2;
   const int64_t steps = ceil_div(blocks, 2);  // 32 rows of W (columns of dy) per tile product
   int64_t ld = 0, rows = 0;
-  const uint16_t* dy = padded(dy_in, ldi, m, n, ld, rows);
+  const uint16_t* dy = padded_rows(dy_in, ldi, m, n, ld, rows);
   thread_local std::vector<uint16_t> bt;
   bt.resize(static_cast<size_t>(steps * 2 * kTile));
   _tile_loadconfig(&tile_config_16x64());

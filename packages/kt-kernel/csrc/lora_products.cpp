@@ -1,9 +1,10 @@
-// LoRA products of the expert op on AVX512_BF16 (see lora_products.h).
+// LoRA products of the expert op on AVX512_BF16, and on AMX tiles from 16 rows where the CPU
+// has them (see lora_products.h).
 //
 // nt() is the pattern of bf16_packed's x W^T without its shuffle: the factor is packed so that
 // each 64-byte load holds 16 output rows' column pairs, and one vdpbf16ps against a broadcast
-// pair of x gives 16 outputs. The LoRA factors are small (rank x H), so packing both
-// orientations each call costs less than one ATen call's overhead per expert.
+// pair of x gives 16 outputs; 16 such rows are an AMX B tile. The LoRA factors are small
+// (rank x H): packing them each call took about 6 ms of the calling thread at E=128.
 //
 // grad() sums over the expert's rows, two at a time: a row pair of x, interleaved in
 // registers, against a broadcast pair of (a w) for out [J, N]; for out [N, J] the roles turn
@@ -53,15 +54,13 @@ void check_rows(const at::Tensor& t, const char* what) {
 
 }  // namespace
 
-bool default_on();
-
 std::atomic<bool>& enabled_setting() {
-  // KT_KERNEL_LORA_PRODUCTS=0 / 1 overrides the CPU's default at the start (read once).
+  // On by default: measured no slower at any shape, with and without AMX, and 1.02-1.08x the
+  // whole op on AMX (benchmarks/results/bench_lora_products.{amx,avx512}.md).
+  // KT_KERNEL_LORA_PRODUCTS=0 starts it off (read once).
   static std::atomic<bool> v{[] {
     const char* e = std::getenv("KT_KERNEL_LORA_PRODUCTS");
-    if (e != nullptr && std::string(e) == "0") return false;
-    if (e != nullptr && std::string(e) == "1") return true;
-    return default_on();
+    return e == nullptr || std::string(e) != "0";
   }()};
   return v;
 }
@@ -73,11 +72,6 @@ bool available(at::ScalarType dt) {
          has_avx512_bf16();
 }
 
-bool default_on() {
-  // Measured no slower at any shape, with and without AMX, and 1.02-1.08x the whole op on
-  // AMX (benchmarks/results/bench_lora_products.{amx,avx512}.md).
-  return true;
-}
 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")
@@ -376,30 +370,18 @@ template <bool Acc>
 void amx_nt(const uint16_t* x_in, int64_t ldx_in, int64_t m, const Packed& w, int64_t e,
             uint16_t* out, int64_t ldo, float s) {
   const int64_t steps = w.stride_pairs / 16, bsd = w.stride_pairs * kBlock;
-  const int64_t rows = ceil_to(m, 32);
+  int64_t rows = ceil_to(m, 32);
   alignas(64) static const uint32_t zero_tile[256] = {};
   // x is read in place where its rows are whole A tiles: every 32 of K's columns exist
-  // (K % 32 == 0, so the zero pairs of the factor's last tile meet no column) and the rows
+  // (K = 32 steps, so the zero pairs of the factor's last tile meet no column) and the rows
   // come in 16s (the op's tasks); a missing second 16 rows is a zero tile. Else a padded copy.
   const uint16_t* xa = x_in;
   int64_t ld = ldx_in;
-  if (w.k % 32 != 0 || w.k != 32 * steps || m % 16 != 0) {
-    ld = 32 * steps + 32;
-    thread_local std::vector<uint16_t> xbuf;
-    xbuf.resize(static_cast<size_t>(rows * ld));
-    for (int64_t r = 0; r < rows; ++r) {
-      uint16_t* d = xbuf.data() + r * ld;
-      const int64_t done = r < m ? w.k : 0;
-      if (r < m) std::memcpy(d, x_in + r * ldx_in, static_cast<size_t>(w.k) * 2);
-      std::fill(d + done, d + ld, uint16_t{0});
-    }
-    xa = xbuf.data();
-  }
+  if (w.k != 32 * steps || m % 16 != 0) xa = padded_rows(x_in, ldx_in, m, w.k, ld, rows);
   const int64_t live = xa == x_in ? m : rows;  // rows that may be loaded
   alignas(64) float c[4][256];
   const uint32_t* we = w.data + e * w.blocks * bsd;
   const int64_t sa = ld * 2;
-  const __m512 sv = _mm512_set1_ps(s);
   _tile_loadconfig(&tile_config_16x64());  // per call: oneDNN loads its own on this thread
   for (int64_t b = 0; b < w.blocks; b += 2) {
     const uint32_t* b0 = we + b * bsd;
@@ -417,19 +399,7 @@ void amx_nt(const uint16_t* x_in, int64_t ldx_in, int64_t m, const Packed& w, in
                   64);
       }
       tiles_store(c);
-      for (int i = 0; i < 2; ++i) {
-        for (int j = 0; j < 2; ++j) {
-          const int64_t col = (b + j) * kBlock;
-          if (col >= w.n) continue;
-          const __mmask16 mask = first(w.n - col);
-          for (int r = 0; r < 16 && m0 + 16 * i + r < m; ++r) {
-            uint16_t* o = out + (m0 + 16 * i + r) * ldo + col;
-            __m512 v = _mm512_load_ps(c[2 * i + j] + 16 * r);
-            if constexpr (Acc) v = _mm512_fmadd_ps(v, sv, load_bf16(o, mask));
-            store_bf16(o, mask, v);
-          }
-        }
-      }
+      store_c_tiles<Acc>(c, m0, m, b * kBlock, w.n, out, ldo, s);
     }
   }
   _tile_release();  // no tile state left for the OS to save at a context switch
@@ -623,7 +593,6 @@ void grad(const at::Tensor& a, const float* w, const at::Tensor& x, float s, at:
 #else  // no x86-64 GCC: the op never calls these (available() is false)
 
 bool available(at::ScalarType) { return false; }
-bool default_on() { return false; }
 Packed pack(const at::Tensor&, bool, const std::vector<uint8_t>&) {
   TORCH_CHECK(false, "lora::pack needs AVX512_BF16");
 }

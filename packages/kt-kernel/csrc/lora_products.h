@@ -26,10 +26,9 @@ namespace lora {
 // AVX-512 level (KT_KERNEL_ISA=avx2 turns them off with the rest) and the switch on.
 bool available(at::ScalarType dt);
 
-// The switch (torch.ops.kt_kernel.set_lora_products; KT_KERNEL_LORA_PRODUCTS=0 or 1 at start):
-// off, the op uses ATen's products. It starts at default_on(): on.
+// The switch (torch.ops.kt_kernel.set_lora_products; KT_KERNEL_LORA_PRODUCTS=0 starts it
+// off): off, the op uses ATen's products.
 std::atomic<bool>& enabled_setting();
-bool default_on();
 
 // One LoRA factor of every expert packed for nt(): W_e [N, K] as ceil(N/16) blocks of
 // stride_pairs x 16 dwords; dword (p, l) of block b is (W[16b + l, 2p], W[16b + l, 2p + 1]),

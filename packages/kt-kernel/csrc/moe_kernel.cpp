@@ -620,12 +620,15 @@ std::tuple<at::Tensor, at::Tensor, std::vector<at::Tensor>> backward(
     // with the packed products, one fp32 sum over the expert's rows.
     // Timed on each thread: a timer around the region would see the calling thread only.
     std::optional<Timer> prep_timer(std::in_place, kWeightGrad);
-    const bool own_grad = pl.on;
-    at::Tensor w_col = own_grad ? at::Tensor() : w_rows.to(opts.dtype()).unsqueeze(1);
-    at::Tensor qw = own_grad ? q : q * w_col;      // dL/d(A_down h) / s, per row
-    at::Tensor zdw = own_grad ? zd : zd * w_col;   // routing weight folded into the down LoRA input
-    at::Tensor w_f = own_grad ? w_rows.to(at::kFloat).contiguous() : at::Tensor();
-    const float* wf = own_grad ? w_f.data_ptr<float>() : nullptr;
+    // lora::grad folds the routing weight in itself; ATen's GEMMs take it pre-multiplied.
+    at::Tensor qw, zdw, w_f;
+    if (pl.on) {
+      w_f = w_rows.to(at::kFloat).contiguous();
+    } else {
+      const at::Tensor w_col = w_rows.to(opts.dtype()).unsqueeze(1);
+      qw = q * w_col;    // dL/d(A_down h) / s, per row
+      zdw = zd * w_col;  // routing weight folded into the down LoRA input
+    }
     at::Tensor d_acat = at::zeros_like(l.a_cat);
     at::Tensor d_bbd = fused ? at::zeros_like(l.b_bd) : at::Tensor();
     at::Tensor d_bg = fused ? at::Tensor() : at::zeros({num_e, inter, r}, opts);
@@ -640,13 +643,14 @@ std::tuple<at::Tensor, at::Tensor, std::vector<at::Tensor>> backward(
       at::Tensor d_bbd_e = fused ? d_bbd[e] : at::Tensor();
       at::Tensor d_bg_e = fused ? at::Tensor() : d_bg[e];
       at::Tensor d_bu_e = fused ? at::Tensor() : d_bu[e];
-      if (own_grad) {
+      if (pl.on) {
         const int64_t b = off[e], m = off[e + 1] - off[e];
         if (m == 0) return;
         const float s = static_cast<float>(l.s);
         at::Tensor dgu_t = dgu.narrow(0, b, m), z_t = z.narrow(0, b, m);
-        lora::grad(zd.narrow(0, b, m), wf + b, dys.narrow(0, b, m), s, d_bd_e, true);
-        lora::grad(q.narrow(0, b, m), wf + b, h.narrow(0, b, m), s, d_ad_e, false);
+        const float* wf = w_f.data_ptr<float>() + b;
+        lora::grad(zd.narrow(0, b, m), wf, dys.narrow(0, b, m), s, d_bd_e, true);
+        lora::grad(q.narrow(0, b, m), wf, h.narrow(0, b, m), s, d_ad_e, false);
         if (fused) {
           lora::grad(z_t, nullptr, dgu_t, s, d_bbd_e, true);
         } else {
@@ -753,10 +757,10 @@ TORCH_LIBRARY(kt_kernel, m) {
     kt_kernel::common::thread_override().store(n > 0 ? static_cast<int>(n) : 0);
   });
   m.def("gemv_rows", []() { return kt_kernel::common::gemv_rows(); });
-  // 1: the kernel's bf16 LoRA products where the CPU has AVX512_BF16; 0: ATen's; negative: the
-  // CPU's default (on without AMX).
+  // 1 (or negative, the default): the kernel's bf16 LoRA products where the CPU has
+  // AVX512_BF16; 0: ATen's.
   m.def("set_lora_products", [](int64_t on) {
-    kt_kernel::lora::enabled_setting().store(on < 0 ? kt_kernel::lora::default_on() : on != 0);
+    kt_kernel::lora::enabled_setting().store(on != 0);
   });
   // Whether bf16 LoRA products run on the kernel's own AVX512_BF16 routines here (else ATen's).
   m.def("lora_products", []() { return kt_kernel::lora::available(at::kBFloat16); });
