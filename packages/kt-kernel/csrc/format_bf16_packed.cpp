@@ -295,10 +295,11 @@ void nn(const uint16_t* p, int64_t n, int64_t k, const uint16_t* dy, int64_t ldi
 // AMX-BF16 (Sapphire Rapids and later): the same bytes feed 16 x 32 x 16 tile products. A
 // B tile is 16 rows of 64 bytes, each row one pair of the reduced dimension for 16 outputs:
 // - x W^T: row p of block b's tile is to_rows() of the block's 64 bytes at pair p, as in
-//   nt_tile; the shuffled rows of two blocks are stored once per call and serve every row
-//   tile of x.
+//   nt_tile.
 // - dy W: row g (a pair of W's rows) for 16 columns is qword g of the 64 bytes of 8
 //   consecutive column pairs: an 8 x 8 qword transpose per block and 16 columns.
+// A pass (two blocks of x W^T, 32 columns of dy W) builds its B tiles while its first row tile
+// multiplies them, with the weights prefetched a few steps ahead (pass_tiles).
 // x (or dy) is copied to a zero-padded buffer (rows to a multiple of 32, columns to a
 // multiple of 32), so every A tile is whole; C tiles go through an fp32 buffer to bf16 once.
 #pragma GCC push_options
@@ -306,27 +307,71 @@ void nn(const uint16_t* p, int64_t n, int64_t k, const uint16_t* dy, int64_t ldi
 namespace amx {
 
 constexpr int64_t kTile = 512;  // bf16 elements of one tile
+// How many tile steps ahead the first row tile prefetches the weights (a step reads 2 KiB).
+constexpr int64_t kAhead = 6;
 
-// Every row tile of a (rows x ld, padded) against `steps` pairs of B tiles at b (1 KiB each,
-// the pair for outputs c0 .. c0 + 31 of step s at b + 2 s kTile).
-// `prefetch(s)` runs at step s of the first row tile: it asks for the weights that the next
-// B tiles are built from, so that the DRAM reads overlap the tile products.
-template <class Prefetch>
-void row_tiles(const uint16_t* a, int64_t ld, int64_t rows, int64_t m, const uint16_t* b,
-               int64_t steps, int64_t c0, int64_t n, uint16_t* out, int64_t ldo,
-               const Prefetch& prefetch) {
+// One pass: every row tile of a (rows x ld, padded) against `steps` pairs of B tiles, the pair
+// for outputs c0 .. c0 + 31 of step s at bt + 2 s kTile. The first row tile builds step s's
+// pair (`build(s, dst)`) just before its tile products, so the weights stream from DRAM while
+// the tiles multiply; later row tiles reuse the pairs from L2.
+// `fetch(ahead, t, near)` prefetches the weights of step t of this pass (ahead 0) or the next
+// (ahead 1), to L1 when near, else to L2. The first row tile asks kAhead steps ahead (running
+// into the next pass when it is also the last); the last of several row tiles asks for the
+// next pass's steps, as it builds none of its own.
+// Why: at 16-64 rows the products are bound by the weights' DRAM reads (one core reads 13 GB/s
+// here). Building all of a pass's pairs before its first row tile left DRAM idle while the
+// tiles multiplied, and the products streamed 7-9 GB/s at 16-32 rows; this way, 9.5-13
+// (benchmarks/results/history.md, "bf16-packed streams its weights").
+template <class Build, class Fetch>
+void pass_tiles(const uint16_t* a, int64_t ld, int64_t rows, int64_t m, uint16_t* bt,
+                int64_t steps, int64_t c0, int64_t n, uint16_t* out, int64_t ldo,
+                const Build& build, const Fetch& fetch) {
   alignas(64) float c[4][256];
+  if (rows == 32) {  // one row tile reuses no pair: each is built in L1 and used at once
+    alignas(64) uint16_t one[2 * kTile];
+    tiles_zero();
+    for (int64_t s = 0; s < steps; ++s) {
+      if (s + kAhead < steps) {
+        fetch(0, s + kAhead, true);
+      } else {
+        fetch(1, s + kAhead - steps, true);
+      }
+      build(s, one);
+      tile_step(a + 32 * s, ld * 2, a + 16 * ld + 32 * s, ld * 2, one, one + kTile, 64);
+    }
+    tiles_store(c);
+    store_c_tiles<false>(c, 0, m, c0, n, out, ldo, 1.0f);
+    return;
+  }
   for (int64_t m0 = 0; m0 < rows; m0 += 32) {
+    const bool first = m0 == 0, last = m0 + 32 >= rows;
     tiles_zero();
     const uint16_t* a0 = a + m0 * ld;
     for (int64_t s = 0; s < steps; ++s) {
-      if (m0 == 0) prefetch(s);
-      tile_step(a0 + 32 * s, ld * 2, a0 + 16 * ld + 32 * s, ld * 2, b + 2 * s * kTile,
-                b + (2 * s + 1) * kTile, 64);
+      uint16_t* b = bt + 2 * s * kTile;
+      if (first) {
+        if (s + kAhead < steps) {
+          fetch(0, s + kAhead, true);
+        } else if (last) {
+          fetch(1, s + kAhead - steps, true);
+        }
+        build(s, b);
+      } else if (last) {
+        fetch(1, s, false);
+      }
+      tile_step(a0 + 32 * s, ld * 2, a0 + 16 * ld + 32 * s, ld * 2, b, b + kTile, 64);
     }
     tiles_store(c);
     store_c_tiles<false>(c, m0, m, c0, n, out, ldo, 1.0f);
   }
+}
+
+// The 16 lines (1 KiB) from p, to L1 when Near, else to L2.
+template <bool Near>
+inline void prefetch_kib(const void* p) {
+  const char* c = static_cast<const char*>(p);
+#pragma GCC unroll 16
+  for (int l = 0; l < 16; ++l) _mm_prefetch(c + 64 * l, Near ? _MM_HINT_T0 : _MM_HINT_T1);
 }
 
 void nt(const uint16_t* p, int64_t n, int64_t k, const uint16_t* x_in, int64_t ldx_in, int64_t m,
@@ -336,33 +381,47 @@ void nt(const uint16_t* p, int64_t n, int64_t k, const uint16_t* x_in, int64_t l
   int64_t ld = 0, rows = 0;
   const uint16_t* x = padded_rows(x_in, ldx_in, m, k, ld, rows);
   thread_local std::vector<uint16_t> bt;
-  bt.resize(static_cast<size_t>(steps * 2 * kTile));
+  bt.resize(static_cast<size_t>(steps * 2 * kTile) + 32);
+  uint16_t* bt0 = bt.data() + (32 - reinterpret_cast<uintptr_t>(bt.data()) / 2 % 32) % 32;
   const __m512i sh = to_rows();
   _tile_loadconfig(&tile_config_16x64());  // per call: oneDNN loads its own on this thread
   for (int64_t b = 0; b < blocks; b += 2) {
-    for (int64_t s = 0; s < steps; ++s) {
+    // B tile j of step s: row r is to_rows() of block b + j's 64 bytes at pair 16 s + r.
+    const auto build = [&](int64_t s, uint16_t* dst) {
+      if (b + 1 < blocks && 16 * s + 16 <= pairs) {  // branch-free: all but the edges
+        const uint16_t* s0 = p + b * bs + s * 32 * kBlock;
+#pragma GCC unroll 16
+        for (int r = 0; r < 16; ++r) {
+          _mm512_store_si512(dst + 32 * r, _mm512_shuffle_epi8(_mm512_loadu_si512(s0 + 32 * r), sh));
+          _mm512_store_si512(dst + kTile + 32 * r,
+                             _mm512_shuffle_epi8(_mm512_loadu_si512(s0 + bs + 32 * r), sh));
+        }
+        return;
+      }
       for (int j = 0; j < 2; ++j) {
-        uint16_t* t = bt.data() + (2 * s + j) * kTile;
+        const uint16_t* src = p + (b + j) * bs;
         for (int64_t r = 0; r < 16; ++r) {
           const int64_t q = 16 * s + r;
           __m512i v = _mm512_setzero_si512();
           if (b + j < blocks && q < pairs) {
-            v = _mm512_shuffle_epi8(_mm512_loadu_si512(p + (b + j) * bs + q * 2 * kBlock), sh);
+            v = _mm512_shuffle_epi8(_mm512_loadu_si512(src + q * 2 * kBlock), sh);
           }
-          _mm512_storeu_si512(t + 32 * r, v);
+          _mm512_store_si512(dst + j * kTile + 32 * r, v);
         }
       }
-    }
-    // The next two blocks, 2 bs elements, in `steps` slices of whole lines.
-    const char* next = reinterpret_cast<const char*>(p + (b + 2) * bs);
-    const int64_t lines = b + 2 < blocks ? std::min<int64_t>(2, blocks - b - 2) * bs * 2 / 64 : 0;
-    const int64_t per = ceil_div(lines, steps);
-    const auto prefetch = [&](int64_t s) {
-      for (int64_t l = s * per; l < std::min(lines, (s + 1) * per); ++l) {
-        _mm_prefetch(next + 64 * l, _MM_HINT_T1);
+    };
+    // Step t reads 1 KiB of each of the pass's two blocks.
+    const auto fetch = [&](int64_t ahead, int64_t t, bool near) {
+      for (int64_t j = 2 * ahead; j < 2 * ahead + 2 && b + j < blocks; ++j) {
+        const uint16_t* line = p + (b + j) * bs + t * 32 * kBlock;
+        if (near) {
+          prefetch_kib<true>(line);
+        } else {
+          prefetch_kib<false>(line);
+        }
       }
     };
-    row_tiles(x, ld, rows, m, bt.data(), steps, b * kBlock, n, out, ldo, prefetch);
+    pass_tiles(x, ld, rows, m, bt0, steps, b * kBlock, n, out, ldo, build, fetch);
   }
   _tile_release();
 }
@@ -401,14 +460,17 @@ void nn(const uint16_t* p, int64_t n, int64_t k, const uint16_t* dy_in, int64_t 
   int64_t ld = 0, rows = 0;
   const uint16_t* dy = padded_rows(dy_in, ldi, m, n, ld, rows);
   thread_local std::vector<uint16_t> bt;
-  bt.resize(static_cast<size_t>(steps * 2 * kTile));
+  bt.resize(static_cast<size_t>(steps * 2 * kTile) + 32);
+  uint16_t* bt0 = bt.data() + (32 - reinterpret_cast<uintptr_t>(bt.data()) / 2 % 32) % 32;
   _tile_loadconfig(&tile_config_16x64());
   for (int64_t c0 = 0; c0 < k; c0 += 32) {
-    for (int64_t s = 0; s < steps; ++s) {
-      for (int j = 0; j < 2; ++j) {  // the 16 output columns c0 + 16 j ...
-        uint16_t* t = bt.data() + (2 * s + j) * kTile;
+    // B tile j of step s (the 16 output columns c0 + 16 j ...): W's rows 32 s ... from blocks
+    // 2 s and 2 s + 1.
+    const auto build = [&](int64_t s, uint16_t* dst) {
+      for (int j = 0; j < 2; ++j) {
+        uint16_t* t = dst + j * kTile;
         const int64_t p0 = (c0 + 16 * j) / 2;
-        for (int h = 0; h < 2; ++h) {  // W's rows 32 s + 16 h ...: block 2 s + h
+        for (int h = 0; h < 2; ++h) {
           const int64_t b = 2 * s + h;
           if (b < blocks) {
             transpose8(p + b * bs, p0, pairs, t + 8 * 32 * h);
@@ -417,17 +479,21 @@ void nn(const uint16_t* p, int64_t n, int64_t k, const uint16_t* dy_in, int64_t 
           }
         }
       }
-    }
-    // The next 32 columns: 1 KiB of each block (pairs (c0 + 32) / 2 ...), two blocks a step.
-    const auto prefetch = [&](int64_t s) {
-      const int64_t p1 = (c0 + 32) / 2;
+    };
+    // Step t reads 1 KiB (the 32 columns' 16 pairs) of blocks 2 t and 2 t + 1.
+    const auto fetch = [&](int64_t ahead, int64_t t, bool near) {
+      const int64_t p1 = (c0 + 32 * ahead) / 2;
       if (p1 >= pairs) return;
-      for (int64_t h = 0; h < 2 && 2 * s + h < blocks; ++h) {
-        const char* strip = reinterpret_cast<const char*>(p + (2 * s + h) * bs + p1 * 2 * kBlock);
-        for (int64_t l = 0; l < 16; ++l) _mm_prefetch(strip + 64 * l, _MM_HINT_T1);
+      for (int64_t h = 0; h < 2 && 2 * t + h < blocks; ++h) {
+        const uint16_t* strip = p + (2 * t + h) * bs + p1 * 2 * kBlock;
+        if (near) {
+          prefetch_kib<true>(strip);
+        } else {
+          prefetch_kib<false>(strip);
+        }
       }
     };
-    row_tiles(dy, ld, rows, m, bt.data(), steps, c0, k, out, ldo, prefetch);
+    pass_tiles(dy, ld, rows, m, bt0, steps, c0, k, out, ldo, build, fetch);
   }
   _tile_release();
 }
