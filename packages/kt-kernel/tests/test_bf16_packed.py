@@ -231,6 +231,34 @@ def test_op_matches_the_float64_oracle_through_both_routes() -> None:
         ops.set_gemv_rows(-1)
 
 
+def test_rows_are_padded_only_where_onednn_runs_the_products() -> None:
+    """No padding rows where the format's own routines run every product; 16 where oneDNN does.
+
+    The padding bounds oneDNN's per-shape primitives; on the own routines it was pure waste (a
+    17-row expert took 32 rows of work). Small-row products off routes the products to tile +
+    oneDNN, and the padding comes back.
+    """
+    if not _products_run():
+        pytest.skip("needs the native products (AVX512_BF16)")
+    ops = torch.ops.kt_kernel
+    weights, lora, x, ids, tw, _ = _problem()
+    counts = torch.bincount(ids.flatten(), minlength=4)
+    args = weights.native_args()
+    factors = [p.detach().to(torch.bfloat16) for p in lora.parameters()]
+
+    def offsets() -> torch.Tensor:
+        _, saved = ops.forward(x, ids, tw, *args, factors, 2.0, True, True, 256)
+        return saved[2]
+
+    try:
+        for rows, pad in ((-1, 1), (0, 16)):
+            ops.set_gemv_rows(rows)
+            got = offsets().diff()
+            assert torch.equal(got, (counts + pad - 1) // pad * pad), (rows, got, counts)
+    finally:
+        ops.set_gemv_rows(-1)
+
+
 def test_op_is_bitwise_across_thread_counts() -> None:
     if not _native():
         pytest.skip("needs the native extension")
