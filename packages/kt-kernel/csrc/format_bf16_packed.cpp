@@ -347,7 +347,7 @@ constexpr int64_t kAhead = 6;
 // the tiles multiply; later row tiles reuse the pairs from L2.
 // `fetch(ahead, t, near)` prefetches the weights of step t of this pass (ahead 0) or the next
 // (ahead 1), to L1 when near, else to L2. The first row tile asks kAhead steps ahead (running
-// into the next pass when it is also the last); the last of several row tiles asks for the
+// into the next pass when it is the only one); the last of several row tiles asks for the
 // next pass's steps, as it builds none of its own.
 // Why: at 16-64 rows the products are bound by the weights' DRAM reads (one core reads 13 GB/s
 // here). Building all of a pass's pairs before its first row tile left DRAM idle while the
@@ -381,11 +381,7 @@ void pass_tiles(const uint16_t* a, int64_t ld, int64_t rows, int64_t m, uint16_t
     for (int64_t s = 0; s < steps; ++s) {
       uint16_t* b = bt + 2 * s * kTile;
       if (first) {
-        if (s + kAhead < steps) {
-          fetch(0, s + kAhead, true);
-        } else if (last) {
-          fetch(1, s + kAhead - steps, true);
-        }
+        if (s + kAhead < steps) fetch(0, s + kAhead, true);
         build(s, b);
       } else if (last) {
         fetch(1, s, false);
@@ -397,12 +393,24 @@ void pass_tiles(const uint16_t* a, int64_t ld, int64_t rows, int64_t m, uint16_t
   }
 }
 
-// The 16 lines (1 KiB) from p, to L1 when Near, else to L2.
-template <bool Near>
-inline void prefetch_kib(const void* p) {
+// The 16 lines (1 KiB) from p, to L1 when near, else to L2.
+inline void prefetch_kib(const void* p, bool near) {
   const char* c = static_cast<const char*>(p);
+  if (near) {
 #pragma GCC unroll 16
-  for (int l = 0; l < 16; ++l) _mm_prefetch(c + 64 * l, Near ? _MM_HINT_T0 : _MM_HINT_T1);
+    for (int l = 0; l < 16; ++l) _mm_prefetch(c + 64 * l, _MM_HINT_T0);
+  } else {
+#pragma GCC unroll 16
+    for (int l = 0; l < 16; ++l) _mm_prefetch(c + 64 * l, _MM_HINT_T1);
+  }
+}
+
+// This thread's buffer for one pass's B tiles (`steps` pairs), 64-byte aligned for the
+// aligned stores that build them; reused by the next call.
+inline uint16_t* pass_buffer(int64_t steps) {
+  thread_local std::vector<uint16_t> buf;
+  buf.resize(static_cast<size_t>(steps * 2 * kTile) + 32);
+  return buf.data() + (32 - reinterpret_cast<uintptr_t>(buf.data()) / 2 % 32) % 32;
 }
 
 void nt(const uint16_t* p, int64_t n, int64_t k, const uint16_t* x_in, int64_t ldx_in, int64_t m,
@@ -411,9 +419,7 @@ void nt(const uint16_t* p, int64_t n, int64_t k, const uint16_t* x_in, int64_t l
   const int64_t steps = ceil_div(pairs, 16);  // 32 columns of x per tile product
   int64_t ld = 0, rows = 0;
   const uint16_t* x = padded_rows(x_in, ldx_in, m, k, ld, rows);
-  thread_local std::vector<uint16_t> bt;
-  bt.resize(static_cast<size_t>(steps * 2 * kTile) + 32);
-  uint16_t* bt0 = bt.data() + (32 - reinterpret_cast<uintptr_t>(bt.data()) / 2 % 32) % 32;
+  uint16_t* bt0 = pass_buffer(steps);
   const __m512i sh = to_rows();
   _tile_loadconfig(&tile_config_16x64());  // per call: oneDNN loads its own on this thread
   for (int64_t b = 0; b < blocks; b += 2) {
@@ -445,11 +451,7 @@ void nt(const uint16_t* p, int64_t n, int64_t k, const uint16_t* x_in, int64_t l
     const auto fetch = [&](int64_t ahead, int64_t t, bool near) {
       for (int64_t j = 2 * ahead; j < 2 * ahead + 2 && b + j < blocks; ++j) {
         const uint16_t* line = p + (b + j) * bs + t * 32 * kBlock;
-        if (near) {
-          prefetch_kib<true>(line);
-        } else {
-          prefetch_kib<false>(line);
-        }
+        prefetch_kib(line, near);
       }
     };
     pass_tiles(x, ld, rows, m, bt0, steps, b * kBlock, n, out, ldo, build, fetch);
@@ -490,9 +492,7 @@ void nn(const uint16_t* p, int64_t n, int64_t k, const uint16_t* dy_in, int64_t 
   const int64_t steps = ceil_div(blocks, 2);  // 32 rows of W (columns of dy) per tile product
   int64_t ld = 0, rows = 0;
   const uint16_t* dy = padded_rows(dy_in, ldi, m, n, ld, rows);
-  thread_local std::vector<uint16_t> bt;
-  bt.resize(static_cast<size_t>(steps * 2 * kTile) + 32);
-  uint16_t* bt0 = bt.data() + (32 - reinterpret_cast<uintptr_t>(bt.data()) / 2 % 32) % 32;
+  uint16_t* bt0 = pass_buffer(steps);
   _tile_loadconfig(&tile_config_16x64());
   for (int64_t c0 = 0; c0 < k; c0 += 32) {
     // B tile j of step s (the 16 output columns c0 + 16 j ...): W's rows 32 s ... from blocks
@@ -517,11 +517,7 @@ void nn(const uint16_t* p, int64_t n, int64_t k, const uint16_t* dy_in, int64_t 
       if (p1 >= pairs) return;
       for (int64_t h = 0; h < 2 && 2 * t + h < blocks; ++h) {
         const uint16_t* strip = p + (2 * t + h) * bs + p1 * 2 * kBlock;
-        if (near) {
-          prefetch_kib<true>(strip);
-        } else {
-          prefetch_kib<false>(strip);
-        }
+        prefetch_kib(strip, near);
       }
     };
     pass_tiles(dy, ld, rows, m, bt0, steps, c0, k, out, ldo, build, fetch);
