@@ -77,6 +77,8 @@ QUICK = {
 # ours/sdpa: ours with transformers' SDPA kept (adapt_model(kernel_attention=False)) instead of
 # kt-kernel's causal attention, to measure what the attention op changes in a whole step.
 VARIANTS = ("peft", "ours", "ours+chunked", "ours/sdpa")
+# Expert storage for ours' variants (``--weight-dtype``); PEFT keeps transformers' bf16 experts.
+WEIGHT_DTYPE = "bf16"
 CATEGORIES = ("experts", "attention", "qkvo", "router", "lm_head", "loss", "optimizer", "rest")
 
 
@@ -145,7 +147,7 @@ def build(variant: str, cfg: Any) -> tuple[torch.nn.Module, torch.nn.Module, lis
             target_parameters=list(moe_experts.router_targets(lm)),
         )
         result = moe_experts.adapt_model(
-            lm, cfg_l, weight_dtype="bf16", kernel_attention=variant != "ours/sdpa"
+            lm, cfg_l, weight_dtype=WEIGHT_DTYPE, kernel_attention=variant != "ours/sdpa"
         )
         want = "sdpa" if variant == "ours/sdpa" else moe_experts.KERNEL_ATTENTION
         if lm.config._attn_implementation != want:
@@ -339,6 +341,8 @@ def run_isolated(quick: bool, lengths: list[int], reps: int, variants: tuple[str
                 v,
                 "--lengths",
                 ",".join(map(str, lengths)),
+                "--weight-dtype",
+                WEIGHT_DTYPE,
                 *(["--quick"] if quick else []),
             ]
             load = os.getloadavg()[0]
@@ -376,7 +380,8 @@ def _markdown(payload: dict) -> str:
         "",
         f"Qwen3-MoE, {m['num_hidden_layers']} layers, H={m['hidden_size']}, "
         f"E={m['num_experts']}, k={m['num_experts_per_tok']}, I={m['moe_intermediate_size']}, "
-        f"V={m['vocab_size']}, bf16, LoRA rank {RANK} on q/k/v/o + router + experts; "
+        f"V={m['vocab_size']}, bf16 (ours' experts: {payload.get('weight_dtype', 'bf16')}), "
+        f"LoRA rank {RANK} on q/k/v/o + router + experts; "
         f"{payload['torch_threads']} threads, load average {payload['loadavg']}"
         + (
             "; each variant and repetition in its own process."
@@ -439,11 +444,18 @@ def main() -> None:
         action="store_true",
         help="each variant and repetition in its own process (no profile)",
     )
+    parser.add_argument(
+        "--weight-dtype",
+        default="bf16",
+        help="kernel expert storage for ours' variants (bf16, bf16-packed, int8, ...)",
+    )
     parser.add_argument("--child", help=argparse.SUPPRESS)  # one variant, one timed step
     args = parser.parse_args()
     lengths = [int(x) for x in (args.lengths or ("128" if args.quick else "512,2048")).split(",")]
     reps = args.reps or (2 if args.quick else 3)
     load0 = os.getloadavg()[0]
+    global WEIGHT_DTYPE
+    WEIGHT_DTYPE = args.weight_dtype
     if args.child:
         print(json.dumps(run(args.quick, lengths, 1, False, (args.child,))))
         return
@@ -457,6 +469,7 @@ def main() -> None:
         "mode": "quick" if args.quick else "full",
         "model": {"family": "qwen3_moe", **(QUICK if args.quick else FULL)},
         "lora_rank": RANK,
+        "weight_dtype": WEIGHT_DTYPE,
         "loadavg": f"{load0:.1f} -> {os.getloadavg()[0]:.1f}",
         **result,
     }
