@@ -138,19 +138,21 @@ def test_share_experts_round_trips_through_print_config(tmp_path: Path, cli) -> 
     assert yaml.safe_load(flag_wins.stdout)["model"]["share_experts"] is True
 
 
-def test_kernel_attention_is_on_by_default_and_can_be_turned_off(tmp_path: Path, cli) -> None:
+@pytest.mark.parametrize("key", ["kernel_attention", "kernel_norms"])
+def test_kernel_ops_are_on_by_default_and_can_be_turned_off(tmp_path: Path, cli, key: str) -> None:
     import yaml
 
+    off = "--no-" + key.replace("_", "-")
     shown = {}
-    for flags in ([], ["--no-kernel-attention"]):
+    for flags in ([], [off]):
         proc = cli.run([*flags, "--print-config"])
         assert proc.returncode == 0, proc.stderr
-        shown[tuple(flags)] = yaml.safe_load(proc.stdout)["model"]["kernel_attention"]
-    assert shown == {(): True, ("--no-kernel-attention",): False}
+        shown[tuple(flags)] = yaml.safe_load(proc.stdout)["model"][key]
+    assert shown == {(): True, (off,): False}
     cfg = tmp_path / "run.yaml"
-    cfg.write_text("model:\n  kernel_attention: false\n")
+    cfg.write_text(f"model:\n  {key}: false\n")
     again = cli.run(["--config", str(cfg), "--print-config"])
-    assert yaml.safe_load(again.stdout)["model"]["kernel_attention"] is False
+    assert yaml.safe_load(again.stdout)["model"][key] is False
 
 
 def _builtin_copy(model_cache: Path, dest: Path, monkeypatch: pytest.MonkeyPatch) -> Path:

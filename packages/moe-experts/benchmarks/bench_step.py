@@ -76,7 +76,9 @@ QUICK = {
 }
 # ours/sdpa: ours with transformers' SDPA kept (adapt_model(kernel_attention=False)) instead of
 # kt-kernel's causal attention, to measure what the attention op changes in a whole step.
-VARIANTS = ("peft", "ours", "ours+chunked", "ours/sdpa")
+# ours+chunked/torch-norms: ours+chunked with transformers' RMSNorm modules kept
+# (adapt_model(kernel_norms=False)) instead of kt-kernel's fused norm.
+VARIANTS = ("peft", "ours", "ours+chunked", "ours/sdpa", "ours+chunked/torch-norms")
 # Expert storage for ours' variants (``--weight-dtype``); PEFT keeps transformers' bf16 experts.
 WEIGHT_DTYPE = "bf16"
 CATEGORIES = ("experts", "attention", "qkvo", "router", "lm_head", "loss", "optimizer", "rest")
@@ -147,7 +149,11 @@ def build(variant: str, cfg: Any) -> tuple[torch.nn.Module, torch.nn.Module, lis
             target_parameters=list(moe_experts.router_targets(lm)),
         )
         result = moe_experts.adapt_model(
-            lm, cfg_l, weight_dtype=WEIGHT_DTYPE, kernel_attention=variant != "ours/sdpa"
+            lm,
+            cfg_l,
+            weight_dtype=WEIGHT_DTYPE,
+            kernel_attention=variant != "ours/sdpa",
+            kernel_norms=variant != "ours+chunked/torch-norms",
         )
         want = "sdpa" if variant == "ours/sdpa" else moe_experts.KERNEL_ATTENTION
         if lm.config._attn_implementation != want:
@@ -168,7 +174,7 @@ def make_step(
     def step(ids: torch.Tensor) -> float:
         opt.zero_grad(set_to_none=True)
         labels = ids[:, 1:]
-        if variant == "ours+chunked":
+        if variant.startswith("ours+chunked"):
             hidden = lm.model(input_ids=ids).last_hidden_state[:, :-1]
             with torch.profiler.record_function("cat::loss"):
                 loss = chunked_lm_cross_entropy(hidden, lm.lm_head.weight, labels)

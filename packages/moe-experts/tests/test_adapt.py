@@ -6,7 +6,7 @@ import torch
 import kt_kernel
 from lora_core import LoraConfig, LoRAParameter, enable_lora_training, init_lora_tensor
 from lora_core.contracts import ParameterOwnership, PeftTensorLayout
-from moe_experts import AdaptError, adapt, adapt_model, router_targets, wrap
+from moe_experts import AdaptError, adapt, adapt_model, router_targets, use_kernel_norms, wrap
 
 from .conftest import FAMILIES, token_batch
 from .peft_twin import peft_twin, to_peft_layout
@@ -35,10 +35,12 @@ def _perturb_b(result, scale: float = 0.2) -> None:
                 p.copy_(torch.randn(p.shape, generator=gen) * scale)
 
 
-def _pair(fresh, family):
+def _pair(fresh, family, kernel_norms: bool = True):
     ours = fresh(family)
     cfg = _router_cfg(ours)
     wrap(ours, weight_dtype="fp32")
+    if kernel_norms:  # as adapt_model does: the norms on kt-kernel's fused op
+        use_kernel_norms(ours)
     routers = enable_lora_training(ours, cfg)  # freezes everything else
     result = routers.merge(adapt(ours, cfg))
     _perturb_b(result)
@@ -77,7 +79,11 @@ def test_loss_logits_and_gradients_equal_peft(fresh, family: str) -> None:
 @pytest.mark.timeout(240)
 @pytest.mark.parametrize("family", FAMILIES)
 def test_twenty_adamw_steps_follow_peft(fresh, family: str) -> None:
-    ours, theirs, result, pairs = _pair(fresh, family)
+    # The modules' own norms here. With kt-kernel's (last-ulp differences in fp32), qwen3_moe's
+    # tiny model flips a near-tied top-k routing choice at step 18: the loss jumps to 1.845
+    # where PEFT's is 1.903, after 17 steps within 3e-5 of it. That is the router's
+    # discontinuity, not an error; the first step's logits and gradients above include them.
+    ours, theirs, result, pairs = _pair(fresh, family, kernel_norms=False)
     opt_a = torch.optim.AdamW(result.parameters(), lr=1e-2)
     opt_b = torch.optim.AdamW([pairs[n] for n in result.parameter_names], lr=1e-2)
     ids = token_batch(seq=12)

@@ -50,6 +50,7 @@ def test_all_is_curated() -> None:
             "kernel_attention_forward",
             "register_kernel_attention",
             "use_kernel_attention",
+            "use_kernel_norms",
             "GpuExperts",
             "GpuExpertsError",
             "GpuIdleMeter",

@@ -1,6 +1,7 @@
 """Architecture registry: every family resolves, unknown and refused models fail by name, and
 packed rows keep their examples apart (SFT rows and preference pairs alike)."""
 
+import copy
 import dataclasses
 import itertools
 import re
@@ -21,6 +22,7 @@ from moe_experts import (
     find_architecture,
     iter_moe_blocks,
     use_kernel_attention,
+    use_kernel_norms,
     wrap,
 )
 from moe_experts.finetune.data import IGNORE_INDEX, Example, PackedBatches
@@ -242,6 +244,7 @@ def test_packed_rows_equal_each_example_alone(fresh, family: str) -> None:
     arch = find_architecture(model)
     wrap(model, weight_dtype="fp32")
     use_kernel_attention(model)
+    use_kernel_norms(model)
     examples = _packing_examples(min(model.config.get_text_config().vocab_size, 96))
     shares = arch.packing.shares_rows
     packed = PackedBatches.from_examples(
@@ -300,6 +303,7 @@ def test_packed_preference_pairs_score_each_sequence_alone(fresh, family: str) -
     arch = find_architecture(model)
     wrap(model, weight_dtype="fp32")
     use_kernel_attention(model)
+    use_kernel_norms(model)
     vocab = min(model.config.get_text_config().vocab_size, 96)
     gen = torch.Generator().manual_seed(22)
 
@@ -346,3 +350,57 @@ def test_packing_choices_say_why() -> None:
         "jamba",
         "granitemoehybrid",
     }
+
+
+def _rel(got: torch.Tensor, want: torch.Tensor) -> float:
+    return float((got - want).norm() / want.norm().clamp_min(1e-30))
+
+
+def _plain_rms_norms(model: torch.nn.Module) -> set[str]:
+    """Modules that are RMSNorms of one tensor with a weight (not gated, not centred)."""
+    out = set()
+    for name, module in model.named_modules():
+        cls = type(module).__name__
+        weight = getattr(module, "weight", None)
+        if cls.endswith("RMSNorm") and isinstance(weight, torch.nn.Parameter) and weight.dim() == 1:
+            out.add(name)
+    return out
+
+
+@pytest.mark.timeout(120)
+@pytest.mark.parametrize("family", FAMILIES)
+def test_kernel_norms_switch_every_rms_norm_and_equal_its_own(fresh, family: str) -> None:
+    """kt-kernel's fused RMSNorm in every family: each plain RMSNorm is switched, and logits
+    and the embedding table's gradient equal the modules' own forwards (fp32 within 1e-5 and
+    1e-4 relative; bf16 logits bitwise but for rare one-ulp ties); a deep copy's norms are
+    bound to the copy."""
+    for dtype in (torch.float32, torch.bfloat16):
+        theirs = fresh(family).to(dtype)
+        ours = copy.deepcopy(theirs)
+        count = use_kernel_norms(ours)
+        switched = {n for n, m in ours.named_modules() if "_kt_norm_form" in m.__dict__}
+        assert count == len(switched)
+        assert _plain_rms_norms(ours) <= switched, family
+        assert use_kernel_norms(ours) == count  # idempotent
+        ids = torch.randint(0, min(ours.config.get_text_config().vocab_size, 96), (2, 9))
+        grads = []
+        logits = []
+        for model in (ours, theirs):
+            # The embedding table's gradient: every norm's backward lies on its path (and
+            # input_ids stay, which DeepSeek-V4's hash routing reads).
+            table = model.get_input_embeddings().weight
+            table.requires_grad_(True)
+            out = model(input_ids=ids, use_cache=False).logits
+            out.float().square().mean().backward()
+            logits.append(out.detach().float())
+            grads.append(table.grad.float())
+        if dtype == torch.float32:
+            assert _rel(logits[0], logits[1]) < 1e-5
+            assert _rel(grads[0], grads[1]) < 1e-4
+        else:
+            assert float((logits[0] != logits[1]).float().mean()) <= 1e-3
+            assert _rel(grads[0], grads[1]) < 2e-2
+    twin = copy.deepcopy(ours)
+    for name in switched:
+        module = twin.get_submodule(name)
+        assert module.forward.__self__ is module, name

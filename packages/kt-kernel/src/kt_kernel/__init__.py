@@ -3,7 +3,8 @@
 The public surface is tensors plus small typed specs: :class:`ExpertSpec` (with its
 activation), :class:`ExpertWeights` (in a :class:`WeightFormat`), :class:`LoraBuffers`,
 :func:`moe_experts_forward`, :func:`causal_attention`, :func:`logit_rows` (the elementwise
-half of a chunked LM-head loss) and :func:`backend_info`.
+half of a chunked LM-head loss), :func:`rms_norm` (a decoder's fused RMSNorm) and
+:func:`backend_info`.
 ``kt_kernel.reference`` holds the plain-PyTorch oracle.
 """
 
@@ -49,6 +50,7 @@ from kt_kernel.quant import (
     quantize_per_channel,
 )
 from kt_kernel.reference import moe_experts_forward_reference
+from kt_kernel.rms_norm import RMS_NORM_DTYPES, rms_norm, rms_norm_reference
 from kt_kernel.shared import (
     SharedExperts,
     SharedMemoryError,
@@ -65,6 +67,7 @@ __all__ = [
     "FORMAT_ALIASES",
     "FUSED_NAMES",
     "LOGIT_ROWS_DTYPES",
+    "RMS_NORM_DTYPES",
     "SPLIT_NAMES",
     "Activation",
     "ActivationClass",
@@ -113,6 +116,8 @@ __all__ = [
     "quantize_per_channel",
     "register_activation",
     "register_format",
+    "rms_norm",
+    "rms_norm_reference",
     "set_num_threads",
     "write_shared",
 ]

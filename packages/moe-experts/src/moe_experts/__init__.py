@@ -57,6 +57,7 @@ if TYPE_CHECKING:
     from moe_experts.kernel_experts import KernelExperts
     from moe_experts.loading import load_pretrained
     from moe_experts.losses import ChunkedLossError, chunked_lm_cross_entropy
+    from moe_experts.norms import use_kernel_norms
     from moe_experts.placeholders import (
         ExpertPlaceholder,
         is_placeholder,
@@ -118,6 +119,7 @@ _WHERE = {
     "register_kernel_attention": "attention",
     "router_targets": "adaptation",
     "use_kernel_attention": "attention",
+    "use_kernel_norms": "norms",
     "wrap": "wrapping",
 }
 
@@ -172,6 +174,7 @@ __all__ = [
     "register_kernel_attention",
     "router_targets",
     "use_kernel_attention",
+    "use_kernel_norms",
     "wrap",
 ]
 

@@ -23,6 +23,7 @@ from moe_experts.attention import use_kernel_attention
 from moe_experts.errors import AdaptError
 from moe_experts.kernel_experts import KernelExperts
 from moe_experts.lora_experts import LoraExperts
+from moe_experts.norms import use_kernel_norms
 from moe_experts.placeholders import named_placeholders
 from moe_experts.wrapping import WeightDType, experts_sites, wrap
 
@@ -317,6 +318,7 @@ def adapt_model(
     lora_experts: int = 0,
     lora_expert_intermediate: int | None = None,
     kernel_attention: bool = True,
+    kernel_norms: bool = True,
 ) -> AdaptationResult:
     """Wrap (if needed), put dense LoRA on attention/routers and expert LoRA on the experts.
 
@@ -345,6 +347,9 @@ def adapt_model(
             causal attention (:func:`moe_experts.attention.use_kernel_attention`; 1.8x less
             CPU time than SDPA's flash kernel at T=2048, any other call still goes to SDPA);
             ``False`` leaves the model's attention as it is.
+        kernel_norms: run the model's RMSNorms on kt-kernel's fused op where it reproduces
+            them (:func:`moe_experts.norms.use_kernel_norms`; calls off the CPU keep the
+            module's own forward); ``False`` leaves them as they are.
 
     Returns:
         The merged :class:`~lora_core.contracts.AdaptationResult`.
@@ -353,6 +358,8 @@ def adapt_model(
         wrap(model, weight_dtype=weight_dtype)
     if kernel_attention:
         use_kernel_attention(model)
+    if kernel_norms:
+        use_kernel_norms(model)
     dense_cfg = dense_config if dense_config is not None else config
     if dense_cfg.enable:
         dense_cfg = _dense_part(model, dense_cfg)

@@ -68,6 +68,8 @@ class FinetuneArgs:
     share_experts: bool | None = None
     # CPU models on transformers' SDPA run plain causal attention on kt-kernel's op instead.
     kernel_attention: bool = True
+    # RMSNorms on kt-kernel's fused op where a probe shows it reproduces them (CPU calls only).
+    kernel_norms: bool = True
     # Dense layers, LoRA and optimizer state: "cuda" (cuda:LOCAL_RANK), "cpu", or "auto" (CUDA
     # when torch sees one). The routed experts always stay in the host kernel.
     device: str = "auto"

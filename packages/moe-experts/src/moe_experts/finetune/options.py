@@ -135,6 +135,17 @@ OPTIONS: tuple[Option, ...] = (
         negation="--no-kernel-attention",
     ),
     Option(
+        "kernel_norms",
+        "--kernel-norms",
+        "model",
+        "kernel_norms",
+        bool,
+        "run a CPU model's RMSNorms on kt-kernel's fused op where it reproduces them "
+        "(calls off the CPU keep the module's own forward; --no-kernel-norms: keep "
+        "transformers' norms everywhere)",
+        negation="--no-kernel-norms",
+    ),
+    Option(
         "device",
         "--device",
         "model",

@@ -211,6 +211,7 @@ def run_finetune(args: FinetuneArgs, stop: StopRequest | None = None) -> Finetun
             lora,
             weight_dtype=args.weight_dtype,
             kernel_attention=args.kernel_attention,
+            kernel_norms=args.kernel_norms,
         )
     except LoraTargetError as exc:  # a target the user wrote that this model does not have
         raise FinetuneError(f"--model {args.model}: {exc}") from exc
