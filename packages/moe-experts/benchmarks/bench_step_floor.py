@@ -74,30 +74,26 @@ def run(tokens: int, layers: int, reps: int, quick: bool = False) -> dict[str, A
     h, v = m["hidden_size"], m["vocab_size"]
     rows: list[dict[str, Any]] = []
     best_rate = 0.0
-    for size in (
-        (512,) if quick else (2048, 4096)
-    ):  # square products: the rate the experts cannot beat
+    # Square products: the rate that the experts' many small products cannot beat.
+    for size in (512,) if quick else (2048, 4096):
         a = torch.randn(size, size).to(torch.bfloat16)
         s = _best_seconds(a, a, reps)
         best_rate = max(best_rate, 2.0 * size**3 / s / 1e9)
     layer_s = 0.0
-    for part, n, fan_in, fan_out in dense_products(m, tokens):
-        a = torch.randn(n, fan_in).to(torch.bfloat16)
-        w = torch.randn(fan_out, fan_in).to(torch.bfloat16)
-        s = _best_seconds(a, w, reps)
-        gflop = 2.0 * n * fan_in * fan_out / 1e9
-        best_rate = max(best_rate, gflop / s)
-        rows.append({"part": part, "per": "layer", "gflop": gflop, "seconds": s})
-        layer_s += s
     head_s = 0.0
-    for part, fan_in, fan_out in (("lm_head forward", h, v), ("lm_head input gradient", v, h)):
-        a = torch.randn(tokens, fan_in).to(torch.bfloat16)
-        w = torch.randn(fan_out, fan_in).to(torch.bfloat16)
-        s = _best_seconds(a, w, reps)
-        gflop = 2.0 * tokens * fan_in * fan_out / 1e9
-        best_rate = max(best_rate, gflop / s)
-        rows.append({"part": part, "per": "step", "gflop": gflop, "seconds": s})
-        head_s += s
+    head = (("lm_head forward", tokens, h, v), ("lm_head input gradient", tokens, v, h))
+    for per, products in (("layer", dense_products(m, tokens)), ("step", head)):
+        for part, n, fan_in, fan_out in products:
+            a = torch.randn(n, fan_in).to(torch.bfloat16)
+            w = torch.randn(fan_out, fan_in).to(torch.bfloat16)
+            s = _best_seconds(a, w, reps)
+            gflop = 2.0 * n * fan_in * fan_out / 1e9
+            best_rate = max(best_rate, gflop / s)
+            rows.append({"part": part, "per": per, "gflop": gflop, "seconds": s})
+            if per == "layer":
+                layer_s += s
+            else:
+                head_s += s
     routed = tokens * m["num_experts_per_tok"]
     i = m["moe_intermediate_size"]
     # forward gate_up + down, backward the same two products for the input gradient
