@@ -49,19 +49,24 @@ static void fwd(const S* x, const S* w, int64_t r0, int64_t r1, int64_t H, float
   }
 }
 
-// dn = dL/d(normalised row) as autograd's chain forms it: with round_first the product dy * w
-// is rounded to S (its MulBackward runs in S), otherwise it is dy * (w + offset) in fp32.
-template <typename S>
-static inline float dn_at(const S* dyr, const S* w, int64_t j, float offset, bool round_first) {
-  if (w == nullptr) return load_t<S>(dyr, j);
-  if (round_first) return round_s<S>(load_t<S>(dyr, j) * load_t<S>(w, j));
-  return load_t<S>(dyr, j) * (load_t<S>(w, j) + offset);
+// dn = dL/d(normalised row) as autograd's chain forms it. Form 0: no weight; 1 (round_first):
+// the product dy * w rounded to S (its MulBackward runs in S); 2: dy * (w + offset) in fp32.
+template <typename S, int Form>
+static inline float dn_at(const S* dyr, const S* w, int64_t j, float offset) {
+  if constexpr (Form == 0) {
+    return load_t<S>(dyr, j);
+  } else if constexpr (Form == 1) {
+    return round_s<S>(load_t<S>(dyr, j) * load_t<S>(w, j));
+  } else {
+    return load_t<S>(dyr, j) * (load_t<S>(w, j) + offset);
+  }
 }
 
-// dx = rs * dn - x * rs^3 * <dn, x> / H, from the rstd the forward kept.
-template <typename S>
-static void bwd(const S* dy, const S* x, const S* w, const float* rstd, int64_t r0, int64_t r1,
-                int64_t H, float offset, bool round_first, S* dx) {
+// dx = rs * dn - x * rs^3 * <dn, x> / H, from the rstd the forward kept; the form is a
+// template argument so that both loops vectorise without a branch.
+template <typename S, int Form>
+static void bwd_form(const S* dy, const S* x, const S* w, const float* rstd, int64_t r0,
+                     int64_t r1, int64_t H, float offset, S* dx) {
   for (int64_t r = r0; r < r1; ++r) {
     const S* xr = x + r * H;
     const S* dyr = dy + r * H;
@@ -69,12 +74,24 @@ static void bwd(const S* dy, const S* x, const S* w, const float* rstd, int64_t 
     const float rs = rstd[r];
     float dot = 0.0f;
 #pragma omp simd reduction(+ : dot)
-    for (int64_t j = 0; j < H; ++j) dot += dn_at<S>(dyr, w, j, offset, round_first) * load_t<S>(xr, j);
+    for (int64_t j = 0; j < H; ++j) dot += dn_at<S, Form>(dyr, w, j, offset) * load_t<S>(xr, j);
     const float k = rs * rs * rs * dot / static_cast<float>(H);
 #pragma omp simd
     for (int64_t j = 0; j < H; ++j) {
-      dxr[j] = to_storage<S>(rs * dn_at<S>(dyr, w, j, offset, round_first) - load_t<S>(xr, j) * k);
+      dxr[j] = to_storage<S>(rs * dn_at<S, Form>(dyr, w, j, offset) - load_t<S>(xr, j) * k);
     }
+  }
+}
+
+template <typename S>
+static void bwd(const S* dy, const S* x, const S* w, const float* rstd, int64_t r0, int64_t r1,
+                int64_t H, float offset, bool round_first, S* dx) {
+  if (w == nullptr) {
+    bwd_form<S, 0>(dy, x, w, rstd, r0, r1, H, offset, dx);
+  } else if (round_first) {
+    bwd_form<S, 1>(dy, x, w, rstd, r0, r1, H, offset, dx);
+  } else {
+    bwd_form<S, 2>(dy, x, w, rstd, r0, r1, H, offset, dx);
   }
 }
 
