@@ -54,6 +54,20 @@ __attribute__((target("amx-tile,amx-bf16"))) inline void tile_step(const void* a
   _tile_dpbf16ps(3, 5, 7);
 }
 
+// C tiles 0-1 += A rows 0-15 x [B columns 0-15, 16-31]: tile_step for a last row tile of 16
+// rows, which would otherwise multiply a tile of padding zeros.
+__attribute__((target("amx-tile,amx-bf16"))) inline void tile_step_half(const void* a0,
+                                                                         int64_t sa0,
+                                                                         const void* b0,
+                                                                         const void* b1,
+                                                                         int64_t sb) {
+  _tile_loadd(4, a0, sa0);
+  _tile_loadd(6, b0, sb);
+  _tile_loadd(7, b1, sb);
+  _tile_dpbf16ps(0, 4, 6);
+  _tile_dpbf16ps(1, 4, 7);
+}
+
 __attribute__((target("amx-tile"))) inline void tiles_zero() {
   _tile_zero(0);
   _tile_zero(1);

@@ -374,11 +374,11 @@ void amx_nt(const uint16_t* x_in, int64_t ldx_in, int64_t m, const Packed& w, in
   alignas(64) static const uint32_t zero_tile[256] = {};
   // x is read in place where its rows are whole A tiles: every 32 of K's columns exist
   // (K = 32 steps, so the zero pairs of the factor's last tile meet no column) and the rows
-  // come in 16s (the op's tasks); a missing second 16 rows is a zero tile. Else a padded copy.
+  // come in 16s (the op's tasks); a last row tile of 16 rows takes one A tile
+  // (tile_step_half). Else a padded copy.
   const uint16_t* xa = x_in;
   int64_t ld = ldx_in;
   if (w.k != 32 * steps || m % 16 != 0) xa = padded_rows(x_in, ldx_in, m, w.k, ld, rows);
-  const int64_t live = xa == x_in ? m : rows;  // rows that may be loaded
   alignas(64) float c[4][256];
   const uint32_t* we = w.data + e * w.blocks * bsd;
   const int64_t sa = ld * 2;
@@ -391,12 +391,15 @@ void amx_nt(const uint16_t* x_in, int64_t ldx_in, int64_t m, const Packed& w, in
     for (int64_t m0 = 0; m0 < rows; m0 += 32) {
       tiles_zero();
       const uint16_t* a0 = xa + m0 * ld;
-      const bool a1_live = m0 + 16 < live;
-      const uint16_t* a1 = a1_live ? a0 + 16 * ld : reinterpret_cast<const uint16_t*>(zero_tile);
-      const int64_t a1_stride = a1_live ? sa : 0, a1_step = a1_live ? 32 : 0;
-      for (int64_t t = 0; t < steps; ++t) {
-        tile_step(a0 + 32 * t, sa, a1 + a1_step * t, a1_stride, b0 + 256 * t, b1 + b1_step * t,
-                  64);
+      if (m0 + 16 < m) {
+        for (int64_t t = 0; t < steps; ++t) {
+          tile_step(a0 + 32 * t, sa, a0 + 16 * ld + 32 * t, sa, b0 + 256 * t, b1 + b1_step * t,
+                    64);
+        }
+      } else {
+        for (int64_t t = 0; t < steps; ++t) {
+          tile_step_half(a0 + 32 * t, sa, b0 + 256 * t, b1 + b1_step * t, 64);
+        }
       }
       tiles_store(c);
       store_c_tiles<Acc>(c, m0, m, b * kBlock, w.n, out, ldo, s);

@@ -181,7 +181,8 @@ def test_both_routes_match_the_float64_product(nn: bool) -> None:
             parts = f.quantize(_weights(n, k))
             w = f.dequantize(parts)[0].double()
             args = list(f.native_args(parts))
-            for m in (*ROWS, 40, 96, 300):  # AMX: 1, 2, 3 and 10 row tiles of 32
+            # AMX: 1, 2, 3, 5 and 10 row tiles of 32; 16, 40, 144 and 300 end in one of 16 rows
+            for m in (*ROWS, 40, 96, 144, 300):
                 x = torch.randn(m, n if nn else k, generator=gen).to(torch.bfloat16)
                 ref = x.double() @ (w if nn else w.t())
                 for rows in (0, -1):
