@@ -25,7 +25,7 @@ ROWS = (16, 32, 64, 128, 256)
 VARIANTS = ("bf16", "bf16-packed")
 
 
-def _bank(name: str, n: int, k: int, experts: int) -> tuple[str, list[torch.Tensor]]:
+def expert_bank(name: str, n: int, k: int, experts: int) -> tuple[str, list[torch.Tensor]]:
     """Native name and arguments of ``experts`` random ``[N, K]`` weights in format ``name``."""
     gen = torch.Generator().manual_seed(n + k)
     w = torch.randn(experts, n, k, generator=gen).to(torch.bfloat16) / k**0.5
@@ -38,7 +38,7 @@ def run(experts: int, rows: tuple[int, ...], reps: int) -> list[dict]:
     ops = torch.ops.kt_kernel
     out = []
     for proj, (n, k) in PROJECTIONS.items():
-        banks = {v: _bank(v, n, k, experts) for v in VARIANTS}
+        banks = {v: expert_bank(v, n, k, experts) for v in VARIANTS}
         for nn in (False, True):
             for m in rows:
                 x = torch.randn(m, n if nn else k).to(torch.bfloat16)

@@ -33,20 +33,16 @@ import sys
 import time
 from pathlib import Path
 
-HERE = Path(__file__).resolve().parent
-PROJECTIONS = {"gate_up": (1536, 2048), "down": (2048, 768)}  # (N, K) of Qwen3-30B-A3B
 PRODUCT_EXPERTS = 32
 
 
 def child_op(tokens: list[int], experts: int) -> dict[str, list[float]]:
     """Median (wall s, process CPU s) of 3 forward + backward steps per token count."""
+    import _timing as tm
     import torch
+    from bench_formats import DISTINCT, build_bases
 
     import kt_kernel as kk
-
-    sys.path.insert(0, str(HERE))
-    import _timing as tm
-    from bench_formats import DISTINCT, build_bases
 
     h, i, k, r = 2048, 768, 8, 16
     spec = kk.ExpertSpec(experts, h, i)
@@ -65,6 +61,7 @@ def child_op(tokens: list[int], experts: int) -> dict[str, list[float]]:
 def child_products(rows: list[int]) -> dict[str, float]:
     """GFLOP/s (best of 3 passes over the experts) of each product at each row count."""
     import torch
+    from bench_products import PROJECTIONS, expert_bank
 
     import kt_kernel as kk
 
@@ -73,10 +70,8 @@ def child_products(rows: list[int]) -> dict[str, float]:
     ops = torch.ops.kt_kernel
     out = {}
     for proj, (n, k) in PROJECTIONS.items():
-        gen = torch.Generator().manual_seed(n + k)
-        w = torch.randn(PRODUCT_EXPERTS, n, k, generator=gen).to(torch.bfloat16) / k**0.5
-        fmt = kk.FORMATS["bf16-packed"](torch.bfloat16)
-        name, args = fmt.name, list(fmt.native_args(fmt.quantize(w)))
+        gen = torch.Generator().manual_seed(n * k)
+        name, args = expert_bank("bf16-packed", n, k, PRODUCT_EXPERTS)
         for nn in (False, True):
             for m in rows:
                 x = torch.randn(m, n if nn else k, generator=gen).to(torch.bfloat16)
@@ -90,6 +85,13 @@ def child_products(rows: list[int]) -> dict[str, float]:
                 flop = 2.0 * m * n * k * PRODUCT_EXPERTS
                 out[f"{proj} {'dy W' if nn else 'x W^T'} {m}"] = flop / min(times) / 1e9
     return out
+
+
+# Not _timing.loadavg: _timing imports torch and kt_kernel, which the parent neither needs nor
+# may have (only the builds under test hold a kernel).
+def _loadavg() -> list[float]:
+    """The 1, 5 and 15 minute load averages, rounded."""
+    return [round(v, 2) for v in os.getloadavg()]
 
 
 def _run_child(package_dir: Path, argv: list[str]) -> dict:
@@ -185,7 +187,7 @@ def main() -> None:
         "baseline": _check_package(args.baseline),
         "candidate": _check_package(args.candidate),
     }
-    loadavg_start = [round(v, 2) for v in os.getloadavg()]
+    loadavg_start = _loadavg()
     samples: dict[str, list[tuple[dict, dict]]] = {b: [] for b in builds}
     for rnd in range(args.rounds):
         order = list(builds) if rnd % 2 == 0 else list(builds)[::-1]
@@ -220,7 +222,7 @@ def main() -> None:
         "cpu": os.uname().machine,
         "kt_kernel_amx": os.environ.get("KT_KERNEL_AMX", "unset"),
         "loadavg_start": loadavg_start,
-        "loadavg_end": [round(v, 2) for v in os.getloadavg()],
+        "loadavg_end": _loadavg(),
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
     }
     args.out.mkdir(parents=True, exist_ok=True)
