@@ -290,7 +290,8 @@ def test_memory_is_one_copy_of_the_bf16_bytes() -> None:
 @pytest.mark.timeout(300)
 def test_forced_isas_agree_amx_avx512_and_tile_gemm() -> None:
     """The op in children: AMX tiles (where the CPU has AMX), KT_KERNEL_AMX=0 (vdpbf16ps) and
-    KT_KERNEL_ISA=avx2 (the products decline: exact tiles for oneDNN), each against float64."""
+    KT_KERNEL_ISA=avx2 (the products decline: exact tiles for oneDNN), each against float64;
+    and weight_dtype="auto" picks bf16-packed for bf16 weights exactly where the products run."""
     if not _products_run():
         pytest.skip("compares the AVX512_BF16 products with the path without them")
     code = (
@@ -299,7 +300,9 @@ def test_forced_isas_agree_amx_avx512_and_tile_gemm() -> None:
         "import _op_run as o\n"
         "w, lora, x, ids, tw, dy = o.op_problem('bf16-packed', torch.bfloat16, 8)\n"
         "got = o.run_op(w, lora, x, ids, tw, dy)\n"
-        "torch.save({'got': got, 'amx': torch.ops.kt_kernel.amx()}, sys.argv[1])\n"
+        "import kt_kernel as kk\n"
+        "auto = kk.auto_format(torch.bfloat16)\n"
+        "torch.save({'got': got, 'amx': torch.ops.kt_kernel.amx(), 'auto': auto}, sys.argv[1])\n"
     )
     runs = {"default": {}, "no_amx": {"KT_KERNEL_AMX": "0"}, "avx2": {"KT_KERNEL_ISA": "avx2"}}
     out = {}
@@ -319,6 +322,8 @@ def test_forced_isas_agree_amx_avx512_and_tile_gemm() -> None:
         assert not out["default"]["amx"]
     assert not out["no_amx"]["amx"]
     assert not out["avx2"]["amx"]
+    # weight_dtype="auto" stores bf16 experts repacked exactly where these products run.
+    assert [out[name]["auto"] for name in runs] == ["bf16-packed", "bf16-packed", "bf16"]
     ref = _oracle(*_problem(8))
     for name in runs:
         for a, b in zip(out[name]["got"], ref, strict=True):

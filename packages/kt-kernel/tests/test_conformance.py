@@ -252,10 +252,16 @@ def test_registry_rejects_a_second_factory_and_unknown_shorthands() -> None:
 
 def test_auto_resolves_from_the_checkpoint_and_old_spellings_warn() -> None:
     # Dense storage of the checkpoint's own dtype; bf16 for any other float (fp16: no fp16
-    # kernel); a quantization_config picks the format that ships it.
+    # kernel), repacked (the same values) where the CPU runs bf16-packed's own products; a
+    # quantization_config picks the format that ships it.
+    info = kk.backend_info()
+    packed_here = info.isa == "avx512" and "avx512bf16" in info.cpu_features
+    assert kk.Bf16Packed.own_products_here() == packed_here
+    assert not kk.FORMATS["bf16"].own_products_here()
+    bf16 = "bf16-packed" if packed_here else "bf16"
     assert kk.auto_format(torch.float32) == "fp32"
-    assert kk.auto_format(torch.bfloat16) == "bf16"
-    assert kk.auto_format(torch.float16) == "bf16"
+    assert kk.auto_format(torch.bfloat16) == bf16
+    assert kk.auto_format(torch.float16) == bf16
     fp8 = {"quant_method": "fp8", "weight_block_size": [128, 128]}
     assert kk.auto_format(torch.bfloat16, fp8) == "fp8"
     with pytest.raises(kk.KernelDTypeError, match=r"quant_method='awq'"):

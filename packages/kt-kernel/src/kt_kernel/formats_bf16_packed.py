@@ -91,6 +91,14 @@ class Bf16Packed(StackedFormat):
             )
         self.compute_dtype = torch.bfloat16
 
+    @classmethod
+    def own_products_here(cls) -> bool:
+        """Whether the native extension runs AVX-512 on a CPU with AVX512_BF16 (the products')."""
+        from kt_kernel._native import backend_info
+
+        info = backend_info()
+        return info.isa == "avx512" and "avx512bf16" in info.cpu_features
+
     def quantize(self, w: torch.Tensor) -> Parts:
         """``(packed bf16, shape int64)``: ``w`` rounded to bf16 and rearranged.
 

@@ -116,8 +116,9 @@ class StoragePlan:
             weight_dtype: ``"auto"`` or a name in :data:`kt_kernel.FORMATS`.
             policy: kt-kernel activation policy.
             self_check: see :attr:`self_check`.
-            source_dtype: the dtype the experts are stored in; ``"auto"`` stores them densely
-                in it (fp32, else bf16: :func:`kt_kernel.auto_format`).
+            source_dtype: the dtype the experts are stored in; ``"auto"`` keeps their values
+                (fp32, else bf16, repacked where kt-kernel's own products run:
+                :func:`kt_kernel.auto_format`).
 
         Raises:
             WrapError: an unknown ``weight_dtype`` or ``policy``, or ``"auto"`` without a
@@ -142,9 +143,9 @@ class StoragePlan:
         A checkpoint whose ``quantization_config`` a registered format reads (FP8 blocks:
         ``"fp8"``; GPT-OSS: ``"mxfp4"``) keeps its shipped bytes under ``"auto"`` and
         ``None``, may be dequantised (a dense format), and is never quantised a second
-        time. Otherwise ``"auto"`` stores the experts densely in the checkpoint's dtype
+        time. Otherwise ``"auto"`` keeps the values of the checkpoint's dtype
         (``config.json``'s ``dtype`` or ``torch_dtype``, else the dtype most of its tensors
-        have) and ``None`` in bf16.
+        have: :func:`kt_kernel.auto_format`) and ``None`` stores dense bf16.
 
         Raises:
             LoadError: an unreadable ``config.json``, a ``quantization_config`` no format

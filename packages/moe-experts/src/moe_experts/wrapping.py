@@ -204,9 +204,11 @@ def wrap(
             ``"fp32"``, or a quantised base computing in bf16 (quantisation error in
             ``WrapReport.quantization``): ``"int8"`` (per-output-channel scales, 0.50x bf16
             memory), ``"int4"`` (group-wise, 64 columns per bf16 scale, 0.27x) or ``"fp8"``
-            (E4M3 with 128x128 block scales, 0.50x); or ``"auto"``: dense in the experts'
-            own dtype (``"fp32"`` for float32, else ``"bf16"``). Activations are cast to the
-            compute dtype inside the experts and the output is cast back.
+            (E4M3 with 128x128 block scales, 0.50x); or ``"auto"``: the experts' own values
+            (``"fp32"`` for float32, else ``"bf16"``, which is ``"bf16-packed"``, the same
+            values in the kernel's own layout, on CPUs with AVX512_BF16:
+            :func:`kt_kernel.auto_format`). Activations are cast to the compute dtype inside
+            the experts and the output is cast back.
         policy: kt-kernel activation policy, ``"save"`` or ``"recompute"``.
         self_check: run each block's original experts module and the kernel on the same
             8 random tokens before the original weights are freed and refuse a disagreement

@@ -106,7 +106,8 @@ OPTIONS: tuple[Option, ...] = (
         "weight_dtype",
         str,
         "kernel storage of the frozen experts: auto (the checkpoint's own: a quantised "
-        "checkpoint's shipped bytes, FP8 blocks or MXFP4, else dense in its dtype) or a weight "
+        "checkpoint's shipped bytes, FP8 blocks or MXFP4, else its own values: fp32, or bf16 "
+        "repacked as bf16-packed where the CPU has AVX512_BF16) or a weight "
         "format registered "
         "in kt_kernel.FORMATS (an unknown name lists them)",
         vocabulary=_weight_formats,
