@@ -185,3 +185,28 @@ def test_torchrun_two_ranks_grad_accum_equals_trl(tmp_path: Path) -> None:
     assert f"reference log-probs: reused {second / REFERENCE_FILE}" in again.stderr
     assert (second / REFERENCE_FILE).read_bytes() == kept
     assert set(_log(second)) == {2, 3}
+
+
+def test_kept_reference_key_names_the_resolved_storage() -> None:
+    # "auto" stands for different formats on different CPUs (bf16-packed where kt-kernel runs
+    # its products), so kept reference values are keyed on the storage the experts got.
+    from types import SimpleNamespace
+
+    import kt_kernel
+    from moe_experts import wrap
+    from moe_experts.finetune.preference_setup import _key
+    from moe_experts.testing import tiny_model
+
+    pairs = SimpleNamespace(fingerprint=lambda: "pairs")
+    args = SimpleNamespace(weight_dtype="auto", loss="full")
+    keys = {}
+    for name in ("auto", "bf16", "int8"):
+        torch.manual_seed(0)
+        model = tiny_model("qwen3_moe").to(torch.bfloat16)
+        wrap(model, weight_dtype=name)
+        keys[name] = _key(args, model, Path("m"), pairs, None)["weight_dtype"]
+    assert keys["auto"] == kt_kernel.auto_format(torch.bfloat16)
+    assert keys["bf16"] == "bf16"
+    assert keys["int8"] == "int8"
+    unwrapped = tiny_model("qwen3_moe")
+    assert _key(args, unwrapped, Path("m"), pairs, None)["weight_dtype"] == "auto"

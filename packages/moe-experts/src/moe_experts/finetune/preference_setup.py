@@ -79,14 +79,23 @@ def _pairs(
     )
 
 
-def _key(args: FinetuneArgs, source: Path, train: PreferenceBatches, held: Any) -> dict[str, str]:
+def _key(
+    args: FinetuneArgs, model: nn.Module, source: Path, train: PreferenceBatches, held: Any
+) -> dict[str, str]:
     """What the kept reference values depend on (compared as a whole on reuse)."""
+    from moe_experts import KernelExperts
+
+    # The storage the experts were resolved to, not the flag: "auto" names different formats
+    # on different CPUs and versions (bf16-packed where kt-kernel runs its products).
+    storage = sorted(
+        {m.expert_weights.weight_dtype for m in model.modules() if isinstance(m, KernelExperts)}
+    )
     return {
         "format": _FORMAT,
         "train_pairs": train.fingerprint(),
         "eval_pairs": held.fingerprint() if held is not None else "",
         "model": str(source),
-        "weight_dtype": args.weight_dtype,
+        "weight_dtype": ",".join(storage) or args.weight_dtype,
         "loss": args.loss,
     }
 
@@ -126,7 +135,7 @@ def _kept_reference(
     ranks: Ranks,
 ) -> PreferenceRun:
     path = args.output / REFERENCE_FILE
-    key = _key(args, source, run.batches, held)
+    key = _key(args, model, source, run.batches, held)
     sizes = {"train": len(run.batches.pairs)}
     if held is not None:
         sizes["eval"] = len(held.pairs)
