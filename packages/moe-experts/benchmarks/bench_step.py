@@ -1,8 +1,9 @@
 """Training-step tokens/s at Qwen3-30B-A3B layer dimensions: ours vs transformers + PEFT.
 
 One process holds both models built from the same seed (same weights): transformers 5 fused
-experts + PEFT ``target_parameters`` (``peft``), and ``moe_experts.adapt_model`` on bf16 kernel
-storage, stepped with the plain fp32 cross-entropy over full logits (``ours``) and with
+experts + PEFT ``target_parameters`` (``peft``), and ``moe_experts.adapt_model`` on kernel
+storage of the bf16 experts (``--weight-dtype``, default ``auto`` as for users: bf16-packed where
+kt-kernel runs its products, else bf16), stepped with the plain fp32 cross-entropy over full logits (``ours``) and with
 :func:`moe_experts.losses.chunked_lm_cross_entropy` (``ours+chunked``). LoRA rank 16 on
 q/k/v/o, the routers and the experts; AdamW. Repetitions are interleaved (peft, ours,
 ours+chunked, peft, ...) so that load from other processes hits every variant alike, and
@@ -79,8 +80,9 @@ QUICK = {
 # ours+chunked/torch-norms: ours+chunked with transformers' RMSNorm modules kept
 # (adapt_model(kernel_norms=False)) instead of kt-kernel's fused norm.
 VARIANTS = ("peft", "ours", "ours+chunked", "ours/sdpa", "ours+chunked/torch-norms")
-# Expert storage for ours' variants (``--weight-dtype``); PEFT keeps transformers' bf16 experts.
-WEIGHT_DTYPE = "bf16"
+# Expert storage for ours' variants by default (``--weight-dtype``): what users get, "auto"
+# (bf16-packed where kt-kernel runs its products). PEFT keeps transformers' bf16 experts.
+DEFAULT_WEIGHT_DTYPE = "auto"
 CATEGORIES = ("experts", "attention", "qkvo", "router", "lm_head", "loss", "optimizer", "rest")
 
 
@@ -110,7 +112,9 @@ def _label_modules(lm: torch.nn.Module) -> None:
         mod.forward = labelled
 
 
-def build(variant: str, cfg: Any) -> tuple[torch.nn.Module, torch.nn.Module, list]:
+def build(
+    variant: str, cfg: Any, weight_dtype: str
+) -> tuple[torch.nn.Module, torch.nn.Module, list]:
     """Return (causal LM to call, module whose ``.model``/``.lm_head`` we use, LoRA params)."""
     from transformers import AutoModelForCausalLM
 
@@ -151,7 +155,7 @@ def build(variant: str, cfg: Any) -> tuple[torch.nn.Module, torch.nn.Module, lis
         result = moe_experts.adapt_model(
             lm,
             cfg_l,
-            weight_dtype=WEIGHT_DTYPE,
+            weight_dtype=weight_dtype,
             kernel_attention=variant != "ours/sdpa",
             kernel_norms=variant != "ours+chunked/torch-norms",
         )
@@ -247,6 +251,7 @@ def run(
     reps: int,
     do_profile: bool,
     variants: tuple[str, ...] = VARIANTS,
+    weight_dtype: str = DEFAULT_WEIGHT_DTYPE,
 ) -> dict:
     """Build all variants, time interleaved steps at each length, profile one step each."""
     from moe_experts.testing import tiny_config
@@ -261,7 +266,7 @@ def run(
         if variant == "ours+chunked" and "ours" in built:
             model, lm, params = built["ours"]
         else:
-            model, lm, params = build(variant, cfg)
+            model, lm, params = build(variant, cfg, weight_dtype)
             _label_modules(lm)
             built[variant] = (model, lm, params)
         opt = torch.optim.AdamW(params, lr=1e-5)
@@ -323,7 +328,9 @@ def _ratios(res: dict[str, Any], variants: tuple[str, ...], length: int) -> None
         )
 
 
-def run_isolated(quick: bool, lengths: list[int], reps: int, variants: tuple[str, ...]) -> dict:
+def run_isolated(
+    quick: bool, lengths: list[int], reps: int, variants: tuple[str, ...], weight_dtype: str
+) -> dict:
     """Each (repetition, variant) in its own child process, order alternating per repetition."""
     out: dict[str, Any] = {"lengths": {}, "isolated": True}
     res = {
@@ -348,7 +355,7 @@ def run_isolated(quick: bool, lengths: list[int], reps: int, variants: tuple[str
                 "--lengths",
                 ",".join(map(str, lengths)),
                 "--weight-dtype",
-                WEIGHT_DTYPE,
+                weight_dtype,
                 *(["--quick"] if quick else []),
             ]
             load = os.getloadavg()[0]
@@ -452,30 +459,32 @@ def main() -> None:
     )
     parser.add_argument(
         "--weight-dtype",
-        default="bf16",
-        help="kernel expert storage for ours' variants (bf16, bf16-packed, int8, ...)",
+        default=DEFAULT_WEIGHT_DTYPE,
+        help="kernel expert storage for ours' variants (auto, bf16, bf16-packed, int8, ...)",
     )
     parser.add_argument("--child", help=argparse.SUPPRESS)  # one variant, one timed step
     args = parser.parse_args()
     lengths = [int(x) for x in (args.lengths or ("128" if args.quick else "512,2048")).split(",")]
     reps = args.reps or (2 if args.quick else 3)
     load0 = os.getloadavg()[0]
-    global WEIGHT_DTYPE
-    WEIGHT_DTYPE = args.weight_dtype
     if args.child:
-        print(json.dumps(run(args.quick, lengths, 1, False, (args.child,))))
+        print(json.dumps(run(args.quick, lengths, 1, False, (args.child,), args.weight_dtype)))
         return
     variants = tuple(v for v in VARIANTS if v in args.variants.split(","))
     if args.isolate:
-        result = run_isolated(args.quick, lengths, reps, variants)
+        result = run_isolated(args.quick, lengths, reps, variants, args.weight_dtype)
     else:
-        result = run(args.quick, lengths, reps, not args.no_profile, variants)
+        result = run(args.quick, lengths, reps, not args.no_profile, variants, args.weight_dtype)
+    from moe_experts.storage import StoragePlan
+
+    # The model's experts are bf16, so "auto" resolves as for a bf16 checkpoint.
+    storage = StoragePlan.resolve(args.weight_dtype, source_dtype=torch.bfloat16).weight_dtype
     payload = {
         "benchmark": "moe-experts/bench_step",
         "mode": "quick" if args.quick else "full",
         "model": {"family": "qwen3_moe", **(QUICK if args.quick else FULL)},
         "lora_rank": RANK,
-        "weight_dtype": WEIGHT_DTYPE,
+        "weight_dtype": storage,
         "loadavg": f"{load0:.1f} -> {os.getloadavg()[0]:.1f}",
         **result,
     }
