@@ -104,6 +104,7 @@ class _RmsNorm(torch.autograd.Function):
         offset, round_first, shape = ctx.conf
         g = dy.reshape(rows.shape).contiguous()
         dx = dw = None
+        n: torch.Tensor | None = None  # the fp32 normalised rows, built once for dx and dw
         if ctx.needs_input_grad[0]:
             if _native_ok(rows, w, g):
                 dx = torch.ops.kt_kernel.rms_norm_backward(g, rows, w, rstd, offset, round_first)
@@ -114,7 +115,8 @@ class _RmsNorm(torch.autograd.Function):
                 dx = (rstd[:, None] * (dn - n * dot)).to(rows.dtype)
             dx = dx.view(shape)
         if ctx.needs_input_grad[1] and w is not None:
-            n = rows.float() * rstd[:, None]
+            if n is None:
+                n = rows.float() * rstd[:, None]
             if round_first:
                 n = n.to(rows.dtype).float()
             dw = (g.float() * n).sum(0).to(w.dtype)
