@@ -133,6 +133,24 @@ def matmul_peak(dtype: torch.dtype, size: int) -> float:
     return 2.0 * size**3 / best / 1e9
 
 
+def peak_1t(size: int = 2048, reps: int = 5) -> float:
+    """Single-thread bf16 ``torch.mm`` GFLOP per thread CPU second (best of ``reps``)."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        a = torch.randn(size, size).to(torch.bfloat16)
+        bm = torch.randn(size, size).to(torch.bfloat16)
+        a @ bm
+        best = float("inf")
+        for _ in range(reps):
+            c0 = time.thread_time()
+            a @ bm
+            best = min(best, time.thread_time() - c0)
+    finally:
+        torch.set_num_threads(threads)
+    return 2.0 * size**3 / best / 1e9
+
+
 def loadavg() -> list[float]:
     """The 1, 5 and 15 minute load averages, rounded (the machine's cores are shared)."""
     return [round(v, 2) for v in os.getloadavg()]

@@ -115,19 +115,6 @@ def read_gbps(mib: int = 512, reps: int = 3, threads: int = 1) -> float:
     return t.nbytes / best / 1e9
 
 
-def peak_1t(size: int = 2048, reps: int = 5) -> float:
-    """Single-thread bf16 ``torch.mm`` GFLOP per thread CPU second (best of ``reps``)."""
-    a = torch.randn(size, size).to(torch.bfloat16)
-    b = torch.randn(size, size).to(torch.bfloat16)
-    a @ b
-    best = float("inf")
-    for _ in range(reps):
-        c0 = time.thread_time()
-        a @ b
-        best = min(best, time.thread_time() - c0)
-    return 2.0 * size**3 / best / 1e9
-
-
 def run(exe: Path, rounds: int, experts: int, quick: bool) -> dict:
     """Per round: the peak, every loop, ours; medians of rates and of per-round ratios."""
     bank = expert_bank("bf16-packed", N, K, experts)
@@ -137,7 +124,7 @@ def run(exe: Path, rounds: int, experts: int, quick: bool) -> dict:
     peaks, reads, reads_all = [], [], []
     cores = os.cpu_count() or 1
     for r in range(rounds):
-        peak = peak_1t()
+        peak = tm.peak_1t()
         peaks.append(peak)
         reads.append(read_gbps(64 if quick else 1024))
         reads_all.append(read_gbps(64 if quick else 1024, threads=cores))

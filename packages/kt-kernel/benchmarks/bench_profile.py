@@ -127,24 +127,6 @@ def phase_work(s: Shape, tokens: int) -> dict[str, dict[str, float]]:
     }
 
 
-def peak_1t(size: int = 2048, reps: int = 5) -> float:
-    """Single-thread bf16 ``torch.mm`` GFLOP per thread CPU second (best of ``reps``)."""
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
-        a = torch.randn(size, size).to(torch.bfloat16)
-        bm = torch.randn(size, size).to(torch.bfloat16)
-        a @ bm
-        best = float("inf")
-        for _ in range(reps):
-            c0 = time.thread_time()
-            a @ bm
-            best = min(best, time.thread_time() - c0)
-    finally:
-        torch.set_num_threads(threads)
-    return 2.0 * size**3 / best / 1e9
-
-
 def gemm_rows(s: Shape, gate_up: torch.Tensor, down: torch.Tensor) -> dict[str, dict[int, float]]:
     """Single-thread GFLOP per CPU second of the op's base products at few rows.
 
@@ -543,7 +525,7 @@ def main() -> None:
         "loadavg_start": tm.loadavg(),
     }
     peak_size = 512 if args.quick else 2048
-    p1_start = peak_1t(peak_size)
+    p1_start = tm.peak_1t(peak_size)
     pw_start = tm.matmul_peak(torch.bfloat16, 2 * peak_size)
     print(f"peak: 1 thread {p1_start:.1f} GFLOP/CPU-s, wall {pw_start:.0f} GFLOP/s", flush=True)
     gen = torch.Generator().manual_seed(2)
@@ -553,7 +535,7 @@ def main() -> None:
             raw = profile_config(s, t, reps, gen, args.format)
             raws.append((s, t, raw))
             print(f"[{s.name}] T={t} done (load {raw['loadavg']})", flush=True)
-    p1_end = peak_1t(peak_size)
+    p1_end = tm.peak_1t(peak_size)
     pw_end = tm.matmul_peak(torch.bfloat16, 2 * peak_size)
     meta.update(
         peak_1t=max(p1_start, p1_end),
