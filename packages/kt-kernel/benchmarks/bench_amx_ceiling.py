@@ -95,24 +95,27 @@ def ours_rate(rows: int, bank: tuple[str, list[torch.Tensor]], experts: int) -> 
     return 2.0 * rows * N * K * experts / (time.thread_time() - t0) / 1e9
 
 
-def read_gbps(mib: int = 512, reps: int = 3, threads: int = 1) -> float:
-    """GB/s ``threads`` threads read from memory (``torch.sum`` of fp32, best of ``reps``).
+def read_gbps(mib: int, threads: int, reps: int = 3) -> tuple[float, float]:
+    """GB/s read from memory by one thread and by ``threads`` (``torch.sum`` of fp32, best).
 
-    One thread is timed in thread CPU time, several in wall time.
+    One thread is timed in thread CPU time, several in wall time; one tensor serves both.
     """
     t = torch.ones(mib * 2**18)
-    torch.set_num_threads(threads)
+    before = torch.get_num_threads()
+    rates = []
     try:
-        t.sum()
-        clock = time.thread_time if threads == 1 else time.perf_counter
-        best = float("inf")
-        for _ in range(reps):
-            c0 = clock()
+        for n, clock in ((1, time.thread_time), (threads, time.perf_counter)):
+            torch.set_num_threads(n)
             t.sum()
-            best = min(best, clock() - c0)
+            best = float("inf")
+            for _ in range(reps):
+                c0 = clock()
+                t.sum()
+                best = min(best, clock() - c0)
+            rates.append(t.nbytes / best / 1e9)
     finally:
-        torch.set_num_threads(1)
-    return t.nbytes / best / 1e9
+        torch.set_num_threads(before)
+    return rates[0], rates[1]
 
 
 def run(exe: Path, rounds: int, experts: int, quick: bool) -> dict:
@@ -126,8 +129,9 @@ def run(exe: Path, rounds: int, experts: int, quick: bool) -> dict:
     for r in range(rounds):
         peak = tm.peak_1t()
         peaks.append(peak)
-        reads.append(read_gbps(64 if quick else 1024))
-        reads_all.append(read_gbps(64 if quick else 1024, threads=cores))
+        one, every = read_gbps(64 if quick else 1024, cores)
+        reads.append(one)
+        reads_all.append(every)
         got = {}
         for name, _, row_tiles, steps, passes, reps, prefetch in LOOPS:
             if quick:
