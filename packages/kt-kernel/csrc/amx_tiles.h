@@ -84,26 +84,31 @@ __attribute__((target("amx-tile"))) inline void tiles_store(float (&c)[4][256]) 
 }
 
 // c (tiles_store of the block at rows m0, outputs c0) into bf16 out [m, n]: rows and outputs
-// past m and n are dropped; with Acc, out = out + s * c, rounded once.
+// past m and n are dropped; with Acc, out = out + s * c, rounded once. Both 16-output halves of
+// a row go out together: they share a 64-byte line, which at a row stride of 4 KiB was evicted
+// by the other 15 rows' lines before the second half came to it.
 template <bool Acc>
 __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) inline void store_c_tiles(
     const float (&c)[4][256], int64_t m0, int64_t m, int64_t c0, int64_t n, uint16_t* out,
     int64_t ldo, float s) {
   const __m512 sv = _mm512_set1_ps(s);
+  __mmask16 mask[2];
+  for (int j = 0; j < 2; ++j) {
+    const int64_t cols = std::min<int64_t>(16, n - c0 - 16 * j);
+    mask[j] = static_cast<__mmask16>(cols >= 16 ? 0xFFFF : (cols <= 0 ? 0 : (1u << cols) - 1));
+  }
   for (int i = 0; i < 2; ++i) {
-    for (int j = 0; j < 2; ++j) {
-      const int64_t cols = std::min<int64_t>(16, n - c0 - 16 * j);
-      if (cols <= 0) continue;
-      const __mmask16 mask = static_cast<__mmask16>(cols >= 16 ? 0xFFFF : (1u << cols) - 1);
-      for (int r = 0; r < 16 && m0 + 16 * i + r < m; ++r) {
+    for (int r = 0; r < 16 && m0 + 16 * i + r < m; ++r) {
+      for (int j = 0; j < 2; ++j) {
+        if (mask[j] == 0) continue;
         uint16_t* o = out + (m0 + 16 * i + r) * ldo + c0 + 16 * j;
         __m512 v = _mm512_load_ps(c[2 * i + j] + 16 * r);
         if constexpr (Acc) {
-          const __m256i old = _mm256_maskz_loadu_epi16(mask, o);
+          const __m256i old = _mm256_maskz_loadu_epi16(mask[j], o);
           v = _mm512_fmadd_ps(
               v, sv, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(old), 16)));
         }
-        _mm256_mask_storeu_epi16(o, mask, (__m256i)_mm512_cvtneps_pbh(v));
+        _mm256_mask_storeu_epi16(o, mask[j], (__m256i)_mm512_cvtneps_pbh(v));
       }
     }
   }

@@ -231,22 +231,26 @@ void nt_all(const uint16_t* x, int64_t ldx, int64_t m, const Packed& w, int64_t 
 }
 
 // Dword (i, j) of the result: (a[2i, j] w[2i], a[2i + 1, j] w[2i + 1]) in bf16, zero past m and J;
-// jp (a multiple of 16) dwords per row pair.
+// jp (a multiple of 16) dwords per row pair. 16 columns of a row pair per step: one scalar
+// conversion per element was 1-2% of the op's CPU time at T=2048.
 void weighted_pairs(const at::Tensor& a, const float* w, int64_t m, int64_t jcount, int64_t jp,
                     std::vector<uint32_t>& out) {
-  const int64_t mp = (m + 1) / 2;
-  out.assign(static_cast<size_t>(mp * jp), 0u);
-  for (int64_t i = 0; i < m; ++i) {
-    const float wi = w ? static_cast<float>(c10::BFloat16(w[i])) : 1.0f;
-    for (int64_t j = 0; j < jcount; ++j) {
-      uint16_t v = bits(a, i, j);
-      if (w) {
-        uint32_t f32 = static_cast<uint32_t>(v) << 16;
-        float f;
-        std::memcpy(&f, &f32, 4);
-        v = c10::BFloat16(f * wi).x;
-      }
-      out[(i / 2) * jp + j] |= static_cast<uint32_t>(v) << (16 * (i & 1));
+  const int64_t mp = (m + 1) / 2, lda = a.stride(0);
+  out.resize(static_cast<size_t>(mp * jp));
+  const uint16_t* src = rows(a);
+  // a row's 16 columns from j0 as fp32 lanes times its (bf16-rounded) routing weight, to bf16
+  const auto row16 = [&](int64_t i, int64_t j0) -> __m512i {
+    if (i >= m) return _mm512_setzero_si512();
+    const __m512i v = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(first(jcount - j0), src + i * lda + j0));
+    if (!w) return v;
+    const __m512 f = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(v, 16)),
+                                   _mm512_set1_ps(static_cast<float>(c10::BFloat16(w[i]))));
+    return _mm512_cvtepu16_epi32((__m256i)_mm512_cvtneps_pbh(f));
+  };
+  for (int64_t i = 0; i < mp; ++i) {
+    for (int64_t j0 = 0; j0 < jp; j0 += 16) {
+      const __m512i lo = row16(2 * i, j0), hi = row16(2 * i + 1, j0);
+      _mm512_storeu_si512(out.data() + i * jp + j0, _mm512_or_si512(lo, _mm512_slli_epi32(hi, 16)));
     }
   }
 }
@@ -370,18 +374,20 @@ template <bool Acc>
 void amx_nt(const uint16_t* x_in, int64_t ldx_in, int64_t m, const Packed& w, int64_t e,
             uint16_t* out, int64_t ldo, float s) {
   const int64_t steps = w.stride_pairs / 16, bsd = w.stride_pairs * kBlock;
-  int64_t rows = ceil_to(m, 32);
+  const int64_t rows = ceil_to(m, 32);
   alignas(64) static const uint32_t zero_tile[256] = {};
-  // x is read in place where its rows are whole A tiles: every 32 of K's columns exist
-  // (K = 32 steps, so the zero pairs of the factor's last tile meet no column) and the rows
-  // come in 16s (the op's tasks); a last row tile of 16 rows takes one A tile
-  // (tile_step_half). Else a padded copy.
-  const uint16_t* xa = x_in;
-  int64_t ld = ldx_in;
-  if (w.k != 32 * steps || m % 16 != 0) xa = padded_rows(x_in, ldx_in, m, w.k, ld, rows);
+  // x's whole row tiles are read in place where every 32 of K's columns exist (K = 32 steps,
+  // so the zero pairs of the factor's last tile meet no column); the rows after the last whole
+  // 32 (and every row where K is not whole) come from a zero-padded copy. Since the op stopped
+  // padding each expert's rows to 16, copying all rows had become 2% of its CPU time.
+  const int64_t in_place = w.k == 32 * steps ? m / 32 * 32 : 0;
+  int64_t ld_tail = 0, rows_tail = 0;
+  const uint16_t* tail =
+      in_place < m ? padded_rows(x_in + in_place * ldx_in, ldx_in, m - in_place, w.k, ld_tail,
+                                 rows_tail)
+                   : nullptr;
   alignas(64) float c[4][256];
   const uint32_t* we = w.data + e * w.blocks * bsd;
-  const int64_t sa = ld * 2;
   _tile_loadconfig(&tile_config_16x64());  // per call: oneDNN loads its own on this thread
   for (int64_t b = 0; b < w.blocks; b += 2) {
     const uint32_t* b0 = we + b * bsd;
@@ -389,8 +395,23 @@ void amx_nt(const uint16_t* x_in, int64_t ldx_in, int64_t m, const Packed& w, in
     const uint32_t* b1 = two ? we + (b + 1) * bsd : zero_tile;
     const int64_t b1_step = two ? 256 : 0;  // dwords from one B tile to the next
     for (int64_t m0 = 0; m0 < rows; m0 += 32) {
+      if constexpr (Acc) {
+        // The next block's rows of out, which it reads: at a row stride of KiBs no hardware
+        // prefetcher follows them, and the loads of out waited on L3 or DRAM.
+        const bool down = m0 + 32 < rows;
+        const int64_t nm = down ? m0 + 32 : 0, nc = down ? b * kBlock : (b + 2) * kBlock;
+        if (nc < w.n) {
+          for (int64_t r = nm; r < std::min(nm + 32, m); ++r) {
+            const char* line = reinterpret_cast<const char*>(out + r * ldo + nc);
+            _mm_prefetch(line, _MM_HINT_T0);
+            _mm_prefetch(line + 62, _MM_HINT_T0);
+          }
+        }
+      }
       tiles_zero();
-      const uint16_t* a0 = xa + m0 * ld;
+      const bool own = m0 < in_place;
+      const int64_t ld = own ? ldx_in : ld_tail, sa = ld * 2;
+      const uint16_t* a0 = own ? x_in + m0 * ldx_in : tail + (m0 - in_place) * ld_tail;
       if (m0 + 16 < m) {
         for (int64_t t = 0; t < steps; ++t) {
           tile_step(a0 + 32 * t, sa, a0 + 16 * ld + 32 * t, sa, b0 + 256 * t, b1 + b1_step * t,
@@ -416,7 +437,7 @@ void amx_grad(const uint32_t* apt, int64_t mp16, const uint32_t* xp, int64_t npd
   alignas(64) float c[4][256];
   const __m512 sv = _mm512_set1_ps(s);
   _tile_loadconfig(&tile_config_16x64());
-  for (int64_t n0 = 0; n0 < npd; n0 += 32) {
+  for (int64_t n0 = 0; n0 < n; n0 += 32) {
     for (int64_t j0 = 0; j0 < jt; j0 += 32) {
       tiles_zero();
       for (int64_t t = 0; t < mp16; t += 16) {
@@ -429,18 +450,24 @@ void amx_grad(const uint32_t* apt, int64_t mp16, const uint32_t* xp, int64_t npd
           const int64_t col = n0 + 16 * h;
           if (col >= n) continue;
           const __mmask16 mask = first(n - col);
-          for (int r = 0; r < 16 && j0 + 16 * i + r < jcount; ++r) {
-            const int64_t j = j0 + 16 * i + r;
-            const __m512 v = _mm512_mul_ps(sv, _mm512_load_ps(c[2 * i + h] + 16 * r));
-            if (!out_t) {
-              store_bf16(out + j * ldo + col, mask, v);
-              continue;
+          const int64_t j1 = j0 + 16 * i;  // out's j of the tile's row 0
+          if (j1 >= jcount) continue;
+          if (!out_t) {
+            for (int r = 0; r < 16 && j1 + r < jcount; ++r) {
+              store_bf16(out + (j1 + r) * ldo + col, mask,
+                         _mm512_mul_ps(sv, _mm512_load_ps(c[2 * i + h] + 16 * r)));
             }
-            alignas(64) uint16_t b[16];
-            _mm256_store_si256(reinterpret_cast<__m256i*>(b), (__m256i)_mm512_cvtneps_pbh(v));
-            for (int64_t q = 0; q < std::min<int64_t>(16, n - col); ++q) {
-              out[(col + q) * ldo + j] = b[q];
-            }
+            continue;
+          }
+          // out [N, J]: the tile transposed in registers, a row of 16 j per column
+          __m512i t[16];
+          for (int r = 0; r < 16; ++r) {
+            t[r] = _mm512_castps_si512(_mm512_mul_ps(sv, _mm512_load_ps(c[2 * i + h] + 16 * r)));
+          }
+          transpose16(t);
+          const __mmask16 jm = first(jcount - j1);
+          for (int64_t q = 0; q < std::min<int64_t>(16, n - col); ++q) {
+            store_bf16(out + (col + q) * ldo + j1, jm, _mm512_castsi512_ps(t[q]));
           }
         }
       }
@@ -541,7 +568,8 @@ void grad(const at::Tensor& a, const float* w, const at::Tensor& x, float s, at:
   }
   // x's row pairs as dwords, for the broadcasts or the B tiles (unpack, then back in column
   // order); AMX takes whole tiles of 16 row pairs (zero rows past m).
-  const int64_t mp = (m + 1) / 2, npd = ceil_to(n, 32), mp16 = ceil_to(mp, 16);
+  // npd: 16 dwords past whole B tiles keep its rows (B tile rows) off multiples of 4 KiB.
+  const int64_t mp = (m + 1) / 2, npd = ceil_to(n, 32) + 16, mp16 = ceil_to(mp, 16);
   thread_local std::vector<uint32_t> xpairs;
   xpairs.resize(static_cast<size_t>((amx ? mp16 : mp) * npd));
   if (amx) std::fill(xpairs.begin() + mp * npd, xpairs.end(), 0u);
@@ -568,8 +596,16 @@ void grad(const at::Tensor& a, const float* w, const at::Tensor& x, float s, at:
     const int64_t jt = ceil_to(jcount, 32);
     thread_local std::vector<uint32_t> apt;
     apt.assign(static_cast<size_t>(jt * mp16), 0u);
-    for (int64_t i = 0; i < mp; ++i) {
-      for (int64_t j = 0; j < jcount; ++j) apt[j * mp16 + i] = ap[i * jp + j];
+    for (int64_t i0 = 0; i0 < mp; i0 += 16) {  // 16 x 16 dword blocks (ap's J padding is zero)
+      for (int64_t j0 = 0; j0 < jp; j0 += 16) {
+        __m512i r[16];
+        for (int64_t l = 0; l < 16; ++l) {
+          r[l] = i0 + l < mp ? _mm512_loadu_si512(ap.data() + (i0 + l) * jp + j0)
+                             : _mm512_setzero_si512();
+        }
+        transpose16(r);
+        for (int64_t j = 0; j < 16; ++j) _mm512_storeu_si512(apt.data() + (j0 + j) * mp16 + i0, r[j]);
+      }
     }
     amx_grad(apt.data(), mp16, xpairs.data(), npd, jt, jcount, n, s, o, out.stride(0), out_t);
     return;
