@@ -429,7 +429,7 @@ std::tuple<at::Tensor, std::vector<at::Tensor>> forward(
   const auto dt = c.dt;
   Scratch xs_s(np, hidden, dt), out_s(np, hidden, dt), gu_s(save ? 0 : np, 2 * inter, dt);
   at::Tensor xs = xs_s.t, out = out_s.t;
-  at::Tensor gu = save ? at::empty({np, 2 * inter}, opts) : gu_s.t;
+  at::Tensor gu = save ? common::pooled_tensor(np, 2 * inter, dt) : gu_s.t;
   at::Tensor z = l.on ? at::empty({np, ra}, opts) : at::empty({0}, opts);
   at::Tensor zd = l.on ? at::empty({np, l.rank}, opts) : at::empty({0}, opts);
   const int64_t* perm = rt.perm.data_ptr<int64_t>();
