@@ -102,24 +102,30 @@ def _err(a: torch.Tensor, ref: torch.Tensor) -> float:
     return float((a.double() - ref).norm() / ref.norm().clamp_min(1e-30))
 
 
-@pytest.mark.parametrize("case", CASES, ids=[f"{c[4]}-r{c[3]}-H{c[0]}-{c[7]}" for c in CASES])
-def test_op_matches_the_float64_oracle_as_closely_as_atens_products(case) -> None:
-    if not _products_run():
-        pytest.skip("the kernel's LoRA products need AVX512_BF16")
-    *shape, policy = case
-    problem = _problem(*shape)
+def _check_ours_against_aten(problem, aten_problem, policy: str) -> None:
+    """The op with the kernel's LoRA products on `problem`, and with ATen's on `aten_problem`
+    (the same values), each against the float64 oracle: ours within the op's bound and no
+    worse than ATen's (one fp32 sum per output, rounded once, against ATen's bf16 GEMMs)."""
     ref = _reference(*problem, policy)
     ops = torch.ops.kt_kernel
     ops.set_lora_products(0)
-    aten = _run(*problem, "native", policy)
+    aten = _run(*aten_problem, "native", policy)
     ops.set_lora_products(1)
     ours = _run(*problem, "native", policy)
     names = ["y", "dx", "d_weights"] + [n for n, _ in problem[1].named_parameters()]
     for name, a, b, r in zip(names, ours, aten, ref, strict=True):
         e_ours, e_aten = _err(a, r), _err(b, r)
         assert e_ours < OP_BF16_TOL, (name, e_ours)
-        # One fp32 sum per output, rounded once: no worse than ATen's bf16 GEMMs.
         assert e_ours <= 1.25 * e_aten + 2e-3, (name, e_ours, e_aten)
+
+
+@pytest.mark.parametrize("case", CASES, ids=[f"{c[4]}-r{c[3]}-H{c[0]}-{c[7]}" for c in CASES])
+def test_op_matches_the_float64_oracle_as_closely_as_atens_products(case) -> None:
+    if not _products_run():
+        pytest.skip("the kernel's LoRA products need AVX512_BF16")
+    *shape, policy = case
+    problem = _problem(*shape)
+    _check_ours_against_aten(problem, problem, policy)
 
 
 # bf16-packed experts (the products of the format's own routines, AMX from 16 rows): rows per
@@ -143,18 +149,7 @@ def test_packed_experts_with_the_products_match_the_oracle(case) -> None:
         pytest.skip("the kernel's LoRA products need AVX512_BF16")
     *shape, policy = case
     packed = _problem(*shape, weight_dtype="bf16-packed")
-    dense = (packed[0].dequantized(), *packed[1:])
-    ref = _reference(*packed, policy)
-    ops = torch.ops.kt_kernel
-    ops.set_lora_products(0)
-    aten = _run(*dense, "native", policy)
-    ops.set_lora_products(1)
-    ours = _run(*packed, "native", policy)
-    names = ["y", "dx", "d_weights"] + [n for n, _ in packed[1].named_parameters()]
-    for name, a, b, r in zip(names, ours, aten, ref, strict=True):
-        e_ours, e_aten = _err(a, r), _err(b, r)
-        assert e_ours < OP_BF16_TOL, (name, e_ours)
-        assert e_ours <= 1.25 * e_aten + 2e-3, (name, e_ours, e_aten)
+    _check_ours_against_aten(packed, (packed[0].dequantized(), *packed[1:]), policy)
 
 
 def test_products_are_bitwise_across_thread_counts() -> None:
