@@ -241,7 +241,8 @@ void weighted_pairs(const at::Tensor& a, const float* w, int64_t m, int64_t jcou
   // a row's 16 columns from j0 as fp32 lanes times its (bf16-rounded) routing weight, to bf16
   const auto row16 = [&](int64_t i, int64_t j0) -> __m512i {
     if (i >= m) return _mm512_setzero_si512();
-    const __m512i v = _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(first(jcount - j0), src + i * lda + j0));
+    const __m256i bits16 = _mm256_maskz_loadu_epi16(first(jcount - j0), src + i * lda + j0);
+    const __m512i v = _mm512_cvtepu16_epi32(bits16);
     if (!w) return v;
     const __m512 f = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(v, 16)),
                                    _mm512_set1_ps(static_cast<float>(c10::BFloat16(w[i]))));
@@ -604,7 +605,9 @@ void grad(const at::Tensor& a, const float* w, const at::Tensor& x, float s, at:
                              : _mm512_setzero_si512();
         }
         transpose16(r);
-        for (int64_t j = 0; j < 16; ++j) _mm512_storeu_si512(apt.data() + (j0 + j) * mp16 + i0, r[j]);
+        for (int64_t j = 0; j < 16; ++j) {
+          _mm512_storeu_si512(apt.data() + (j0 + j) * mp16 + i0, r[j]);
+        }
       }
     }
     amx_grad(apt.data(), mp16, xpairs.data(), npd, jt, jcount, n, s, o, out.stride(0), out_t);
