@@ -40,9 +40,6 @@ constexpr int64_t kBlock = 16;
 constexpr int64_t kAmxRows = 16;  // rows from which nt() takes AMX tiles where the CPU has them
 
 inline int64_t ceil_to(int64_t a, int64_t b) { return (a + b - 1) / b * b; }
-inline uint16_t bits(const at::Tensor& t, int64_t i, int64_t j) {
-  return reinterpret_cast<const uint16_t*>(t.data_ptr())[i * t.stride(0) + j];
-}
 inline const uint16_t* rows(const at::Tensor& t) {
   return reinterpret_cast<const uint16_t*>(t.data_ptr());
 }
