@@ -75,22 +75,36 @@ def make_problem(
     return Problem(spec, weights, lora, x, ids, w, dy)
 
 
-def run(
+def forward(
     p: Problem, backend: str, policy: str = "save", x: torch.Tensor | None = None
-) -> dict[str, torch.Tensor]:
-    """Forward + backward; returns y and every gradient (fresh leaves, no state kept)."""
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The op's forward on fresh leaves (LoRA gradients cleared): y and the x and w leaves."""
     x = (p.x if x is None else x).detach().clone().requires_grad_(True)
     w = p.w.detach().clone().requires_grad_(True)
     if p.lora is not None:
         for _, t in p.lora.named_parameters():
             t.grad = None
     y = kk.moe_experts_forward(x, p.ids, w, p.weights, p.lora, policy=policy, backend=backend)
+    return y, x, w
+
+
+def backward(
+    p: Problem, y: torch.Tensor, x: torch.Tensor, w: torch.Tensor
+) -> dict[str, torch.Tensor]:
+    """Backward of a :func:`forward` against ``p.dy``; returns y and every gradient."""
     y.backward(p.dy)
     out = {"y": y.detach(), "dx": x.grad, "dw": w.grad}
     if p.lora is not None:
         for name, t in p.lora.named_parameters():
             out[name] = t.grad.detach().clone()
     return out
+
+
+def run(
+    p: Problem, backend: str, policy: str = "save", x: torch.Tensor | None = None
+) -> dict[str, torch.Tensor]:
+    """Forward + backward; returns y and every gradient (fresh leaves, no state kept)."""
+    return backward(p, *forward(p, backend, policy, x))
 
 
 def rel_err(a: torch.Tensor, b: torch.Tensor) -> float:
@@ -106,6 +120,8 @@ class Helpers:
 
     Problem = Problem
     make_problem = staticmethod(make_problem)
+    forward = staticmethod(forward)
+    backward = staticmethod(backward)
     run = staticmethod(run)
     rel_err = staticmethod(rel_err)
     random_ids = staticmethod(random_ids)

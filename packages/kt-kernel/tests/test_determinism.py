@@ -46,8 +46,6 @@ def test_saved_activations_stay_whole_while_other_calls_run(kt) -> None:
     only when the graph lets go of it. Three forwards in flight, a graph dropped unused, the
     pool released and another whole step in between: each backward still gives exactly what
     it gives alone."""
-    import kt_kernel as kk
-
     problems = [
         kt.make_problem(
             tokens=300, hidden=96, inter=80, experts=6, k=2, rank=4, dtype=torch.bfloat16, seed=s
@@ -55,26 +53,15 @@ def test_saved_activations_stay_whole_while_other_calls_run(kt) -> None:
         for s in range(3)
     ]
     want = [kt.run(p, "native", "save") for p in problems]
-
-    def forward(p):
-        x = p.x.detach().clone().requires_grad_(True)
-        w = p.w.detach().clone().requires_grad_(True)
-        for _, t in p.lora.named_parameters():
-            t.grad = None
-        y = kk.moe_experts_forward(x, p.ids, w, p.weights, p.lora, policy="save", backend="native")
-        return y, x, w
-
-    in_flight = [forward(p) for p in problems]
-    unused = forward(problems[0])
+    in_flight = [kt.forward(p, "native", "save") for p in problems]
+    unused = kt.forward(problems[0], "native", "save")
     del unused  # its buffer goes back to the pool while the others are still held
     torch.ops.kt_kernel.release_scratch()
     assert all(torch.equal(kt.run(problems[1], "native", "save")[n], want[1][n]) for n in want[1])
     for p in problems:
         for _, t in p.lora.named_parameters():
             t.grad = None
-    for (y, x, w), p, ref in reversed(list(zip(in_flight, problems, want, strict=True))):
-        y.backward(p.dy)
-        got = {"y": y.detach(), "dx": x.grad, "dw": w.grad}
-        got.update({n: t.grad for n, t in p.lora.named_parameters()})
+    for graph, p, ref in reversed(list(zip(in_flight, problems, want, strict=True))):
+        got = kt.backward(p, *graph)
         for name in ref:
             assert torch.equal(got[name], ref[name]), name
