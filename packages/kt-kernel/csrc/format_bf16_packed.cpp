@@ -97,11 +97,6 @@ void load_packed(const ExpertView& w, int64_t row0, int64_t col0, int64_t rows, 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")
 
-// Per 8 bytes (one 2x2 tile, a b c d: rows n, n + 1 at column k, then at k + 1) -> a c b d:
-// rows' column pairs (W[n, k], W[n, k + 1]), (W[n + 1, k], W[n + 1, k + 1]).
-inline __m512i to_rows() {
-  return _mm512_set4_epi32(0x0f0e0b0a, 0x0d0c0908, 0x07060302, 0x05040100);
-}
 
 inline uint32_t pair_at(const uint16_t* row, int64_t col) {
   uint32_t v;
@@ -337,92 +332,6 @@ void nn(const uint16_t* p, int64_t n, int64_t k, const uint16_t* dy, int64_t ldi
 #pragma GCC target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")
 namespace amx {
 
-constexpr int64_t kTile = 512;  // bf16 elements of one tile
-// How many tile steps ahead the first row tile prefetches the weights (a step reads 2 KiB).
-constexpr int64_t kAhead = 6;
-
-// One pass: every row tile of a (rows x ld, padded) against `steps` pairs of B tiles, the pair
-// for outputs c0 .. c0 + 31 of step s at bt + 2 s kTile. The first row tile builds step s's
-// pair (`build(s, dst)`) just before its tile products, so the weights stream from DRAM while
-// the tiles multiply; later row tiles reuse the pairs from L2.
-// `fetch(ahead, t, near)` prefetches the weights of step t of this pass (ahead 0) or the next
-// (ahead 1), to L1 when near, else to L2. The first row tile asks kAhead steps ahead (running
-// into the next pass when it is the only one); the last of several row tiles asks for the
-// next pass's steps, as it builds none of its own.
-// Why: at 16-64 rows the products are bound by the weights' DRAM reads (one core reads 13 GB/s
-// here). Building all of a pass's pairs before its first row tile left DRAM idle while the
-// tiles multiplied, and the products streamed 7-9 GB/s at 16-32 rows; this way, 9.5-13
-// (benchmarks/results/history.md, "bf16-packed streams its weights").
-template <class Build, class Fetch>
-void pass_tiles(const uint16_t* a, int64_t ld, int64_t rows, int64_t m, uint16_t* bt,
-                int64_t steps, int64_t c0, int64_t n, uint16_t* out, int64_t ldo,
-                const Build& build, const Fetch& fetch) {
-  alignas(64) float c[4][256];
-  // A last row tile of at most 16 rows takes one A tile: padding it to 32 rows multiplied 11%
-  // zeros on average at 100-150 rows per expert (T=2048, E=128), 40% at 17-45 (T=512).
-  const bool half = (m + 15) / 16 % 2 == 1;
-  const auto step = [&](const uint16_t* a0, const uint16_t* b, bool h) {
-    if (h) {
-      tile_step_half(a0, ld * 2, b, b + kTile, 64);
-    } else {
-      tile_step(a0, ld * 2, a0 + 16 * ld, ld * 2, b, b + kTile, 64);
-    }
-  };
-  if (rows == 32) {  // one row tile reuses no pair: each is built in L1 and used at once
-    alignas(64) uint16_t one[2 * kTile];
-    tiles_zero();
-    for (int64_t s = 0; s < steps; ++s) {
-      if (s + kAhead < steps) {
-        fetch(0, s + kAhead, true);
-      } else {
-        fetch(1, s + kAhead - steps, true);
-      }
-      build(s, one);
-      step(a + 32 * s, one, half);
-    }
-    tiles_store(c);
-    store_c_tiles<false>(c, 0, m, c0, n, out, ldo, 1.0f);
-    return;
-  }
-  for (int64_t m0 = 0; m0 < rows; m0 += 32) {
-    const bool first = m0 == 0, last = m0 + 32 >= rows;
-    const bool h = last && half;
-    tiles_zero();
-    const uint16_t* a0 = a + m0 * ld;
-    for (int64_t s = 0; s < steps; ++s) {
-      uint16_t* b = bt + 2 * s * kTile;
-      if (first) {
-        if (s + kAhead < steps) fetch(0, s + kAhead, true);
-        build(s, b);
-      } else if (last) {
-        fetch(1, s, false);
-      }
-      step(a0 + 32 * s, b, h);
-    }
-    tiles_store(c);
-    store_c_tiles<false>(c, m0, m, c0, n, out, ldo, 1.0f);
-  }
-}
-
-// The 16 lines (1 KiB) from p, to L1 when near, else to L2.
-inline void prefetch_kib(const void* p, bool near) {
-  const char* c = static_cast<const char*>(p);
-  if (near) {
-#pragma GCC unroll 16
-    for (int l = 0; l < 16; ++l) _mm_prefetch(c + 64 * l, _MM_HINT_T0);
-  } else {
-#pragma GCC unroll 16
-    for (int l = 0; l < 16; ++l) _mm_prefetch(c + 64 * l, _MM_HINT_T1);
-  }
-}
-
-// This thread's buffer for one pass's B tiles (`steps` pairs), 64-byte aligned for the
-// aligned stores that build them; reused by the next call.
-inline uint16_t* pass_buffer(int64_t steps) {
-  thread_local std::vector<uint16_t> buf;
-  buf.resize(static_cast<size_t>(steps * 2 * kTile) + 32);
-  return buf.data() + (32 - reinterpret_cast<uintptr_t>(buf.data()) / 2 % 32) % 32;
-}
 
 void nt(const uint16_t* p, int64_t n, int64_t k, const uint16_t* x_in, int64_t ldx_in, int64_t m,
         uint16_t* out, int64_t ldo) {
@@ -478,23 +387,7 @@ inline void transpose8(const uint16_t* blk, int64_t p0, int64_t pairs, uint16_t*
     v[i] = p0 + i < pairs ? _mm512_loadu_si512(blk + (p0 + i) * 2 * kBlock)
                           : _mm512_setzero_si512();
   }
-  __m512i u[8];
-  for (int i = 0; i < 4; ++i) {
-    u[2 * i] = _mm512_unpacklo_epi64(v[2 * i], v[2 * i + 1]);
-    u[2 * i + 1] = _mm512_unpackhi_epi64(v[2 * i], v[2 * i + 1]);
-  }
-  // u[2i] lane L: qwords 2L of v[2i], v[2i+1]; u[2i+1]: qwords 2L+1.
-  for (int h = 0; h < 2; ++h) {
-    const __m512i a0 = _mm512_shuffle_i64x2(u[h], u[2 + h], 0x88);
-    const __m512i a1 = _mm512_shuffle_i64x2(u[4 + h], u[6 + h], 0x88);
-    const __m512i b0 = _mm512_shuffle_i64x2(u[h], u[2 + h], 0xDD);
-    const __m512i b1 = _mm512_shuffle_i64x2(u[4 + h], u[6 + h], 0xDD);
-    // rows h, 4 + h from a0/a1 (lanes 0 and 2), rows 2 + h, 6 + h from b0/b1 (lanes 1 and 3)
-    _mm512_storeu_si512(t + 32 * h, _mm512_shuffle_i64x2(a0, a1, 0x88));
-    _mm512_storeu_si512(t + 32 * (4 + h), _mm512_shuffle_i64x2(a0, a1, 0xDD));
-    _mm512_storeu_si512(t + 32 * (2 + h), _mm512_shuffle_i64x2(b0, b1, 0x88));
-    _mm512_storeu_si512(t + 32 * (6 + h), _mm512_shuffle_i64x2(b0, b1, 0xDD));
-  }
+  transpose8_qwords(v, t);
 }
 
 void nn(const uint16_t* p, int64_t n, int64_t k, const uint16_t* dy_in, int64_t ldi, int64_t m,
@@ -572,9 +465,10 @@ bool gemv_packed(const ExpertView& w, bool nn_product, const void* in, int64_t l
 
 }  // namespace
 
-// Rows padded to 16 as for dense; the products serve every row count (gemv_all_rows).
+// Rows padded to 16 as for dense; the products serve every row count where the CPU has
+// AVX512_BF16.
 KT_REGISTER_FORMAT(bf16_packed, Format{"bf16_packed", 2, check_packed, load_packed, 16,
-                                       gemv_packed, true});
+                                       gemv_packed, has_avx512_bf16});
 
 }  // namespace formats
 }  // namespace kt_kernel

@@ -109,7 +109,7 @@ using TileLoader = void (*)(const ExpertView& w, int64_t row0, int64_t col0, int
 // the shape alone (never by the thread count); every ISA path computes in fp32, though not
 // necessarily with the same summation order (the oracle tests bound them, as for GEMMs).
 // The op calls it for tasks of at most gemv_rows() rows (moe_common.h), or of any size where the
-// format sets gemv_all_rows (a layout repacked for its own products). It returns false,
+// format's gemv_all_rows() holds (its own products here). It returns false,
 // having written nothing, where it has no fast path (an ISA or dtype): the op then takes the
 // tile loader and a GEMM.
 using GemvFn = bool (*)(const ExpertView& w, bool nn, const void* in, int64_t ldi, int64_t m,
@@ -129,9 +129,10 @@ struct Format {
   TileLoader load;   // nullptr only for "dense": its GEMMs read the storage itself
   int64_t row_pad;   // each expert's row block is padded to a multiple of this (8 or 16)
   GemvFn gemv = nullptr;  // optional: the small-row product (tile + GEMM when absent)
-  // The format's own products for any row count (a layout repacked for them, bf16_packed):
-  // gemv serves every task unless small-row products are off (gemv_rows() == 0).
-  bool gemv_all_rows = false;
+  // Whether the format's own products take every row count on this CPU (bf16_packed with
+  // AVX512_BF16, int8 with AMX): gemv then serves every task unless small-row products are off
+  // (gemv_rows() == 0), and the op stops padding rows for oneDNN. nullptr: never.
+  bool (*gemv_all_rows)() = nullptr;
 };
 
 // Adds `f` to the registry (at library load, through KT_REGISTER_FORMAT); returns true.

@@ -95,32 +95,6 @@ inline __mmask16 first(int64_t count) {
   return count >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << count) - 1);
 }
 
-// The 16 x 16 dwords r[l][j] -> r[j][l] (rows become the columns), in place.
-inline void transpose16(__m512i (&r)[16]) {
-  __m512i t[16], u[16];
-  for (int i = 0; i < 8; ++i) {
-    t[2 * i] = _mm512_unpacklo_epi32(r[2 * i], r[2 * i + 1]);
-    t[2 * i + 1] = _mm512_unpackhi_epi32(r[2 * i], r[2 * i + 1]);
-  }
-  // u[4 g + c], 128-bit lane L: rows 4 g .. 4 g + 3 at column 4 L + c
-  for (int g = 0; g < 4; ++g) {
-    u[4 * g] = _mm512_unpacklo_epi64(t[4 * g], t[4 * g + 2]);
-    u[4 * g + 1] = _mm512_unpackhi_epi64(t[4 * g], t[4 * g + 2]);
-    u[4 * g + 2] = _mm512_unpacklo_epi64(t[4 * g + 1], t[4 * g + 3]);
-    u[4 * g + 3] = _mm512_unpackhi_epi64(t[4 * g + 1], t[4 * g + 3]);
-  }
-  for (int c = 0; c < 4; ++c) {
-    const __m512i a = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x88);
-    const __m512i b = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x88);
-    const __m512i a2 = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xDD);
-    const __m512i b2 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xDD);
-    r[c] = _mm512_shuffle_i32x4(a, b, 0x88);
-    r[8 + c] = _mm512_shuffle_i32x4(a, b, 0xDD);
-    r[4 + c] = _mm512_shuffle_i32x4(a2, b2, 0x88);
-    r[12 + c] = _mm512_shuffle_i32x4(a2, b2, 0xDD);
-  }
-}
-
 // One expert of pack(): s is w_e ([N, K], or [K, N] when transposed), d its packed blocks.
 void pack_expert(const uint16_t* s, int64_t n, int64_t k, bool transposed, const Packed& p,
                  uint32_t* d) {

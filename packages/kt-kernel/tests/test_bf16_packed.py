@@ -168,13 +168,18 @@ def test_products_are_the_exact_order_model_bitwise(nn: bool) -> None:
             assert torch.equal(got, want), (n, k, m)
 
 
+# The packed formats with products of their own: int8-packed's run on AMX tiles (16 rows up).
+PACKED = ["bf16-packed", "int8-packed"]
+
+
+@pytest.mark.parametrize("fmt", PACKED)
 @pytest.mark.parametrize("nn", [False, True], ids=["x_Wt", "dy_W"])
-def test_both_routes_match_the_float64_product(nn: bool) -> None:
+def test_both_routes_match_the_float64_product(nn: bool, fmt: str) -> None:
     """The products (any row count) and tile + GEMM (small-row products off) vs float64."""
     if not _native():
         pytest.skip("needs the native extension")
     ops = torch.ops.kt_kernel
-    f = kk.Bf16Packed()
+    f = kk.FORMATS[fmt](torch.bfloat16)
     gen = torch.Generator().manual_seed(6)
     try:
         for n, k in SHAPES:
@@ -194,9 +199,9 @@ def test_both_routes_match_the_float64_product(nn: bool) -> None:
         ops.set_gemv_rows(-1)
 
 
-def _problem(seed: int = 3):
+def _problem(seed: int = 3, fmt: str = "bf16-packed"):
     """The shared small op problem (gate_up N=160, down N=96: whole and partial blocks)."""
-    return op_problem("bf16-packed", torch.bfloat16, seed)
+    return op_problem(fmt, torch.bfloat16, seed)
 
 
 def _oracle(weights, lora, x, ids, tw, dy) -> list[torch.Tensor]:
@@ -210,15 +215,17 @@ def _oracle(weights, lora, x, ids, tw, dy) -> list[torch.Tensor]:
     return _run(w64, lora64, x.double(), ids, tw, dy.double(), "reference")
 
 
-def test_op_matches_the_float64_oracle_through_both_routes() -> None:
+@pytest.mark.parametrize("fmt", PACKED)
+def test_op_matches_the_float64_oracle_through_both_routes(fmt: str) -> None:
+    """About 20 rows per expert: AMX tiles where the CPU has them, else the other routes."""
     if not _native():
         pytest.skip("needs the native extension")
     ops = torch.ops.kt_kernel
-    weights, lora, x, ids, tw, dy = _problem()
+    weights, lora, x, ids, tw, dy = _problem(fmt=fmt)
     deq = weights.dequantized()
     assert deq.weight_dtype == "bf16"
     ref = _oracle(weights, lora, x, ids, tw, dy)
-    # The same bytes as dense bf16: the two formats agree as closely as each agrees with ref.
+    # The same values as dense bf16: the two agree as closely as each agrees with ref.
     dense = _run(deq, lora, x, ids, tw, dy)
     try:
         for rows in (0, -1):

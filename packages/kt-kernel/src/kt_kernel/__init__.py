@@ -38,6 +38,7 @@ from kt_kernel.formats import (
 from kt_kernel.formats_bf16_packed import Bf16Packed
 from kt_kernel.formats_fp8 import Fp8Block
 from kt_kernel.formats_int4 import Int4Grouped
+from kt_kernel.formats_int8_packed import Int8Packed
 from kt_kernel.formats_mxfp4 import Mxfp4
 from kt_kernel.logit_rows import LOGIT_ROWS_DTYPES, LogitRows, logit_rows
 from kt_kernel.lora import FUSED_NAMES, SPLIT_NAMES, LoraBuffers, LoraLayout, lora_shapes
@@ -82,6 +83,7 @@ __all__ = [
     "Fp8Block",
     "GeluTanhGated",
     "Int4Grouped",
+    "Int8Packed",
     "Int8PerChannel",
     "KernelDTypeError",
     "KernelInputError",

@@ -1,0 +1,79 @@
+"""The int8-packed format: int8's values stored once in the layout its AMX products stream.
+
+The layout against int8's ``q`` and scales element by element, the tile loader against the
+Python ``dequantize`` bitwise, and the memory against int8's. Its products and the whole op
+against float64 run in test_bf16_packed (``PACKED``), and the per-format conformance suite
+runs it by its registration.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import kt_kernel as kk
+
+
+def _weights(n: int, k: int, experts: int = 2, seed: int = 0) -> torch.Tensor:
+    gen = torch.Generator().manual_seed(seed)
+    return torch.randn(experts, n, k, generator=gen)
+
+
+def test_layout_holds_int8s_values_in_tile_order() -> None:
+    w = _weights(21, 7)  # a partial block of 5 rows, an odd K
+    packed, scale, shape = kk.Int8Packed().quantize(w)
+    q, scale8 = kk.Int8PerChannel().quantize(w)
+    assert packed.shape == (2, 2, 32 * 16 + 64)
+    assert packed.dtype == torch.int8
+    assert torch.equal(scale, scale8)
+    assert shape.tolist() == [[21, 7], [21, 7]]
+    for b in range(2):
+        for p in range(4):
+            for row in range(16):
+                for h in range(2):
+                    n, k = 16 * b + row, 2 * p + h
+                    want = q[1, n, k] if n < 21 and k < 7 else 0
+                    assert int(packed[1, b, 32 * p + 2 * row + h]) == int(want), (b, p, row, h)
+    assert not packed[..., 32 * 4 :].any()  # pairs past K and the pad are zeros
+    want = kk.Int8PerChannel().dequantize((q, scale8)).bfloat16()
+    assert torch.equal(kk.Int8Packed().dequantize((packed, scale, shape)), want)
+
+
+def test_select_rows_and_fuse_gate_up_keep_the_quantised_values() -> None:
+    f, f8 = kk.Int8Packed(), kk.Int8PerChannel(torch.bfloat16)
+    gate, up = _weights(16, 8, seed=1), _weights(16, 8, seed=2)
+    fused = f.fuse_gate_up(f.quantize(gate), f.quantize(up))
+    both = torch.cat([f8.dequantize(f8.quantize(gate)), f8.dequantize(f8.quantize(up))], 1)
+    assert torch.equal(f.dequantize(fused), both)
+    index = torch.arange(32).flip(0)
+    assert torch.equal(f.dequantize(f.select_rows(fused, index)), both[:, index])
+
+
+def test_compute_dtypes_other_than_bf16_are_refused_by_name() -> None:
+    with pytest.raises(kk.KernelDTypeError, match=r"'int8-packed'.*must be torch\.bfloat16"):
+        kk.Int8Packed(torch.float32)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_tile_loader_is_the_python_dequantize(dtype: torch.dtype) -> None:
+    if kk.backend_info().active != "native":
+        pytest.skip("needs the native extension")
+    f = kk.Int8Packed()
+    n, k = 48, 70
+    parts = f.quantize(_weights(n, k))
+    full = f.dequantize(parts, dtype)
+    args = list(f.native_args(parts))
+    for row0, col0, rows, cols in [(0, 0, n, k), (16, 0, 32, k), (0, 16, n, 54), (32, 33, 5, 3)]:
+        got = torch.ops.kt_kernel.dequantize_tile(f.name, args, n, k, row0, col0, rows, cols, dtype)
+        assert torch.equal(got, full[:, row0 : row0 + rows, col0 : col0 + cols])
+
+
+def test_memory_is_within_one_percent_of_int8() -> None:
+    spec = kk.ExpertSpec(4, 2048, 768)
+    gate_up, down = torch.zeros(4, 2 * 768, 2048), torch.zeros(4, 2048, 768)
+    bf16 = torch.bfloat16
+    int8 = kk.ExpertWeights.from_fused(spec, gate_up, down, dtype=bf16, weight_dtype="int8")
+    packed = kk.ExpertWeights.from_fused(
+        spec, gate_up, down, dtype=bf16, weight_dtype="int8-packed"
+    )
+    assert int8.nbytes < packed.nbytes <= 1.01 * int8.nbytes
