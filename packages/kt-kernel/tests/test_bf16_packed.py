@@ -91,16 +91,21 @@ def test_select_rows_and_fuse_gate_up_move_whole_rows() -> None:
     assert torch.equal(f.dequantize(f.select_rows(fused, index)), both[:, index])
 
 
+# The packed formats with products of their own: int8-packed's run on AMX tiles (16 rows up).
+PACKED = ["bf16-packed", "int8-packed"]
+
+
+@pytest.mark.parametrize("fmt", PACKED)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_tile_loader_is_the_python_dequantize(dtype: torch.dtype) -> None:
+def test_tile_loader_is_the_python_dequantize(dtype: torch.dtype, fmt: str) -> None:
     if not _native():
         pytest.skip("needs the native extension")
-    f = kk.Bf16Packed()
+    f = kk.FORMATS[fmt](torch.bfloat16)
     n, k = 48, 70
     parts = f.quantize(_weights(n, k))
     full = f.dequantize(parts, dtype)
     args = list(f.native_args(parts))
-    for row0, col0, rows, cols in [(0, 0, n, k), (16, 0, 32, k), (0, 16, n, 54), (32, 32, 5, 3)]:
+    for row0, col0, rows, cols in [(0, 0, n, k), (16, 0, 32, k), (0, 16, n, 54), (32, 33, 5, 3)]:
         got = torch.ops.kt_kernel.dequantize_tile(f.name, args, n, k, row0, col0, rows, cols, dtype)
         assert torch.equal(got, full[:, row0 : row0 + rows, col0 : col0 + cols])
 
@@ -166,10 +171,6 @@ def test_products_are_the_exact_order_model_bitwise(nn: bool) -> None:
             got = torch.ops.kt_kernel.project(f.name, args, n, k, 1, x, nn)
             want = _model_nn(x, w) if nn else _model_nt(x, w)
             assert torch.equal(got, want), (n, k, m)
-
-
-# The packed formats with products of their own: int8-packed's run on AMX tiles (16 rows up).
-PACKED = ["bf16-packed", "int8-packed"]
 
 
 @pytest.mark.parametrize("fmt", PACKED)

@@ -1,8 +1,8 @@
 """The int8-packed format: int8's values stored once in the layout its AMX products stream.
 
-The layout against int8's ``q`` and scales element by element, the tile loader against the
-Python ``dequantize`` bitwise, and the memory against int8's. Its products and the whole op
-against float64 run in test_bf16_packed (``PACKED``), and the per-format conformance suite
+The layout against int8's ``q`` and scales element by element, and the memory against int8's.
+Its tile loader (against the Python ``dequantize``, bitwise), its products and the whole op
+(against float64) run in test_bf16_packed (``PACKED``), and the per-format conformance suite
 runs it by its registration.
 """
 
@@ -52,20 +52,6 @@ def test_select_rows_and_fuse_gate_up_keep_the_quantised_values() -> None:
 def test_compute_dtypes_other_than_bf16_are_refused_by_name() -> None:
     with pytest.raises(kk.KernelDTypeError, match=r"'int8-packed'.*must be torch\.bfloat16"):
         kk.Int8Packed(torch.float32)
-
-
-@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_tile_loader_is_the_python_dequantize(dtype: torch.dtype) -> None:
-    if kk.backend_info().active != "native":
-        pytest.skip("needs the native extension")
-    f = kk.Int8Packed()
-    n, k = 48, 70
-    parts = f.quantize(_weights(n, k))
-    full = f.dequantize(parts, dtype)
-    args = list(f.native_args(parts))
-    for row0, col0, rows, cols in [(0, 0, n, k), (16, 0, 32, k), (0, 16, n, 54), (32, 33, 5, 3)]:
-        got = torch.ops.kt_kernel.dequantize_tile(f.name, args, n, k, row0, col0, rows, cols, dtype)
-        assert torch.equal(got, full[:, row0 : row0 + rows, col0 : col0 + cols])
 
 
 def test_memory_is_within_one_percent_of_int8() -> None:

@@ -392,6 +392,20 @@ def check_tiled_compute(fmt: str, dtype: torch.dtype) -> torch.dtype:
     return dtype
 
 
+def check_bf16_compute(fmt: str, dtype: torch.dtype | None, fp32_format: str) -> torch.dtype:
+    """bf16 for a format that computes only in it (``None`` means bf16).
+
+    Raises:
+        KernelDTypeError: naming the format, the dtype given and ``fp32_format`` for fp32.
+    """
+    if dtype not in (None, torch.bfloat16):
+        raise KernelDTypeError(
+            f"with weight_dtype={fmt!r}, dtype (the compute dtype) must be torch.bfloat16, "
+            f"got {dtype}; use weight_dtype={fp32_format!r} for fp32"
+        )
+    return torch.bfloat16
+
+
 class Int8PerChannel(StackedFormat):
     """Weight-only INT8: symmetric per output channel, fp32 scales; tiles dequantised in C++."""
 

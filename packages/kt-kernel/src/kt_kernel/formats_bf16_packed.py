@@ -20,12 +20,12 @@ from __future__ import annotations
 
 import torch
 
-from kt_kernel.errors import KernelDTypeError
 from kt_kernel.formats import (
     _DENSE_TOLERANCE,
     Parts,
     StackedFormat,
     _check_quantisable,
+    check_bf16_compute,
     register_format,
 )
 
@@ -84,12 +84,7 @@ class Bf16Packed(StackedFormat):
         Raises:
             KernelDTypeError: any other compute dtype.
         """
-        if compute_dtype not in (None, torch.bfloat16):
-            raise KernelDTypeError(
-                f"with weight_dtype='bf16-packed', dtype (the compute dtype) must be "
-                f"torch.bfloat16, got {compute_dtype}; use weight_dtype='fp32' for fp32"
-            )
-        self.compute_dtype = torch.bfloat16
+        self.compute_dtype = check_bf16_compute("bf16-packed", compute_dtype, "fp32")
 
     @classmethod
     def own_products_here(cls) -> bool:

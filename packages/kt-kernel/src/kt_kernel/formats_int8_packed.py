@@ -19,11 +19,11 @@ from __future__ import annotations
 
 import torch
 
-from kt_kernel.errors import KernelDTypeError
 from kt_kernel.formats import (
     Parts,
     StackedFormat,
     _check_quantisable,
+    check_bf16_compute,
     dequantize_per_channel,
     quantize_per_channel,
     register_format,
@@ -87,12 +87,7 @@ class Int8Packed(StackedFormat):
         Raises:
             KernelDTypeError: any other compute dtype.
         """
-        if compute_dtype not in (None, torch.bfloat16):
-            raise KernelDTypeError(
-                f"with weight_dtype='int8-packed', dtype (the compute dtype) must be "
-                f"torch.bfloat16, got {compute_dtype}; use weight_dtype='int8' for fp32"
-            )
-        self.compute_dtype = torch.bfloat16
+        self.compute_dtype = check_bf16_compute("int8-packed", compute_dtype, "int8")
 
     @classmethod
     def own_products_here(cls) -> bool:
