@@ -15,7 +15,7 @@
 // - dy W: 8 such rows, shuffled to row pairs (to_rows) and transposed as qwords, give 8 rows
 //   of W's row pairs for 16 columns.
 // The 64 zero bytes ending each block keep the blocks' stride off multiples of 4 KiB. The
-// products run where the CPU has AMX and the compute dtype is bf16, for 16 rows and up; the
+// products run where the CPU has AMX and the compute dtype is bf16, at any row count; the
 // tile loader (scalar) serves the rest, which is slow: the format is for AMX CPUs.
 #include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
@@ -188,13 +188,12 @@ void nn(const int8_t* q, const float* scale, int64_t n, int64_t k, const uint16_
 #pragma GCC pop_options
 #endif
 
-// Rows from which the AMX products take over (as bf16_packed's): below, tile + GEMM.
-constexpr int64_t kAmxRows = 16;
-
 bool gemv_int8_packed(const ExpertView& w, bool nn_product, const void* in, int64_t ldi,
                       int64_t m, c10::ScalarType out_dtype, void* out, int64_t ldo) {
 #if defined(__x86_64__) && defined(__GNUC__)
-  if (out_dtype != at::kBFloat16 || m < kAmxRows || !has_amx()) return false;
+  // Every row count: below 16 rows one A tile of zero-padded rows (tile_step_half) still
+  // beats the scalar tile loader by far.
+  if (out_dtype != at::kBFloat16 || m < 1 || !has_amx()) return false;
   const auto* q = static_cast<const int8_t*>(w.part[0]);
   const auto* scale = static_cast<const float*>(w.part[1]);
   const auto* x = static_cast<const uint16_t*>(in);
@@ -213,7 +212,7 @@ bool gemv_int8_packed(const ExpertView& w, bool nn_product, const void* in, int6
 
 }  // namespace
 
-// Rows padded to 8 as int8's; with AMX the products serve every row count from kAmxRows.
+// Rows padded to 8 as int8's; with AMX the products serve every row count.
 KT_REGISTER_FORMAT(int8_packed, Format{"int8_packed", 3, check_int8_packed, load_int8_packed, 8,
                                        gemv_int8_packed, has_amx});
 

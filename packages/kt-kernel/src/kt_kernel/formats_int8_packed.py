@@ -11,7 +11,7 @@ Storage of one projection ``W [..., N, K]`` (parts, in the native loader's order
 The values are :class:`~kt_kernel.formats.Int8PerChannel`'s (the same ``q`` and ``scale``,
 ``W = q * scale`` formed in fp32 and rounded once), rearranged so that each AMX tile step of
 the native products (``csrc/format_int8_packed.cpp``) reads 512 contiguous bytes per block.
-On a CPU with AMX, 16 rows and up, bf16 compute, they run there; elsewhere a scalar tile loader
+On a CPU with AMX, at any row count, in bf16, they run there; elsewhere a scalar tile loader
 and oneDNN do, slowly: use ``int8`` on CPUs without AMX.
 """
 
