@@ -37,6 +37,12 @@ inline const TileConfig& tile_config_16x64() {
 }
 
 #if defined(__x86_64__) && defined(__GNUC__)
+// The first `count` of 16 lanes (none for count <= 0, all for count >= 16).
+inline __mmask16 first_lanes(int64_t count) {
+  if (count <= 0) return 0;
+  return count >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << count) - 1);
+}
+
 // C tiles 0-3 of a 32 x 32 block += [A rows 0-15; A rows 16-31] x [B columns 0-15, 16-31]: one
 // step of 32 over the reduced dimension (row strides in bytes; a stride of 0 repeats one row,
 // e.g. of a zero buffer).
@@ -92,11 +98,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) inline void stor
     const float (&c)[4][256], int64_t m0, int64_t m, int64_t c0, int64_t n, uint16_t* out,
     int64_t ldo, float s) {
   const __m512 sv = _mm512_set1_ps(s);
-  __mmask16 mask[2];
-  for (int j = 0; j < 2; ++j) {
-    const int64_t cols = std::min<int64_t>(16, n - c0 - 16 * j);
-    mask[j] = static_cast<__mmask16>(cols >= 16 ? 0xFFFF : (cols <= 0 ? 0 : (1u << cols) - 1));
-  }
+  const __mmask16 mask[2] = {first_lanes(n - c0), first_lanes(n - c0 - 16)};
   for (int i = 0; i < 2; ++i) {
     for (int r = 0; r < 16 && m0 + 16 * i + r < m; ++r) {
       for (int j = 0; j < 2; ++j) {
@@ -113,6 +115,7 @@ __attribute__((target("avx512f,avx512bw,avx512vl,avx512bf16"))) inline void stor
     }
   }
 }
+
 // Per 8 bytes (a b c d, 16 bits each; in the packed layouts a 2x2 tile: rows n, n + 1 at
 // column k, then at k + 1) -> a c b d: rows' column pairs (W[n, k], W[n, k + 1]), (W[n + 1,
 // k], W[n + 1, k + 1]).
@@ -143,8 +146,8 @@ __attribute__((target("avx512f"))) inline void transpose8_qwords(const __m512i (
 }
 #endif
 
-// Shared by the AMX products of the weight formats (format_bf16_packed.cpp, format_int8_packed.cpp)
-// and the LoRA products.
+// Shared by the AMX products of the weight formats (format_bf16_packed.cpp,
+// format_int8_packed.cpp) and the LoRA products.
 #if defined(__x86_64__) && defined(__GNUC__)
 #pragma GCC push_options
 #pragma GCC target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")

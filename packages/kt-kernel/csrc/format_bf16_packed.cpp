@@ -97,7 +97,6 @@ void load_packed(const ExpertView& w, int64_t row0, int64_t col0, int64_t rows, 
 #pragma GCC push_options
 #pragma GCC target("avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")
 
-
 inline uint32_t pair_at(const uint16_t* row, int64_t col) {
   uint32_t v;
   std::memcpy(&v, row + col, 4);
@@ -331,7 +330,6 @@ void nn(const uint16_t* p, int64_t n, int64_t k, const uint16_t* dy, int64_t ldi
 #pragma GCC push_options
 #pragma GCC target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")
 namespace amx {
-
 
 void nt(const uint16_t* p, int64_t n, int64_t k, const uint16_t* x_in, int64_t ldx_in, int64_t m,
         uint16_t* out, int64_t ldo) {

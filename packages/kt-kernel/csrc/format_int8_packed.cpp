@@ -79,10 +79,7 @@ struct Scales {
 };
 
 inline Scales block_scales(const float* scale, int64_t n, int64_t b) {
-  const int64_t live = std::min<int64_t>(kRows, n - b * kRows);
-  const __mmask16 mask =
-      live >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << live) - 1);
-  const __m512 s = _mm512_maskz_loadu_ps(mask, scale + b * kRows);
+  const __m512 s = _mm512_maskz_loadu_ps(first_lanes(n - b * kRows), scale + b * kRows);
   const __m512i lo = _mm512_setr_epi32(0, 0, 1, 1, 2, 2, 3, 3, 4, 4, 5, 5, 6, 6, 7, 7);
   const __m512i hi = _mm512_setr_epi32(8, 8, 9, 9, 10, 10, 11, 11, 12, 12, 13, 13, 14, 14, 15, 15);
   return {_mm512_permutexvar_ps(lo, s), _mm512_permutexvar_ps(hi, s)};

@@ -133,6 +133,9 @@ struct Format {
   // AVX512_BF16, int8_packed with AMX): gemv then serves every task unless small-row products are off
   // (gemv_rows() == 0), and the op stops padding rows for oneDNN. nullptr: never.
   bool (*gemv_all_rows)() = nullptr;
+
+  // gemv_all_rows() where the format has it, else false.
+  bool all_rows_here() const { return gemv_all_rows != nullptr && gemv_all_rows(); }
 };
 
 // Adds `f` to the registry (at library load, through KT_REGISTER_FORMAT); returns true.

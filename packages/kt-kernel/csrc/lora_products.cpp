@@ -90,10 +90,6 @@ inline void store_bf16(uint16_t* p, __mmask16 mask, __m512 v) {
   _mm256_mask_storeu_epi16(p, mask, (__m256i)_mm512_cvtneps_pbh(v));
 }
 
-inline __mmask16 first(int64_t count) {
-  if (count <= 0) return 0;
-  return count >= 16 ? static_cast<__mmask16>(0xFFFF) : static_cast<__mmask16>((1u << count) - 1);
-}
 
 // One expert of pack(): s is w_e ([N, K], or [K, N] when transposed), d its packed blocks.
 void pack_expert(const uint16_t* s, int64_t n, int64_t k, bool transposed, const Packed& p,
@@ -101,7 +97,7 @@ void pack_expert(const uint16_t* s, int64_t n, int64_t k, bool transposed, const
   for (int64_t b = 0; b < p.blocks; ++b) {
     uint32_t* db = d + b * p.stride_pairs * kBlock;
     const int64_t live = std::min<int64_t>(kBlock, n - b * kBlock);  // rows of W here
-    const __mmask16 lanes = first(live);
+    const __mmask16 lanes = first_lanes(live);
     if (transposed) {  // W[row, c] is w[c, row]: rows c and c + 1 of w, 16 columns each
       for (int64_t q = 0; q < p.stride_pairs; ++q) {
         __m512i v = _mm512_setzero_si512();
@@ -159,7 +155,7 @@ void nt_tile(const uint16_t* x, int64_t ldx, const uint32_t* w, int64_t bsd, int
   const __m512 sv = _mm512_set1_ps(s);
   for (int r = 0; r < MR; ++r) {
     for (int j = 0; j < NB; ++j) {
-      const __mmask16 mask = j == NB - 1 ? first(last) : static_cast<__mmask16>(0xFFFF);
+      const __mmask16 mask = j == NB - 1 ? first_lanes(last) : static_cast<__mmask16>(0xFFFF);
       uint16_t* o = out + r * ldo + j * kBlock;
       __m512 v = acc[r][j];
       if constexpr (Acc) v = _mm512_fmadd_ps(v, sv, load_bf16(o, mask));
@@ -212,7 +208,7 @@ void weighted_pairs(const at::Tensor& a, const float* w, int64_t m, int64_t jcou
   // a row's 16 columns from j0 as fp32 lanes times its (bf16-rounded) routing weight, to bf16
   const auto row16 = [&](int64_t i, int64_t j0) -> __m512i {
     if (i >= m) return _mm512_setzero_si512();
-    const __m256i bits16 = _mm256_maskz_loadu_epi16(first(jcount - j0), src + i * lda + j0);
+    const __m256i bits16 = _mm256_maskz_loadu_epi16(first_lanes(jcount - j0), src + i * lda + j0);
     const __m512i v = _mm512_cvtepu16_epi32(bits16);
     if (!w) return v;
     const __m512 f = _mm512_mul_ps(_mm512_castsi512_ps(_mm512_slli_epi32(v, 16)),
@@ -273,10 +269,10 @@ void grad_rows_tile(const uint32_t* ap, int64_t jp, int64_t j0, const uint16_t* 
       const __m512 lo = acc[j][2 * c], hi = acc[j][2 * c + 1];
       const int64_t left = cols - 32 * c;
       if (left <= 0) break;
-      store_bf16(o + 32 * c, first(left),
+      store_bf16(o + 32 * c, first_lanes(left),
                  _mm512_mul_ps(sv, _mm512_permutex2var_ps(lo, order_lo(), hi)));
       if (left > 16) {
-        store_bf16(o + 32 * c + 16, first(left - 16),
+        store_bf16(o + 32 * c + 16, first_lanes(left - 16),
                    _mm512_mul_ps(sv, _mm512_permutex2var_ps(lo, order_hi(), hi)));
       }
     }
@@ -315,7 +311,7 @@ void grad_cols_tile(const uint32_t* ap, int64_t jp, int64_t jcount, const uint32
   const __m512 sv = _mm512_set1_ps(s);
   for (int r = 0; r < MN; ++r) {
     for (int j = 0; j < JB; ++j) {
-      store_bf16(out + (n0 + r) * ldo + 16 * j, first(jcount - 16 * j),
+      store_bf16(out + (n0 + r) * ldo + 16 * j, first_lanes(jcount - 16 * j),
                  _mm512_mul_ps(sv, acc[r][j]));
     }
   }
@@ -421,7 +417,7 @@ void amx_grad(const uint32_t* apt, int64_t mp16, const uint32_t* xp, int64_t npd
         for (int h = 0; h < 2; ++h) {
           const int64_t col = n0 + 16 * h;
           if (col >= n) continue;
-          const __mmask16 mask = first(n - col);
+          const __mmask16 mask = first_lanes(n - col);
           const int64_t j1 = j0 + 16 * i;  // out's j of the tile's row 0
           if (j1 >= jcount) continue;
           if (!out_t) {
@@ -437,7 +433,7 @@ void amx_grad(const uint32_t* apt, int64_t mp16, const uint32_t* xp, int64_t npd
             t[r] = _mm512_castps_si512(_mm512_mul_ps(sv, _mm512_load_ps(c[2 * i + h] + 16 * r)));
           }
           transpose16(t);
-          const __mmask16 jm = first(jcount - j1);
+          const __mmask16 jm = first_lanes(jcount - j1);
           for (int64_t q = 0; q < std::min<int64_t>(16, n - col); ++q) {
             store_bf16(out + (col + q) * ldo + j1, jm, _mm512_castsi512_ps(t[q]));
           }

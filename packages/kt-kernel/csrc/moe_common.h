@@ -236,7 +236,7 @@ struct Projection {
   // Whether this product goes through the format's small-row routine (rows of unit stride).
   bool small(const at::Tensor& in, const at::Tensor& out) const {
     const int64_t limit = gemv_rows();
-    const bool all_rows = fmt->gemv_all_rows && limit > 0 && fmt->gemv_all_rows();
+    const bool all_rows = limit > 0 && fmt->all_rows_here();
     return fmt->gemv != nullptr && (in.size(0) <= limit || all_rows) && in.stride(1) == 1 &&
            out.stride(1) == 1 && in.scalar_type() == out.scalar_type();
   }

@@ -216,8 +216,8 @@ struct Call {
 // the format's row_pad. Padding exists for oneDNN, which compiles a primitive per shape;
 // the own routines take any row count, and a 17-row expert padded to 32 cost 88% more work.
 int64_t row_pad(const Call& c, bool lora_on) {
-  const bool own = c.fmt->gemv_all_rows && c.fmt->gemv_all_rows() && common::gemv_rows() > 0 &&
-                   c.dt == at::kBFloat16 && (!lora_on || lora::available(c.dt));
+  const bool own = c.fmt->all_rows_here() && common::gemv_rows() > 0 && c.dt == at::kBFloat16 &&
+                   (!lora_on || lora::available(c.dt));
   return own ? 1 : c.fmt->row_pad;
 }
 

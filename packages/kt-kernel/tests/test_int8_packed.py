@@ -49,6 +49,11 @@ def test_select_rows_and_fuse_gate_up_keep_the_quantised_values() -> None:
     assert torch.equal(f.dequantize(f.select_rows(fused, index)), both[:, index])
 
 
+def test_own_products_run_exactly_where_amx_tiles_do() -> None:
+    native = kk.backend_info().active == "native"
+    assert kk.Int8Packed.own_products_here() == (native and bool(torch.ops.kt_kernel.amx()))
+
+
 def test_compute_dtypes_other_than_bf16_are_refused_by_name() -> None:
     with pytest.raises(kk.KernelDTypeError, match=r"'int8-packed'.*must be torch\.bfloat16"):
         kk.Int8Packed(torch.float32)

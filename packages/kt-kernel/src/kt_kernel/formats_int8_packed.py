@@ -20,6 +20,7 @@ from __future__ import annotations
 import torch
 
 from kt_kernel.formats import (
+    Int8PerChannel,
     Parts,
     StackedFormat,
     _check_quantisable,
@@ -79,7 +80,7 @@ class Int8Packed(StackedFormat):
     tile_rows = 256
     compute_dtypes = (torch.bfloat16,)
     # int8's values: its self-check tolerance.
-    self_check_tolerance = 5e-2
+    self_check_tolerance = Int8PerChannel.self_check_tolerance
 
     def __init__(self, compute_dtype: torch.dtype | None = None) -> None:
         """Compute in bf16 (the only compute dtype; ``None`` means it).
