@@ -146,8 +146,8 @@ __attribute__((target("avx512f"))) inline void transpose8_qwords(const __m512i (
 }
 #endif
 
-// Shared by the AMX products of the weight formats (format_bf16_packed.cpp,
-// format_int8_packed.cpp) and the LoRA products.
+// Shared by the AMX products of the weight formats (format_bf16_packed.cpp; int8_packed and
+// int4_packed through amx_packed_ints.h) and the LoRA products.
 #if defined(__x86_64__) && defined(__GNUC__)
 #pragma GCC push_options
 #pragma GCC target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")

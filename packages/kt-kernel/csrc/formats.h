@@ -130,7 +130,7 @@ struct Format {
   int64_t row_pad;   // each expert's row block is padded to a multiple of this (8 or 16)
   GemvFn gemv = nullptr;  // optional: the small-row product (tile + GEMM when absent)
   // Whether the format's own products take every row count on this CPU (bf16_packed with
-  // AVX512_BF16, int8_packed with AMX): gemv then serves every task unless small-row products are off
+  // AVX512_BF16, int8_packed and int4_packed with AMX): gemv then serves every task unless small-row products are off
   // (gemv_rows() == 0), and the op stops padding rows for oneDNN. nullptr: never.
   bool (*gemv_all_rows)() = nullptr;
 

@@ -91,8 +91,8 @@ def test_select_rows_and_fuse_gate_up_move_whole_rows() -> None:
     assert torch.equal(f.dequantize(f.select_rows(fused, index)), both[:, index])
 
 
-# The packed formats with products of their own: int8-packed's run on AMX tiles (16 rows up).
-PACKED = ["bf16-packed", "int8-packed"]
+# The packed formats with products of their own; int8-packed and int4-packed run theirs on AMX.
+PACKED = ["bf16-packed", "int8-packed", "int4-packed"]
 
 
 @pytest.mark.parametrize("fmt", PACKED)

@@ -31,6 +31,7 @@ EXPECTED_ALL = {
     "Int4Grouped",
     "Fp8Block",
     "Bf16Packed",
+    "Int4Packed",
     "Int8Packed",
     "Mxfp4",
     "SwiGLU",

@@ -38,6 +38,7 @@ from kt_kernel.formats import (
 from kt_kernel.formats_bf16_packed import Bf16Packed
 from kt_kernel.formats_fp8 import Fp8Block
 from kt_kernel.formats_int4 import Int4Grouped
+from kt_kernel.formats_int4_packed import Int4Packed
 from kt_kernel.formats_int8_packed import Int8Packed
 from kt_kernel.formats_mxfp4 import Mxfp4
 from kt_kernel.logit_rows import LOGIT_ROWS_DTYPES, LogitRows, logit_rows
@@ -83,6 +84,7 @@ __all__ = [
     "Fp8Block",
     "GeluTanhGated",
     "Int4Grouped",
+    "Int4Packed",
     "Int8Packed",
     "Int8PerChannel",
     "KernelDTypeError",
