@@ -22,6 +22,8 @@
 // formats' Python dequantize, bitwise.
 #pragma once
 
+#include <c10/util/BFloat16.h>
+
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
@@ -39,6 +41,15 @@ constexpr int64_t kPadBytes = 64;  // ending each block
 
 // Ps: the pair rows per block, whole tile steps of 16.
 inline int64_t stride_pairs(int64_t k) { return ceil_div(ceil_div(k, 2), 16) * 16; }
+
+// Element i of a scalar tile loader's `out`: v rounded once to bf16 (nearest even), or v.
+inline void put_weight(c10::ScalarType out_dtype, void* out, int64_t i, float v) {
+  if (out_dtype == at::kBFloat16) {
+    static_cast<uint16_t*>(out)[i] = c10::BFloat16(v).x;
+  } else {
+    static_cast<float*>(out)[i] = v;
+  }
+}
 
 #if defined(__x86_64__) && defined(__GNUC__)
 #pragma GCC push_options

@@ -56,11 +56,7 @@ void load_int4_packed(const ExpertView& w, int64_t row0, int64_t col0, int64_t r
       const int64_t j = col0 + c;
       const int v = ((blk[16 * (j / 2) + (j & 1)] >> shift) & 0xF) - 8;
       const float f = static_cast<float>(v) * static_cast<float>(s[kRows * (j / G)]);
-      if (out_dtype == at::kBFloat16) {
-        static_cast<uint16_t*>(out)[r * ldo + c] = c10::BFloat16(f).x;
-      } else {
-        static_cast<float*>(out)[r * ldo + c] = f;
-      }
+      amx_ints::put_weight(out_dtype, out, r * ldo + c, f);
     }
   }
 }

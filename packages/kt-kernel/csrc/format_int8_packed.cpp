@@ -52,11 +52,7 @@ void load_int8_packed(const ExpertView& w, int64_t row0, int64_t col0, int64_t r
     for (int64_t c = 0; c < cols; ++c) {
       const int64_t j = col0 + c;
       const float v = static_cast<float>(blk[32 * (j / 2) + (j & 1)]) * s;
-      if (out_dtype == at::kBFloat16) {
-        static_cast<uint16_t*>(out)[r * ldo + c] = c10::BFloat16(v).x;
-      } else {
-        static_cast<float*>(out)[r * ldo + c] = v;
-      }
+      amx_ints::put_weight(out_dtype, out, r * ldo + c, v);
     }
   }
 }

@@ -30,15 +30,10 @@ from kt_kernel.formats import (
 )
 from kt_kernel.formats_int4 import Int4Grouped, pack_int4, unpack_int4
 
+# The block shape the two integer packed formats share (csrc/amx_packed_ints.h).
+from kt_kernel.formats_int8_packed import _BLOCK, _PAD, _stride_pairs
+
 __all__ = ["Int4Packed", "pack_int4_blocks", "unpack_int4_blocks"]
-
-_BLOCK = 16  # output rows per block
-_PAD = 64  # zero bytes ending each block (the stride is no multiple of 4 KiB)
-
-
-def _stride_pairs(k: int) -> int:
-    """Column pairs per block row: ``ceil(K/2)`` rounded up to 16 (whole tile steps)."""
-    return ((k + 1) // 2 + 15) // 16 * 16
 
 
 def pack_int4_blocks(
