@@ -119,90 +119,151 @@ void nt(const C& w, const uint16_t* x_in, int64_t ldx, int64_t m, uint16_t* out,
   _tile_release();
 }
 
-// With one row tile (at most 32 rows), the first of each two passes of dy W reads and widens
-// both passes' pair rows, so that each block is read in runs of two passes' bytes: int8-packed's
-// dy W at 32 rows (gate_up of Qwen3-30B-A3B, weights from DRAM) took 0.58x the time of one pass
-// at a time; int4-packed's, 0.98x; four passes (1 KiB runs for int4) took 1.10x. At 128 rows
-// two passes took 1.07x (int8) and 0.99x (int4), four 1.51x (int4): the grouped build leaves
-// DRAM idle while the later passes multiply (benchmarks/results/history.md, "int4-packed").
-constexpr int64_t kNnGroup = 2;
+// dy W block pair by block pair, for at most kBlockMajorRows rows: for kS steps s at a time
+// (W's rows 32 s ..., dy's columns) and each 32 output columns q, `build(s, q, dst)` writes
+// the steps' B tile pairs (as pass_tiles' build for pass q), every row tile multiplies them,
+// and the fp32 sums wait in this thread's buffer (4 KiB per row tile and q) until the next kS
+// steps. Each step's weights are thus read front to back, as x W^T reads them (kS pairs of
+// blocks at a time); `fetch(s, q)` prefetches those of (s, q), asked kAhead columns ahead. The
+// sums are added in pass_tiles' order (steps in order into the same C tiles), so the outputs
+// are bitwise pass_tiles'.
+// Why: pass_tiles over dy W reads one pass's part of every block in turn (16 pair rows: 512
+// or 256 bytes, blocks 32 KiB apart). At 16-32 rows with weights from DRAM that ran
+// int8-packed's dy W at 0.45-0.55x of bf16-packed's (in L2, at x W^T's speed), and no prefetch
+// distance or level helped. Block pair by block pair with kS = 1 it ran 1.1-1.7x bf16-packed's
+// at 16-32 rows, but the sums' traffic cost more than the reads saved from 3 row tiles on;
+// kS = 4 cuts that traffic by 4: up to 64 rows it beat pass_tiles for both formats, at 128
+// for int8 (int4's ranges overlapped), at 256 for neither; kS = 2 and 8 measured slower
+// (benchmarks/results/history.md, "int4-packed; dy W block pair by block pair").
+constexpr int64_t kBlockMajorRows = 128;
+constexpr int64_t kS = 4;
+
+template <class Build, class Fetch>
+void nn_block_major(const uint16_t* dy, int64_t ld, int64_t rows, int64_t m, int64_t steps,
+                    int64_t k, uint16_t* out, int64_t ldo, const Build& build,
+                    const Fetch& fetch) {
+  const int64_t passes = (k + 31) / 32, tiles = rows / 32;
+  // A last row tile of at most 16 rows takes one A tile (as pass_tiles).
+  const bool last_half = (m + 15) / 16 % 2 == 1;
+  thread_local std::vector<float> acc_buf;
+  acc_buf.resize(static_cast<size_t>(tiles * passes * 4 * 256 + 16));
+  float* acc = acc_buf.data() + (16 - reinterpret_cast<uintptr_t>(acc_buf.data()) / 4 % 16) % 16;
+  thread_local std::vector<uint16_t> bt_buf;  // the B tile pairs of kS steps
+  bt_buf.resize(static_cast<size_t>(kS * 2 * kTile + 32));
+  uint16_t* bt = bt_buf.data() + (32 - reinterpret_cast<uintptr_t>(bt_buf.data()) / 2 % 32) % 32;
+  alignas(64) float c[4][256];
+  _tile_loadconfig(&tile_config_16x64());
+  for (int64_t s0 = 0; s0 < steps; s0 += kS) {
+    const int64_t ns = std::min(kS, steps - s0);
+    for (int64_t q = 0; q < passes; ++q) {
+      const int64_t qa = q + kAhead;
+      for (int64_t i = 0; i < ns; ++i) {
+        if (qa < passes) {
+          fetch(s0 + i, qa);
+        } else if (s0 + kS + i < steps) {
+          fetch(s0 + kS + i, qa - passes);
+        }
+      }
+      for (int64_t i = 0; i < ns; ++i) build(s0 + i, q, bt + i * 2 * kTile);
+      for (int64_t t = 0; t < tiles; ++t) {
+        const bool half = last_half && t + 1 == tiles;
+        float* cq = acc + (t * passes + q) * 4 * 256;
+        if (s0 == 0) {
+          tiles_zero();
+        } else {
+          _tile_loadd(0, cq, 64);
+          _tile_loadd(1, cq + 256, 64);
+          if (!half) {
+            _tile_loadd(2, cq + 512, 64);
+            _tile_loadd(3, cq + 768, 64);
+          }
+        }
+        for (int64_t i = 0; i < ns; ++i) {
+          const uint16_t* a = dy + 32 * t * ld + 32 * (s0 + i);
+          if (half) {
+            tile_step_half(a, ld * 2, bt + i * 2 * kTile, bt + i * 2 * kTile + kTile, 64);
+          } else {
+            tile_step(a, ld * 2, a + 16 * ld, ld * 2, bt + i * 2 * kTile,
+                      bt + i * 2 * kTile + kTile, 64);
+          }
+        }
+        if (s0 + ns < steps) {
+          _tile_stored(0, cq, 64);
+          _tile_stored(1, cq + 256, 64);
+          if (!half) {
+            _tile_stored(2, cq + 512, 64);
+            _tile_stored(3, cq + 768, 64);
+          }
+        } else {
+          tiles_store(c);
+          store_c_tiles<false>(c, 32 * t, m, 32 * q, k, out, ldo, 1.0f);
+        }
+      }
+    }
+  }
+  _tile_release();
+}
+
+// dy W's B tile pair for step s (W's rows 32 s ...) and the 32 output columns from pair row
+// p0: B tile j holds rows 8 h + g from block 2 s + h, W's row pair g, from the pair rows
+// p0 + 8 j ... p0 + 8 j + 7.
+template <class C>
+inline void nn_pair(const C& w, int64_t blocks, int64_t s, int64_t p0, __m512i sh,
+                    uint16_t* dst) {
+  for (int h = 0; h < 2; ++h) {
+    const int64_t blk = 2 * s + h;
+    if (blk >= blocks) {
+      for (int j = 0; j < 2; ++j) {
+        std::fill(dst + j * kTile + 8 * 32 * h, dst + j * kTile + 8 * 32 * (h + 1), uint16_t{0});
+      }
+      continue;
+    }
+    const auto sc = w.scales(blk, p0);
+    const uint8_t* src = w.block(blk);
+    for (int j = 0; j < 2; ++j) {
+      __m512i v[8];
+      for (int i = 0; i < 8; ++i) {
+        v[i] = _mm512_shuffle_epi8(w.row(src + C::kPairBytes * (p0 + 8 * j + i), sc), sh);
+      }
+      transpose8_qwords(v, dst + j * kTile + 8 * 32 * h);
+    }
+  }
+}
+
 template <class C>
 void nn(const C& w, const uint16_t* dy_in, int64_t ldi, int64_t m, uint16_t* out, int64_t ldo) {
-  constexpr int64_t kPass = 16 * C::kPairBytes;  // one block's bytes per pass and step
   const int64_t blocks = ceil_div(w.n, kRows);
   const int64_t steps = ceil_div(blocks, 2);  // 32 rows of W (columns of dy) per tile product
   int64_t ld = 0, rows = 0;
   const uint16_t* dy = padded_rows(dy_in, ldi, m, w.n, ld, rows);
-  uint16_t* bt0 = pass_buffer(steps);
-  const int64_t group = rows == 32 ? kNnGroup : 1;
-  // The B tiles of a group's later passes, built by its first.
-  thread_local std::vector<uint16_t> later;
-  later.resize(static_cast<size_t>((group - 1) * steps * 2 * kTile));
   const __m512i sh = to_rows();
+  if (rows <= kBlockMajorRows) {
+    constexpr int64_t kPass = 16 * C::kPairBytes;  // one block's bytes per 32 columns
+    const auto build = [&](int64_t s, int64_t q, uint16_t* dst) {
+      nn_pair(w, blocks, s, 16 * q, sh, dst);
+    };
+    const auto fetch = [&](int64_t s, int64_t q) {
+      for (int64_t h = 0; h < 2 && 2 * s + h < blocks; ++h) {
+        prefetch_lines<kPass / 64>(w.block(2 * s + h) + kPass * q, true);
+      }
+    };
+    nn_block_major(dy, ld, rows, m, steps, w.k, out, ldo, build, fetch);
+    return;
+  }
+  uint16_t* bt0 = pass_buffer(steps);
   _tile_loadconfig(&tile_config_16x64());
-  for (int64_t g0 = 0; g0 < w.k; g0 += 32 * group) {
-    const int64_t passes = std::min(group, ceil_div(w.k - g0, 32));
-    const auto later_tiles = [&](int64_t q, int64_t s) {
-      return later.data() + ((q - 1) * steps + s) * 2 * kTile;
-    };
-    // Pass q's B tile j of step s (output columns g0 + 32 q + 16 j ...): rows 8 h + g from
-    // block 2 s + h, W's row pair g, from the pair rows p0 + 8 j ... p0 + 8 j + 7. Each block's
-    // pair rows are read in order, every pass's in turn.
-    const auto build = [&](int64_t s, uint16_t* dst) {
-      for (int h = 0; h < 2; ++h) {
-        const int64_t blk = 2 * s + h;
-        for (int64_t q = 0; q < passes; ++q) {
-          uint16_t* t = q == 0 ? dst : later_tiles(q, s);
-          if (blk >= blocks) {
-            for (int j = 0; j < 2; ++j) {
-              std::fill(t + j * kTile + 8 * 32 * h, t + j * kTile + 8 * 32 * (h + 1),
-                        uint16_t{0});
-            }
-            continue;
-          }
-          const int64_t p0 = g0 / 2 + 16 * q;
-          const auto sc = w.scales(blk, p0);
-          const uint8_t* src = w.block(blk);
-          for (int j = 0; j < 2; ++j) {
-            __m512i v[8];
-            for (int i = 0; i < 8; ++i) {
-              const uint8_t* row = src + C::kPairBytes * (p0 + 8 * j + i);
-              v[i] = _mm512_shuffle_epi8(w.row(row, sc), sh);
-            }
-            transpose8_qwords(v, t + j * kTile + 8 * 32 * h);
-          }
-        }
-      }
-    };
-    // Step t of the group's first pass reads `passes` runs of kPass bytes of blocks 2 t and
-    // 2 t + 1; a later pass reads nothing, and its last asks for the next group's.
-    const auto fetch_group = [&](int64_t g, int64_t t, bool near) {
-      if (g >= w.k) return;
-      const int64_t lines = std::min(group, ceil_div(w.k - g, 32)) * kPass / 64;
+  for (int64_t c0 = 0; c0 < w.k; c0 += 32) {
+    const int64_t p0 = c0 / 2;
+    const auto build = [&](int64_t s, uint16_t* dst) { nn_pair(w, blocks, s, p0, sh, dst); };
+    // Step t reads 16 pair rows of blocks 2 t and 2 t + 1; the next pass, the next 16.
+    const auto fetch = [&](int64_t ahead, int64_t t, bool near) {
+      if (c0 + 32 * ahead >= w.k) return;
       for (int64_t h = 0; h < 2 && 2 * t + h < blocks; ++h) {
-        const char* p = reinterpret_cast<const char*>(w.block(2 * t + h) + C::kPairBytes * g / 2);
-        for (int64_t l = 0; l < lines; ++l) {
-          _mm_prefetch(p + 64 * l, near ? _MM_HINT_T0 : _MM_HINT_T1);
-        }
+        const uint8_t* p = w.block(2 * t + h) + C::kPairBytes * (p0 + 16 * ahead);
+        prefetch_lines<16 * C::kPairBytes / 64>(p, near);
       }
     };
-    for (int64_t q = 0; q < passes; ++q) {
-      const int64_t c0 = g0 + 32 * q;
-      const auto fetch = [&](int64_t ahead, int64_t t, bool near) {
-        if (ahead == 0 && q == 0) fetch_group(g0, t, near);
-        if (ahead == 1 && q == passes - 1) fetch_group(g0 + 32 * group, t, near);
-      };
-      if (q == 0) {
-        pass_tiles(dy, ld, rows, m, bt0, steps, c0, w.k, out, ldo, build, fetch);
-        continue;
-      }
-      // Copied only where pass_tiles builds in a buffer of its own (one row tile).
-      const auto copy = [&](int64_t s, uint16_t* dst) {
-        const uint16_t* src = later_tiles(q, s);
-        if (dst != src) std::memcpy(dst, src, 2 * kTile * sizeof(uint16_t));
-      };
-      pass_tiles(dy, ld, rows, m, later_tiles(q, 0), steps, c0, w.k, out, ldo, copy, fetch);
-    }
+    pass_tiles(dy, ld, rows, m, bt0, steps, c0, w.k, out, ldo, build, fetch);
   }
   _tile_release();
 }
