@@ -135,7 +135,10 @@ void nt(const C& w, const uint16_t* x_in, int64_t ldx, int64_t m, uint16_t* out,
 // kS = 4 cuts that traffic by 4: up to 64 rows it beat pass_tiles for both formats, at 128
 // for int8 (int4's ranges overlapped), at 256 for neither; kS = 2 and 8 measured slower
 // (benchmarks/results/history.md, "int4-packed; dy W block pair by block pair").
+// The sums' buffer is kept within 1 MiB (half this CPU's L2): at K = 2048 that is 128 rows;
+// at DeepSeek-V3's K = 7168, 32 (larger K and rows were not measured).
 constexpr int64_t kBlockMajorRows = 128;
+constexpr int64_t kBlockMajorBytes = int64_t{1} << 20;
 constexpr int64_t kS = 4;
 
 template <class Build, class Fetch>
@@ -237,7 +240,7 @@ void nn(const C& w, const uint16_t* dy_in, int64_t ldi, int64_t m, uint16_t* out
   int64_t ld = 0, rows = 0;
   const uint16_t* dy = padded_rows(dy_in, ldi, m, w.n, ld, rows);
   const __m512i sh = to_rows();
-  if (rows <= kBlockMajorRows) {
+  if (rows <= kBlockMajorRows && rows / 32 * ceil_div(w.k, 32) * 4096 <= kBlockMajorBytes) {
     constexpr int64_t kPass = 16 * C::kPairBytes;  // one block's bytes per 32 columns
     const auto build = [&](int64_t s, int64_t q, uint16_t* dst) {
       nn_pair(w, blocks, s, 16 * q, sh, dst);
