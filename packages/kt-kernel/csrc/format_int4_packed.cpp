@@ -13,8 +13,8 @@
 // tile for oneDNN, 0.79x dense bf16 at T=512 on an AMX CPU (bench_formats.amx_e128_quantised);
 // here a tile step of the AMX products (amx_packed_ints.h) reads 256 contiguous bytes per block
 // and 32 bytes of its scales (a step's 32 columns lie in one group, G being a multiple of 32).
-// The products run where the CPU has AMX and the compute dtype is bf16; the scalar tile loader
-// serves the rest, slowly: the format is for AMX CPUs.
+// The products run where the CPU has AMX and the compute dtype is bf16; the tile loader serves
+// the rest (with AVX512_BF16 for bf16 tiles, amx_packed_ints.h's load_bf16; else scalar).
 #include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
 
@@ -43,7 +43,7 @@ void check_int4_packed(const std::vector<at::Tensor>& parts, int64_t e, int64_t 
 }
 
 template <int G>
-void load_int4_packed(const ExpertView& w, int64_t row0, int64_t col0, int64_t rows,
+void load_int4_scalar(const ExpertView& w, int64_t row0, int64_t col0, int64_t rows,
                       int64_t cols, c10::ScalarType out_dtype, void* out, int64_t ldo) {
   const auto* q = static_cast<const uint8_t*>(w.part[0]);
   const auto* scale = static_cast<const c10::BFloat16*>(w.part[1]);
@@ -100,6 +100,21 @@ struct Int4Codec {
 };
 #pragma GCC pop_options
 #endif
+
+template <int G>
+void load_int4_packed(const ExpertView& w, int64_t row0, int64_t col0, int64_t rows,
+                      int64_t cols, c10::ScalarType out_dtype, void* out, int64_t ldo) {
+#if defined(__x86_64__) && defined(__GNUC__)
+  if (out_dtype == at::kBFloat16 && has_avx512_bf16()) {
+    const Int4Codec<G> c{static_cast<const uint8_t*>(w.part[0]),
+                         static_cast<const uint16_t*>(w.part[1]), w.n, w.k, block_bytes(w.k),
+                         kRows * ceil_div(w.k, G)};
+    amx_ints::load_bf16(c, row0, col0, rows, cols, static_cast<uint16_t*>(out), ldo);
+    return;
+  }
+#endif
+  load_int4_scalar<G>(w, row0, col0, rows, cols, out_dtype, out, ldo);
+}
 
 template <int G>
 bool gemv_int4_packed(const ExpertView& w, bool nn_product, const void* in, int64_t ldi,

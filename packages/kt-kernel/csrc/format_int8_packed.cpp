@@ -11,8 +11,8 @@
 // weights in cache, 1.78x (benchmarks/results/history.md, "The quantised bases on AMX"). Here
 // one tile step reads 512 contiguous bytes per block (the loops: amx_packed_ints.h, whose pair
 // rows here are 32 bytes of q). The products run where the CPU has AMX and the compute dtype
-// is bf16, at any row count; the tile loader (scalar) serves the rest, which is slow: the
-// format is for AMX CPUs.
+// is bf16, at any row count; the tile loader serves the rest (with AVX512_BF16 for bf16 tiles,
+// amx_packed_ints.h's load_bf16; else scalar).
 #include <c10/util/BFloat16.h>
 #include <c10/util/Exception.h>
 
@@ -40,7 +40,7 @@ void check_int8_packed(const std::vector<at::Tensor>& parts, int64_t e, int64_t 
   check_part(parts[2], what, 2, "shape", at::kLong, {e, 2});
 }
 
-void load_int8_packed(const ExpertView& w, int64_t row0, int64_t col0, int64_t rows,
+void load_int8_scalar(const ExpertView& w, int64_t row0, int64_t col0, int64_t rows,
                       int64_t cols, c10::ScalarType out_dtype, void* out, int64_t ldo) {
   const auto* q = static_cast<const int8_t*>(w.part[0]);
   const auto* scale = static_cast<const float*>(w.part[1]);
@@ -78,6 +78,19 @@ struct Int8Codec {
 };
 #pragma GCC pop_options
 #endif
+
+void load_int8_packed(const ExpertView& w, int64_t row0, int64_t col0, int64_t rows,
+                      int64_t cols, c10::ScalarType out_dtype, void* out, int64_t ldo) {
+#if defined(__x86_64__) && defined(__GNUC__)
+  if (out_dtype == at::kBFloat16 && has_avx512_bf16()) {
+    const Int8Codec c{static_cast<const uint8_t*>(w.part[0]), static_cast<const float*>(w.part[1]),
+                      w.n, w.k, block_bytes(w.k)};
+    amx_ints::load_bf16(c, row0, col0, rows, cols, static_cast<uint16_t*>(out), ldo);
+    return;
+  }
+#endif
+  load_int8_scalar(w, row0, col0, rows, cols, out_dtype, out, ldo);
+}
 
 bool gemv_int8_packed(const ExpertView& w, bool nn_product, const void* in, int64_t ldi,
                       int64_t m, c10::ScalarType out_dtype, void* out, int64_t ldo) {

@@ -8,6 +8,8 @@ runs it by its registration.
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -106,3 +108,43 @@ def test_memory_is_within_one_percent_of_int4() -> None:
         spec, gate_up, down, dtype=bf16, weight_dtype="int4-packed"
     )
     assert int4.nbytes < packed.nbytes <= 1.01 * int4.nbytes
+
+
+def mismatches() -> list[str]:
+    """Tiles of both integer packed formats whose bf16 loader values differ from dequantize.
+
+    With AVX512_BF16 the loader widens and transposes whole blocks; tiles start at any row and
+    column and end anywhere, including inside a block and a 32-column chunk.
+    """
+    if kk.backend_info().active != "native":
+        return []
+    bad = []
+    formats = [kk.Int8Packed(), kk.Int4Packed(group_size=32), kk.Int4Packed(group_size=128)]
+    for f in formats:
+        for n, k in [(21, 7), (48, 70), (33, 129)]:
+            parts = f.quantize(_weights(n, k, seed=n + k))
+            args = list(f.native_args(parts))
+            full = f.dequantize(parts, torch.bfloat16)
+            for row0, col0 in itertools.product((0, 1, 16, n - 1), (0, 5, 16, 31, 32, k - 1)):
+                if row0 >= n or col0 >= k:
+                    continue
+                for rows, cols in [(n - row0, k - col0), (1, 1), (min(3, n - row0), 40)]:
+                    cols = min(cols, k - col0)
+                    got = torch.ops.kt_kernel.dequantize_tile(
+                        f.name, args, n, k, row0, col0, rows, cols, torch.bfloat16
+                    )
+                    want = full[:, row0 : row0 + rows, col0 : col0 + cols]
+                    if not torch.equal(got, want):
+                        bad.append(f"{f!r} {n}x{k} at ({row0}, {col0}) size ({rows}, {cols})")
+    return bad
+
+
+def test_tile_loader_is_dequantize_at_any_offset() -> None:
+    assert mismatches() == []
+
+
+def test_tile_loader_is_dequantize_on_avx2() -> None:
+    """The scalar loader (no AVX512_BF16) gives the same tiles."""
+    from ._isa_child import mismatches_on_isa
+
+    assert mismatches_on_isa("test_int4_packed", "isa", "avx2") == []
