@@ -1,9 +1,10 @@
 """The int4-packed format: int4's values stored once in the layout its AMX products stream.
 
-The layout against int4's ``q`` and group scales element by element, and the memory against
-int4's. Its tile loader (against the Python ``dequantize``, bitwise), its products and the whole
-op (against float64) run in test_bf16_packed (``PACKED``), and the per-format conformance suite
-runs it by its registration.
+The layout against int4's ``q`` and group scales element by element, the products of every
+group size, and both integer packed formats' tile loaders at any offset on both ISA paths.
+Memory and where the products run are checked with int8-packed's (test_int8_packed); the
+loader, products and whole op against float64 in test_bf16_packed (``PACKED``); and the
+per-format conformance suite runs it by its registration.
 """
 
 from __future__ import annotations
@@ -66,11 +67,6 @@ def test_select_rows_and_fuse_gate_up_keep_the_quantised_values() -> None:
     assert torch.equal(f.dequantize(f.select_rows(fused, index)), both[:, index])
 
 
-def test_own_products_run_exactly_where_amx_tiles_do() -> None:
-    native = kk.backend_info().active == "native"
-    assert kk.Int4Packed.own_products_here() == (native and bool(torch.ops.kt_kernel.amx()))
-
-
 def test_bad_options_are_refused_by_name() -> None:
     with pytest.raises(kk.KernelDTypeError, match=r"'int4-packed'.*must be torch\.bfloat16"):
         kk.Int4Packed(torch.float32)
@@ -97,17 +93,6 @@ def test_products_of_every_group_size_are_int4s(group_size: int) -> None:
             ref = x.double() @ (w if nn else w.t())
             got = ops.project(f.name, args, n, k, 1, x, nn).double()
             assert float((got - ref).abs().max() / ref.abs().max()) < 1e-2, (m, nn)
-
-
-def test_memory_is_within_one_percent_of_int4() -> None:
-    spec = kk.ExpertSpec(4, 2048, 768)
-    gate_up, down = torch.zeros(4, 2 * 768, 2048), torch.zeros(4, 2048, 768)
-    bf16 = torch.bfloat16
-    int4 = kk.ExpertWeights.from_fused(spec, gate_up, down, dtype=bf16, weight_dtype="int4")
-    packed = kk.ExpertWeights.from_fused(
-        spec, gate_up, down, dtype=bf16, weight_dtype="int4-packed"
-    )
-    assert int4.nbytes < packed.nbytes <= 1.01 * int4.nbytes
 
 
 def mismatches() -> list[str]:

@@ -1,6 +1,7 @@
 """The int8-packed format: int8's values stored once in the layout its AMX products stream.
 
-The layout against int8's ``q`` and scales element by element, and the memory against int8's.
+The layout against int8's ``q`` and scales element by element; the memory of both integer
+packed formats against their unpacked twins, and where their own products run.
 Its tile loader (against the Python ``dequantize``, bitwise), its products and the whole op
 (against float64) run in test_bf16_packed (``PACKED``), and the per-format conformance suite
 runs it by its registration.
@@ -49,9 +50,10 @@ def test_select_rows_and_fuse_gate_up_keep_the_quantised_values() -> None:
     assert torch.equal(f.dequantize(f.select_rows(fused, index)), both[:, index])
 
 
-def test_own_products_run_exactly_where_amx_tiles_do() -> None:
+@pytest.mark.parametrize("fmt", [kk.Int8Packed, kk.Int4Packed])
+def test_own_products_run_exactly_where_amx_tiles_do(fmt: type[kk.Int8Packed]) -> None:
     native = kk.backend_info().active == "native"
-    assert kk.Int8Packed.own_products_here() == (native and bool(torch.ops.kt_kernel.amx()))
+    assert fmt.own_products_here() == (native and bool(torch.ops.kt_kernel.amx()))
 
 
 def test_compute_dtypes_other_than_bf16_are_refused_by_name() -> None:
@@ -59,12 +61,11 @@ def test_compute_dtypes_other_than_bf16_are_refused_by_name() -> None:
         kk.Int8Packed(torch.float32)
 
 
-def test_memory_is_within_one_percent_of_int8() -> None:
+@pytest.mark.parametrize(("base", "packed"), [("int8", "int8-packed"), ("int4", "int4-packed")])
+def test_memory_is_within_one_percent_of_the_unpacked_format(base: str, packed: str) -> None:
     spec = kk.ExpertSpec(4, 2048, 768)
     gate_up, down = torch.zeros(4, 2 * 768, 2048), torch.zeros(4, 2048, 768)
     bf16 = torch.bfloat16
-    int8 = kk.ExpertWeights.from_fused(spec, gate_up, down, dtype=bf16, weight_dtype="int8")
-    packed = kk.ExpertWeights.from_fused(
-        spec, gate_up, down, dtype=bf16, weight_dtype="int8-packed"
-    )
-    assert int8.nbytes < packed.nbytes <= 1.01 * int8.nbytes
+    plain = kk.ExpertWeights.from_fused(spec, gate_up, down, dtype=bf16, weight_dtype=base)
+    repacked = kk.ExpertWeights.from_fused(spec, gate_up, down, dtype=bf16, weight_dtype=packed)
+    assert plain.nbytes < repacked.nbytes <= 1.01 * plain.nbytes
