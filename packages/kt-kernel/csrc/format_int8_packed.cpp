@@ -67,6 +67,10 @@ struct Int8Codec {
   const uint8_t* q;
   const float* scale;
   int64_t n, k, block_bytes;
+  static Int8Codec of(const ExpertView& w) {
+    return {static_cast<const uint8_t*>(w.part[0]), static_cast<const float*>(w.part[1]), w.n,
+            w.k, formats::block_bytes(w.k)};
+  }
   const uint8_t* block(int64_t b) const { return q + b * block_bytes; }
   amx_ints::Scales scales(int64_t b, int64_t /*p*/) const {
     return amx_ints::spread_scales(
@@ -83,9 +87,7 @@ void load_int8_packed(const ExpertView& w, int64_t row0, int64_t col0, int64_t r
                       int64_t cols, c10::ScalarType out_dtype, void* out, int64_t ldo) {
 #if defined(__x86_64__) && defined(__GNUC__)
   if (out_dtype == at::kBFloat16 && has_avx512_bf16()) {
-    const Int8Codec c{static_cast<const uint8_t*>(w.part[0]), static_cast<const float*>(w.part[1]),
-                      w.n, w.k, block_bytes(w.k)};
-    amx_ints::load_bf16(c, row0, col0, rows, cols, static_cast<uint16_t*>(out), ldo);
+    amx_ints::load_bf16(Int8Codec::of(w), row0, col0, rows, cols, static_cast<uint16_t*>(out), ldo);
     return;
   }
 #endif
@@ -95,9 +97,7 @@ void load_int8_packed(const ExpertView& w, int64_t row0, int64_t col0, int64_t r
 bool gemv_int8_packed(const ExpertView& w, bool nn_product, const void* in, int64_t ldi,
                       int64_t m, c10::ScalarType out_dtype, void* out, int64_t ldo) {
 #if defined(__x86_64__) && defined(__GNUC__)
-  const Int8Codec c{static_cast<const uint8_t*>(w.part[0]), static_cast<const float*>(w.part[1]),
-                    w.n, w.k, block_bytes(w.k)};
-  return amx_ints::products(c, nn_product, in, ldi, m, out_dtype, out, ldo);
+  return amx_ints::products(Int8Codec::of(w), nn_product, in, ldi, m, out_dtype, out, ldo);
 #else
   (void)w, (void)nn_product, (void)in, (void)ldi, (void)m, (void)out_dtype, (void)out, (void)ldo;
   return false;

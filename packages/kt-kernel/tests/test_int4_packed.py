@@ -2,7 +2,8 @@
 
 The layout against int4's ``q`` and group scales element by element, the products of every
 group size, and both integer packed formats' tile loaders at any offset on both ISA paths.
-Memory and where the products run are checked with int8-packed's (test_int8_packed); the
+Memory, row selection and fusing, and where the products run are checked with int8-packed's
+(test_int8_packed); the
 loader, products and whole op against float64 in test_bf16_packed (``PACKED``); and the
 per-format conformance suite runs it by its registration.
 """
@@ -55,16 +56,6 @@ def test_layout_holds_int4s_values_in_tile_order(group_size: int) -> None:
     f = kk.Int4Packed(group_size=group_size)
     assert torch.equal(f.dequantize((packed, scale, shape)), want)
     assert torch.equal(f.row_steps((packed, scale, shape)), scale4.float().amax(-1))
-
-
-def test_select_rows_and_fuse_gate_up_keep_the_quantised_values() -> None:
-    f, f4 = kk.Int4Packed(), kk.Int4Grouped()
-    gate, up = _weights(16, 80, seed=1), _weights(24, 80, seed=2)
-    fused = f.fuse_gate_up(f.quantize(gate), f.quantize(up))
-    both = torch.cat([f4.dequantize(f4.quantize(gate)), f4.dequantize(f4.quantize(up))], 1)
-    assert torch.equal(f.dequantize(fused), both)
-    index = torch.arange(40).flip(0)
-    assert torch.equal(f.dequantize(f.select_rows(fused, index)), both[:, index])
 
 
 def test_bad_options_are_refused_by_name() -> None:

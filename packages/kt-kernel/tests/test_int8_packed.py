@@ -1,7 +1,8 @@
 """The int8-packed format: int8's values stored once in the layout its AMX products stream.
 
-The layout against int8's ``q`` and scales element by element; the memory of both integer
-packed formats against their unpacked twins, and where their own products run.
+The layout against int8's ``q`` and scales element by element; for both integer packed
+formats, row selection and fusing, the memory against their unpacked twins, and where their
+own products run.
 Its tile loader (against the Python ``dequantize``, bitwise), its products and the whole op
 (against float64) run in test_bf16_packed (``PACKED``), and the per-format conformance suite
 runs it by its registration.
@@ -40,13 +41,19 @@ def test_layout_holds_int8s_values_in_tile_order() -> None:
     assert torch.equal(kk.Int8Packed().dequantize((packed, scale, shape)), want)
 
 
-def test_select_rows_and_fuse_gate_up_keep_the_quantised_values() -> None:
-    f, f8 = kk.Int8Packed(), kk.Int8PerChannel(torch.bfloat16)
-    gate, up = _weights(16, 8, seed=1), _weights(16, 8, seed=2)
+@pytest.mark.parametrize(
+    ("packed", "base", "gate_rows", "up_rows", "k"),
+    [("int8-packed", "int8", 16, 16, 8), ("int4-packed", "int4", 16, 24, 80)],
+)
+def test_select_rows_and_fuse_gate_up_keep_the_quantised_values(
+    packed: str, base: str, gate_rows: int, up_rows: int, k: int
+) -> None:
+    f, fb = kk.FORMATS[packed](torch.bfloat16), kk.FORMATS[base](torch.bfloat16)
+    gate, up = _weights(gate_rows, k, seed=1), _weights(up_rows, k, seed=2)
     fused = f.fuse_gate_up(f.quantize(gate), f.quantize(up))
-    both = torch.cat([f8.dequantize(f8.quantize(gate)), f8.dequantize(f8.quantize(up))], 1)
+    both = torch.cat([fb.dequantize(fb.quantize(gate)), fb.dequantize(fb.quantize(up))], 1)
     assert torch.equal(f.dequantize(fused), both)
-    index = torch.arange(32).flip(0)
+    index = torch.arange(gate_rows + up_rows).flip(0)
     assert torch.equal(f.dequantize(f.select_rows(fused, index)), both[:, index])
 
 
