@@ -11,7 +11,10 @@
 // stored copy is what the products stream:
 // - dy W (the backward): 64 bytes are 8 row pairs' (W[n, k], W[n + 1, k]) for columns 2p and
 //   2p + 1 in alternate lanes; vdpbf16ps against dy's row pairs makes each lane sum a row pair,
-//   and the 8 lanes of each column are added at the end. No transposed second copy.
+//   and the 8 lanes of each column are added at the end. No transposed second copy. From
+//   kNnWideRows rows an 8 x 8 qword transpose per block and 16 columns turns the same bytes
+//   into W's row pairs across the columns, built once per 32 columns and used by every row
+//   (nn_wide; the AMX products' B tiles are the same).
 // - x W^T: one in-lane byte shuffle turns the same 64 bytes into 16 rows' (W[n, 2p],
 //   W[n, 2p + 1]) pairs; one vdpbf16ps against a broadcast pair of x gives 16 outputs. The
 //   shuffle sits here because x W^T reuses each shuffled vector for 12 rows of x, dy W for 4
@@ -54,6 +57,9 @@ constexpr int64_t kNtAhead = 64;
 // dy W's register block: 6 column pairs x 4 rows = 24 accumulators (measured against 4 x 6,
 // 0.93-0.98x of it from 64 rows up, and 8 x 3, 0.89-0.98x).
 constexpr int kNnPairs = 6;
+// Rows from which dy W takes nn_wide (without AMX): one thread, weights from DRAM, nn_wide ran
+// 0.8-0.9x nn() at 16 rows, about even at 32, 1.0-1.15x at 64 and 1.05-1.2x at 128-256.
+constexpr int64_t kNnWideRows = 48;
 
 inline int64_t even_up(int64_t k) { return k + (k & 1); }
 inline int64_t block_elems(int64_t k) { return kBlock * even_up(k) + kPad; }
@@ -315,6 +321,99 @@ void nn(const uint16_t* p, int64_t n, int64_t k, const uint16_t* dy, int64_t ldi
   }
 }
 
+// Rows g of W's row pairs (g < 8 of block `blk`) for the 16 columns from column pair p0: the
+// 8 x 8 qword transpose of the 64 bytes of pairs p0 .. p0 + 7 (zeros past `pairs`).
+inline void transpose8(const uint16_t* blk, int64_t p0, int64_t pairs, uint16_t* t) {
+  __m512i v[8];
+  for (int i = 0; i < 8; ++i) {
+    v[i] = p0 + i < pairs ? _mm512_loadu_si512(blk + (p0 + i) * 2 * kBlock)
+                          : _mm512_setzero_si512();
+  }
+  transpose8_qwords(v, t);
+}
+
+// Step s of dy W's B tiles for the 32 output columns from c0 (tile j: columns c0 + 16 j ...):
+// rows 8 h + g are row pair g of block 2 s + h (zeros past the blocks). The AMX products and
+// nn_wide read the same tiles.
+inline void nn_step_tiles(const uint16_t* p, int64_t bs, int64_t blocks, int64_t pairs,
+                          int64_t c0, int64_t s, uint16_t* dst) {
+  for (int j = 0; j < 2; ++j) {
+    uint16_t* t = dst + j * kTile;
+    const int64_t p0 = (c0 + 16 * j) / 2;
+    for (int h = 0; h < 2; ++h) {
+      const int64_t b = 2 * s + h;
+      if (b < blocks) {
+        transpose8(p + b * bs, p0, pairs, t + 8 * 32 * h);
+      } else {
+        std::fill(t + 8 * 32 * h, t + 8 * 32 * (h + 1), uint16_t{0});
+      }
+    }
+  }
+}
+
+// dy W from kNnWideRows rows on. Per 32 output columns, the steps' B tiles (W's row pairs
+// across the 32 columns) are built once into this thread's pass buffer, then x W^T's register
+// blocks run over them: 12 rows x 2 vectors, each weight vector used by 12 rows and each
+// broadcast pair of dy by 2 vectors. nn() reads a weight vector per 4 rows and a doubled copy
+// of dy (4 bytes a value) per 6 vectors; in the op at 128-256 rows it ran at 81-87% of the
+// peak, bound by those reads from L2. Each output sums W's row pairs in order (fp32), then
+// rounds once; dy comes zero-padded (padded_rows), so an odd N's last pair adds dy[N-1] alone.
+template <int MR>
+void nn_wide_tile(const uint16_t* dy, int64_t ld, const uint16_t* t, int64_t npairs, int cols,
+                  uint16_t* out, int64_t ldo) {
+  __m512 acc[MR][2];
+  for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = _mm512_setzero_ps();
+  for (int64_t q0 = 0; q0 < npairs; q0 += 16) {
+    const uint16_t* ts = t + (q0 / 16) * 2 * kTile;
+    const int64_t qn = std::min<int64_t>(16, npairs - q0);
+    for (int64_t i = 0; i < qn; ++i) {
+      const auto w0 = (__m512bh)_mm512_load_si512(ts + 32 * i);
+      const auto w1 = (__m512bh)_mm512_load_si512(ts + kTile + 32 * i);
+      for (int r = 0; r < MR; ++r) {
+        const auto a = (__m512bh)_mm512_set1_epi32(static_cast<int>(pair_at(dy + r * ld, 2 * (q0 + i))));
+        acc[r][0] = _mm512_dpbf16_ps(acc[r][0], a, w0);
+        acc[r][1] = _mm512_dpbf16_ps(acc[r][1], a, w1);
+      }
+    }
+  }
+  const __mmask16 mask[2] = {first_lanes(cols), first_lanes(cols - 16)};
+  for (int r = 0; r < MR; ++r) {
+    for (int j = 0; j < 2; ++j) {
+      const __m256i v = (__m256i)_mm512_cvtneps_pbh(acc[r][j]);
+      _mm256_mask_storeu_epi16(out + r * ldo + 16 * j, mask[j], v);
+    }
+  }
+}
+
+void nn_wide(const uint16_t* p, int64_t n, int64_t k, const uint16_t* dy_in, int64_t ldi,
+             int64_t m, uint16_t* out, int64_t ldo) {
+  const int64_t bs = block_elems(k), blocks = ceil_div(n, kBlock), pairs = even_up(k) / 2;
+  const int64_t steps = ceil_div(blocks, 2), npairs = (n + 1) / 2;
+  int64_t ld = 0, rows = 0;
+  const uint16_t* dy = padded_rows(dy_in, ldi, m, n, ld, rows);
+  uint16_t* t = pass_buffer(steps);
+  for (int64_t c0 = 0; c0 < k; c0 += 32) {
+    for (int64_t s = 0; s < steps; ++s) {
+      // The next strip's 1 KiB of both blocks, for the next build.
+      if (c0 + 32 < k) {
+        for (int64_t b = 2 * s; b < std::min(2 * s + 2, blocks); ++b) {
+          const char* line = reinterpret_cast<const char*>(p + b * bs + (c0 + 32) * kBlock);
+          for (int l = 0; l < 16; ++l) _mm_prefetch(line + 64 * l, _MM_HINT_T1);
+        }
+      }
+      nn_step_tiles(p, bs, blocks, pairs, c0, s, t + s * 2 * kTile);
+    }
+    const int cols = static_cast<int>(std::min<int64_t>(32, k - c0));
+    int64_t r = 0;
+    for (; r + 12 <= m; r += 12) {
+      nn_wide_tile<12>(dy + r * ld, ld, t, npairs, cols, out + r * ldo + c0, ldo);
+    }
+    tail_rows<12>(m - r, [&](auto mr) {
+      nn_wide_tile<decltype(mr)::value>(dy + r * ld, ld, t, npairs, cols, out + r * ldo + c0, ldo);
+    });
+  }
+}
+
 #pragma GCC pop_options
 
 // AMX-BF16 (Sapphire Rapids and later): the same bytes feed 16 x 32 x 16 tile products. A
@@ -377,17 +476,6 @@ void nt(const uint16_t* p, int64_t n, int64_t k, const uint16_t* x_in, int64_t l
   _tile_release();
 }
 
-// Rows g of W's row pairs (g < 8 of block `blk`) for the 16 columns from column pair p0: the
-// 8 x 8 qword transpose of the 64 bytes of pairs p0 .. p0 + 7 (zeros past `pairs`).
-inline void transpose8(const uint16_t* blk, int64_t p0, int64_t pairs, uint16_t* t) {
-  __m512i v[8];
-  for (int i = 0; i < 8; ++i) {
-    v[i] = p0 + i < pairs ? _mm512_loadu_si512(blk + (p0 + i) * 2 * kBlock)
-                          : _mm512_setzero_si512();
-  }
-  transpose8_qwords(v, t);
-}
-
 void nn(const uint16_t* p, int64_t n, int64_t k, const uint16_t* dy_in, int64_t ldi, int64_t m,
         uint16_t* out, int64_t ldo) {
   const int64_t bs = block_elems(k), blocks = ceil_div(n, kBlock), pairs = even_up(k) / 2;
@@ -400,18 +488,7 @@ void nn(const uint16_t* p, int64_t n, int64_t k, const uint16_t* dy_in, int64_t 
     // B tile j of step s (the 16 output columns c0 + 16 j ...): W's rows 32 s ... from blocks
     // 2 s and 2 s + 1.
     const auto build = [&](int64_t s, uint16_t* dst) {
-      for (int j = 0; j < 2; ++j) {
-        uint16_t* t = dst + j * kTile;
-        const int64_t p0 = (c0 + 16 * j) / 2;
-        for (int h = 0; h < 2; ++h) {
-          const int64_t b = 2 * s + h;
-          if (b < blocks) {
-            transpose8(p + b * bs, p0, pairs, t + 8 * 32 * h);
-          } else {
-            std::fill(t + 8 * 32 * h, t + 8 * 32 * (h + 1), uint16_t{0});
-          }
-        }
-      }
+      nn_step_tiles(p, bs, blocks, pairs, c0, s, dst);
     };
     // Step t reads 1 KiB (the 32 columns' 16 pairs) of blocks 2 t and 2 t + 1.
     const auto fetch = [&](int64_t ahead, int64_t t, bool near) {
@@ -450,7 +527,11 @@ bool gemv_packed(const ExpertView& w, bool nn_product, const void* in, int64_t l
     return true;
   }
   if (nn_product) {
-    nn(p, w.n, w.k, x, ldi, m, o, ldo);
+    if (m >= kNnWideRows) {
+      nn_wide(p, w.n, w.k, x, ldi, m, o, ldo);
+    } else {
+      nn(p, w.n, w.k, x, ldi, m, o, ldo);
+    }
   } else {
     nt(p, w.n, w.k, x, ldi, m, o, ldo);
   }

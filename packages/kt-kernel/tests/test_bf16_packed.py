@@ -20,13 +20,12 @@ import kt_kernel as kk
 
 from ._op_run import op_problem
 from ._op_run import run_op as _run
+from ._packed_order import ROWS, SHAPES
+from ._packed_order import mismatches as order_mismatches
+from ._packed_order import weights as _weights
 
 BF16_TOL = 1e-2  # one bf16 rounding of each output and fp32 sums
 OP_BF16_TOL = 3e-2  # the whole op in bf16: test_conformance's bound
-# (N, K): one block; odd blocks; odd N and K; 6 column pairs with the 12th column past K; real K
-SHAPES = [(16, 2), (48, 256), (80, 70), (37, 129), (9, 5), (32, 11), (32, 2048)]
-ROWS = [1, 3, 4, 5, 6, 11, 12, 13, 16, 29, 64]
-AMX_ROWS = 16  # rows from which AMX tile products take over where the CPU has AMX
 
 
 def _native() -> bool:
@@ -36,11 +35,6 @@ def _native() -> bool:
 def _products_run() -> bool:
     info = kk.backend_info()
     return _native() and info.isa == "avx512" and "avx512bf16" in info.cpu_features
-
-
-def _weights(n: int, k: int, experts: int = 2, seed: int = 0) -> torch.Tensor:
-    gen = torch.Generator().manual_seed(seed)
-    return torch.randn(experts, n, k, generator=gen).to(torch.bfloat16)
 
 
 def test_layout_places_each_weight_and_unpacks_exactly() -> None:
@@ -110,67 +104,26 @@ def test_tile_loader_is_the_python_dequantize(dtype: torch.dtype, fmt: str) -> N
         assert torch.equal(got, full[:, row0 : row0 + rows, col0 : col0 + cols])
 
 
-def _vdpbf16(acc: torch.Tensor, a_odd, b_odd, a_even, b_even) -> torch.Tensor:
-    """One vdpbf16ps lane: the odd element's exact product first, then the even one's (fp32)."""
-    acc = acc + a_odd.float() * b_odd.float()
-    return acc + a_even.float() * b_even.float()
-
-
-def _model_nt(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``x W^T`` as the packed product sums it: per output, column pairs in order.
-
-    An odd K ends with the last column alone (its pair's other half adds an exact zero).
-    """
-    acc = torch.zeros(x.shape[0], w.shape[0])
-    for p in range(w.shape[1] // 2):
-        c = 2 * p
-        acc = _vdpbf16(acc, x[:, None, c + 1], w[None, :, c + 1], x[:, None, c], w[None, :, c])
-    if w.shape[1] % 2:
-        acc = acc + x[:, None, -1].float() * w[None, :, -1].float()
-    return acc.to(torch.bfloat16)
-
-
-def _model_nn(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    """``dy W`` as the packed product sums it: 16 lanes per column pair, then a fixed tree.
-
-    Lane 2q + h holds column 2p + h and sums, block by block, rows 16b + 2q + 1 then 16b + 2q.
-    Lanes i and i + 8 are added, then i and i + 4, then i and i + 2.
-    """
-    m, (n, k) = x.shape[0], w.shape
-    rows = -(-n // 16) * 16  # zero rows up to whole blocks add exact zeros
-    x = torch.cat([x, x.new_zeros(m, rows - n)], 1)
-    w = torch.cat([w, w.new_zeros(rows - n, k)], 0)
-    lanes = torch.zeros(m, k, 8)  # [row, column, q]
-    for b in range(rows // 16):
-        for q in range(8):
-            i = 16 * b + 2 * q
-            lanes[:, :, q] = _vdpbf16(
-                lanes[:, :, q], x[:, i + 1, None], w[None, i + 1], x[:, i, None], w[None, i]
-            )
-    # lane 2q + h of column pair p is lanes[:, 2p + h, q]
-    h = lanes[..., 0:4] + lanes[..., 4:8]  # lanes i, i + 8 (q, q + 4)
-    quarter = h[..., 0:2] + h[..., 2:4]  # then i, i + 4 (q, q + 2)
-    return (quarter[..., 0] + quarter[..., 1]).to(torch.bfloat16)  # then i, i + 2 (q, q + 1)
-
-
-@pytest.mark.parametrize("nn", [False, True], ids=["x_Wt", "dy_W"])
-def test_products_are_the_exact_order_model_bitwise(nn: bool) -> None:
+def test_products_are_the_exact_order_model_bitwise() -> None:
     """Where they run, the products equal exact bf16 products summed in fp32 in their order."""
     if not _products_run():
         pytest.skip("the packed products run on AVX512_BF16 only")
-    f = kk.Bf16Packed()
-    gen = torch.Generator().manual_seed(5)
-    for n, k in SHAPES[:6]:
-        parts = f.quantize(_weights(n, k))
-        w = f.dequantize(parts)[1]
-        args = list(f.native_args(parts))
-        for m in ROWS:
-            if m >= AMX_ROWS and torch.ops.kt_kernel.amx():
-                continue  # AMX tiles sum in their own order: against float64 below
-            x = torch.randn(m, n if nn else k, generator=gen).to(torch.bfloat16)
-            got = torch.ops.kt_kernel.project(f.name, args, n, k, 1, x, nn)
-            want = _model_nn(x, w) if nn else _model_nt(x, w)
-            assert torch.equal(got, want), (n, k, m)
+    assert order_mismatches() == []
+
+
+def test_products_without_amx_are_the_exact_order_model_bitwise() -> None:
+    """With AMX tiles switched off (KT_KERNEL_AMX=0, in a child), every row count takes the
+    vdpbf16ps products, both of dy W's orders included: each bitwise its model."""
+    if not _products_run():
+        pytest.skip("the packed products run on AVX512_BF16 only")
+    if not torch.ops.kt_kernel.amx():
+        pytest.skip("no AMX tiles here: the test above covers every row count in process")
+    from ._isa_child import child_mismatches
+
+    off = {"KT_KERNEL_AMX": "0"}
+    amx, bad = child_mismatches("_packed_order", off, "torch.ops.kt_kernel.amx()")
+    assert amx is False, "KT_KERNEL_AMX=0 still ran AMX tiles"
+    assert bad == []
 
 
 @pytest.mark.parametrize("fmt", PACKED)
