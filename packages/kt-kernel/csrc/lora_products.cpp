@@ -241,31 +241,20 @@ inline __m512i order_hi() {
   return _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
 }
 
-// out [J, N]: MJ rows of out from column j0, 64 columns from n0 (`cols` of them exist): four
-// accumulators per row, one per unpack half of two 32-column chunks.
+// out [J, N]: MJ rows of out from column j0, the 64 columns from n0 (`cols` of them exist):
+// four accumulators per row, 16 columns each. xw holds x's row pairs for those 64 columns
+// as dwords (x[2i, n], x[2i + 1, n]), 64 per row pair, zeros past m and N.
 template <int MJ>
-void grad_rows_tile(const uint32_t* ap, int64_t jp, int64_t j0, const uint16_t* x, int64_t ldx,
-                    int64_t m, int64_t n0, int64_t cols, float s, uint16_t* out, int64_t ldo) {
+void grad_rows_tile(const uint32_t* ap, int64_t jp, int64_t j0, const uint32_t* xw, int64_t mp,
+                    int64_t n0, int64_t cols, float s, uint16_t* out, int64_t ldo) {
   __m512 acc[MJ][4];
   for (int j = 0; j < MJ; ++j) {
     for (int v = 0; v < 4; ++v) acc[j][v] = _mm512_setzero_ps();
   }
-  const __mmask32 m0 = cols >= 32 ? ~__mmask32{0} : (__mmask32{1} << cols) - 1;
-  const int64_t c1 = cols - 32;
-  const __mmask32 m1 = c1 >= 32 ? ~__mmask32{0} : (c1 > 0 ? (__mmask32{1} << c1) - 1 : 0);
-  for (int64_t i = 0; i < m; i += 2) {
-    const uint16_t* r0 = x + i * ldx + n0;
-    const uint16_t* r1 = r0 + ldx;
-    const bool two = i + 1 < m;
+  for (int64_t i = 0; i < mp; ++i) {
     __m512bh xv[4];
-    for (int c = 0; c < 2; ++c) {
-      const __mmask32 mk = c == 0 ? m0 : m1;
-      const __m512i a = _mm512_maskz_loadu_epi16(mk, r0 + 32 * c);
-      const __m512i b = two ? _mm512_maskz_loadu_epi16(mk, r1 + 32 * c) : _mm512_setzero_si512();
-      xv[2 * c] = (__m512bh)_mm512_unpacklo_epi16(a, b);
-      xv[2 * c + 1] = (__m512bh)_mm512_unpackhi_epi16(a, b);
-    }
-    const uint32_t* api = ap + (i / 2) * jp + j0;
+    for (int v = 0; v < 4; ++v) xv[v] = (__m512bh)_mm512_loadu_si512(xw + i * 64 + 16 * v);
+    const uint32_t* api = ap + i * jp + j0;
     for (int j = 0; j < MJ; ++j) {
       const auto av = (__m512bh)_mm512_set1_epi32(static_cast<int>(api[j]));
       for (int v = 0; v < 4; ++v) acc[j][v] = _mm512_dpbf16_ps(acc[j][v], av, xv[v]);
@@ -274,28 +263,60 @@ void grad_rows_tile(const uint32_t* ap, int64_t jp, int64_t j0, const uint16_t* 
   const __m512 sv = _mm512_set1_ps(s);
   for (int j = 0; j < MJ; ++j) {
     uint16_t* o = out + (j0 + j) * ldo + n0;
-    for (int c = 0; c < 2; ++c) {
-      const __m512 lo = acc[j][2 * c], hi = acc[j][2 * c + 1];
-      const int64_t left = cols - 32 * c;
-      if (left <= 0) break;
-      store_bf16(o + 32 * c, first_lanes(left),
-                 _mm512_mul_ps(sv, _mm512_permutex2var_ps(lo, order_lo(), hi)));
-      if (left > 16) {
-        store_bf16(o + 32 * c + 16, first_lanes(left - 16),
-                   _mm512_mul_ps(sv, _mm512_permutex2var_ps(lo, order_hi(), hi)));
-      }
+    for (int v = 0; v < 4 && 16 * v < cols; ++v) {
+      store_bf16(o + 16 * v, first_lanes(cols - 16 * v), _mm512_mul_ps(sv, acc[j][v]));
     }
   }
 }
 
+// x's row pairs, window by window of 64 columns: [ceil(N/64)][mp][64] dwords, each window's
+// rows contiguous. grad_rows' tiles walk down a window once per 6 rows of out; read in place,
+// x's rows lay KiBs apart (one page per step at H = 2048, so no hardware prefetch), and
+// unpacking them again for each tile put 4 shuffles beside every 24 vdpbf16ps or fewer.
+void window_pairs(const uint16_t* x, int64_t ldx, int64_t m, int64_t n,
+                  std::vector<uint32_t>& out) {
+  const int64_t mp = (m + 1) / 2, windows = (n + 63) / 64;
+  out.resize(static_cast<size_t>(windows * mp * 64));
+  for (int64_t i = 0; i < mp; ++i) {
+    const uint16_t* r0 = x + 2 * i * ldx;
+    const bool two = 2 * i + 1 < m;
+    for (int64_t c = 0; c < windows * 64; c += 32) {
+      const int64_t left = n - c;
+      const __mmask32 mk = left >= 32 ? ~__mmask32{0} : (left > 0 ? (__mmask32{1} << left) - 1 : 0);
+      const __m512i a = _mm512_maskz_loadu_epi16(mk, r0 + c);
+      const __m512i b = two ? _mm512_maskz_loadu_epi16(mk, r0 + ldx + c) : _mm512_setzero_si512();
+      const __m512i lo = _mm512_unpacklo_epi16(a, b);
+      const __m512i hi = _mm512_unpackhi_epi16(a, b);
+      uint32_t* d = out.data() + ((c / 64) * mp + i) * 64 + c % 64;
+      _mm512_storeu_si512(d, _mm512_permutex2var_epi32(lo, order_lo(), hi));
+      _mm512_storeu_si512(d + 16, _mm512_permutex2var_epi32(lo, order_hi(), hi));
+    }
+  }
+}
+
+// Tiles of 6 rows of out (24 accumulators) or the fewest near-equal tiles: J = 16 as 6, 5, 5.
 void grad_rows(const uint32_t* ap, int64_t jp, int64_t jcount, const uint16_t* x, int64_t ldx,
                int64_t m, int64_t n, float s, uint16_t* out, int64_t ldo) {
+  thread_local std::vector<uint32_t> xw;
+  window_pairs(x, ldx, m, n, xw);
+  const int64_t mp = (m + 1) / 2, tiles = (jcount + 5) / 6;
   for (int64_t n0 = 0; n0 < n; n0 += 64) {
     const int64_t cols = std::min<int64_t>(64, n - n0);
+    const uint32_t* w = xw.data() + (n0 / 64) * mp * 64;
     int64_t j = 0;
-    for (; j + 6 <= jcount; j += 6) grad_rows_tile<6>(ap, jp, j, x, ldx, m, n0, cols, s, out, ldo);
-    for (; j + 2 <= jcount; j += 2) grad_rows_tile<2>(ap, jp, j, x, ldx, m, n0, cols, s, out, ldo);
-    for (; j < jcount; ++j) grad_rows_tile<1>(ap, jp, j, x, ldx, m, n0, cols, s, out, ldo);
+    for (int64_t t = 0; t < tiles; ++t) {
+      const int64_t mj = (jcount - j) / (tiles - t);  // the rest spread evenly
+      const int64_t take = mj + ((jcount - j) % (tiles - t) != 0);
+      switch (take) {
+        case 6: grad_rows_tile<6>(ap, jp, j, w, mp, n0, cols, s, out, ldo); break;
+        case 5: grad_rows_tile<5>(ap, jp, j, w, mp, n0, cols, s, out, ldo); break;
+        case 4: grad_rows_tile<4>(ap, jp, j, w, mp, n0, cols, s, out, ldo); break;
+        case 3: grad_rows_tile<3>(ap, jp, j, w, mp, n0, cols, s, out, ldo); break;
+        case 2: grad_rows_tile<2>(ap, jp, j, w, mp, n0, cols, s, out, ldo); break;
+        default: grad_rows_tile<1>(ap, jp, j, w, mp, n0, cols, s, out, ldo); break;
+      }
+      j += take;
+    }
   }
 }
 
