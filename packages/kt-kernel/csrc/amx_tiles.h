@@ -8,6 +8,7 @@
 #include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <type_traits>
 #include <vector>
 
 #if defined(__x86_64__) && defined(__GNUC__)
@@ -15,6 +16,19 @@
 #endif
 
 namespace kt_kernel {
+
+// f(std::integral_constant<int, c>{}) for a run-time count 1 <= c <= Max: register blocks of
+// c rows are templates, and their callers pick one at run time.
+template <int Max, class F>
+inline void with_rows(int64_t c, const F& f) {
+  if constexpr (Max > 1) {
+    if (c < Max) {
+      with_rows<Max - 1>(c, f);
+      return;
+    }
+  }
+  f(std::integral_constant<int, Max>{});
+}
 
 struct alignas(64) TileConfig {
   uint8_t palette = 1;

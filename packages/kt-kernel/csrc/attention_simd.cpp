@@ -75,16 +75,9 @@ static void gemm_bf16(int64_t M, int64_t N, int64_t K, const uint16_t* A, int64_
     for (int64_t m0 = 0; m0 < M; m0 += kMr) {
       const uint16_t* a = A + m0 * lda;
       float* c = C + m0 * ldc + n0;
-      switch (std::min<int64_t>(kMr, M - m0)) {
-        case 8: tile<8>(k2, a, lda, b, ldb, c, ldc, accumulate, mask0, mask1); break;
-        case 7: tile<7>(k2, a, lda, b, ldb, c, ldc, accumulate, mask0, mask1); break;
-        case 6: tile<6>(k2, a, lda, b, ldb, c, ldc, accumulate, mask0, mask1); break;
-        case 5: tile<5>(k2, a, lda, b, ldb, c, ldc, accumulate, mask0, mask1); break;
-        case 4: tile<4>(k2, a, lda, b, ldb, c, ldc, accumulate, mask0, mask1); break;
-        case 3: tile<3>(k2, a, lda, b, ldb, c, ldc, accumulate, mask0, mask1); break;
-        case 2: tile<2>(k2, a, lda, b, ldb, c, ldc, accumulate, mask0, mask1); break;
-        default: tile<1>(k2, a, lda, b, ldb, c, ldc, accumulate, mask0, mask1); break;
-      }
+      with_rows<kMr>(std::min<int64_t>(kMr, M - m0), [&](auto mr) {
+        tile<decltype(mr)::value>(k2, a, lda, b, ldb, c, ldc, accumulate, mask0, mask1);
+      });
     }
   }
 }

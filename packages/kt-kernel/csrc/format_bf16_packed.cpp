@@ -151,11 +151,7 @@ void nt_tile(const uint16_t* x, int64_t ldx, const uint16_t* blk, int64_t bs, in
 template <int MR, class Tile>
 inline void tail_rows(int64_t m, const Tile& tile) {
   if constexpr (MR > 1) {
-    if (m == MR - 1) {
-      tile(std::integral_constant<int, MR - 1>{});
-    } else {
-      tail_rows<MR - 1>(m, tile);
-    }
+    if (m > 0) with_rows<MR - 1>(m, tile);
   }
 }
 

@@ -307,14 +307,9 @@ void grad_rows(const uint32_t* ap, int64_t jp, int64_t jcount, const uint16_t* x
     for (int64_t t = 0; t < tiles; ++t) {
       const int64_t mj = (jcount - j) / (tiles - t);  // the rest spread evenly
       const int64_t take = mj + ((jcount - j) % (tiles - t) != 0);
-      switch (take) {
-        case 6: grad_rows_tile<6>(ap, jp, j, w, mp, n0, cols, s, out, ldo); break;
-        case 5: grad_rows_tile<5>(ap, jp, j, w, mp, n0, cols, s, out, ldo); break;
-        case 4: grad_rows_tile<4>(ap, jp, j, w, mp, n0, cols, s, out, ldo); break;
-        case 3: grad_rows_tile<3>(ap, jp, j, w, mp, n0, cols, s, out, ldo); break;
-        case 2: grad_rows_tile<2>(ap, jp, j, w, mp, n0, cols, s, out, ldo); break;
-        default: grad_rows_tile<1>(ap, jp, j, w, mp, n0, cols, s, out, ldo); break;
-      }
+      with_rows<6>(take, [&](auto mj) {
+        grad_rows_tile<decltype(mj)::value>(ap, jp, j, w, mp, n0, cols, s, out, ldo);
+      });
       j += take;
     }
   }
