@@ -305,8 +305,8 @@ void grad_rows(const uint32_t* ap, int64_t jp, int64_t jcount, const uint16_t* x
     const uint32_t* w = xw.data() + (n0 / 64) * mp * 64;
     int64_t j = 0;
     for (int64_t t = 0; t < tiles; ++t) {
-      const int64_t mj = (jcount - j) / (tiles - t);  // the rest spread evenly
-      const int64_t take = mj + ((jcount - j) % (tiles - t) != 0);
+      const int64_t even = (jcount - j) / (tiles - t);  // the rest spread evenly
+      const int64_t take = even + ((jcount - j) % (tiles - t) != 0);
       with_rows<6>(take, [&](auto mj) {
         grad_rows_tile<decltype(mj)::value>(ap, jp, j, w, mp, n0, cols, s, out, ldo);
       });
