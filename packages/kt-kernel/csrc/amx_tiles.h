@@ -158,6 +158,29 @@ __attribute__((target("avx512f"))) inline void transpose8_qwords(const __m512i (
     _mm512_storeu_si512(t + 32 * (6 + h), _mm512_shuffle_i64x2(b0, b1, 0xDD));
   }
 }
+
+// Plain SSE and C++, outside the AMX target below, so that the AVX-512 products inline them too.
+constexpr int64_t kTile = 512;  // bf16 elements of one tile
+
+// The 16 lines (1 KiB) from p, to L1 when near, else to L2.
+inline void prefetch_kib(const void* p, bool near) {
+  const char* c = static_cast<const char*>(p);
+  if (near) {
+#pragma GCC unroll 16
+    for (int l = 0; l < 16; ++l) _mm_prefetch(c + 64 * l, _MM_HINT_T0);
+  } else {
+#pragma GCC unroll 16
+    for (int l = 0; l < 16; ++l) _mm_prefetch(c + 64 * l, _MM_HINT_T1);
+  }
+}
+
+// This thread's buffer for one pass's B tiles (`steps` pairs), 64-byte aligned for the
+// aligned stores that build them; reused by the next call.
+inline uint16_t* pass_buffer(int64_t steps) {
+  thread_local std::vector<uint16_t> buf;
+  buf.resize(static_cast<size_t>(steps * 2 * kTile) + 32);
+  return buf.data() + (32 - reinterpret_cast<uintptr_t>(buf.data()) / 2 % 32) % 32;
+}
 #endif
 
 // Shared by the AMX products of the weight formats (format_bf16_packed.cpp; int8_packed and
@@ -191,7 +214,6 @@ inline void transpose16(__m512i (&r)[16]) {
   }
 }
 
-constexpr int64_t kTile = 512;  // bf16 elements of one tile
 // How many tile steps ahead the first row tile prefetches the weights (a step reads 2 KiB).
 constexpr int64_t kAhead = 6;
 
@@ -258,25 +280,6 @@ void pass_tiles(const uint16_t* a, int64_t ld, int64_t rows, int64_t m, uint16_t
   }
 }
 
-// The 16 lines (1 KiB) from p, to L1 when near, else to L2.
-inline void prefetch_kib(const void* p, bool near) {
-  const char* c = static_cast<const char*>(p);
-  if (near) {
-#pragma GCC unroll 16
-    for (int l = 0; l < 16; ++l) _mm_prefetch(c + 64 * l, _MM_HINT_T0);
-  } else {
-#pragma GCC unroll 16
-    for (int l = 0; l < 16; ++l) _mm_prefetch(c + 64 * l, _MM_HINT_T1);
-  }
-}
-
-// This thread's buffer for one pass's B tiles (`steps` pairs), 64-byte aligned for the
-// aligned stores that build them; reused by the next call.
-inline uint16_t* pass_buffer(int64_t steps) {
-  thread_local std::vector<uint16_t> buf;
-  buf.resize(static_cast<size_t>(steps * 2 * kTile) + 32);
-  return buf.data() + (32 - reinterpret_cast<uintptr_t>(buf.data()) / 2 % 32) % 32;
-}
 #pragma GCC pop_options
 #endif
 

@@ -393,8 +393,7 @@ void nn_wide(const uint16_t* p, int64_t n, int64_t k, const uint16_t* dy_in, int
       // The next strip's 1 KiB of both blocks, for the next build.
       if (c0 + 32 < k) {
         for (int64_t b = 2 * s; b < std::min(2 * s + 2, blocks); ++b) {
-          const char* line = reinterpret_cast<const char*>(p + b * bs + (c0 + 32) * kBlock);
-          for (int l = 0; l < 16; ++l) _mm_prefetch(line + 64 * l, _MM_HINT_T1);
+          prefetch_kib(p + b * bs + (c0 + 32) * kBlock, false);
         }
       }
       nn_step_tiles(p, bs, blocks, pairs, c0, s, t + s * 2 * kTile);

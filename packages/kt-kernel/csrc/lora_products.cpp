@@ -241,6 +241,18 @@ inline __m512i order_hi() {
   return _mm512_setr_epi32(8, 9, 10, 11, 24, 25, 26, 27, 12, 13, 14, 15, 28, 29, 30, 31);
 }
 
+// 32 columns of the row pair (r0, r0 + ldx) as dwords (x[2i, n], x[2i + 1, n]) in column order:
+// `left` of them exist (zeros past them, and for the second row unless `two`).
+inline void pair_chunk(const uint16_t* r0, int64_t ldx, bool two, int64_t left, uint32_t* d) {
+  const __mmask32 mk = left >= 32 ? ~__mmask32{0} : (left > 0 ? (__mmask32{1} << left) - 1 : 0);
+  const __m512i a = _mm512_maskz_loadu_epi16(mk, r0);
+  const __m512i b = two ? _mm512_maskz_loadu_epi16(mk, r0 + ldx) : _mm512_setzero_si512();
+  const __m512i lo = _mm512_unpacklo_epi16(a, b);
+  const __m512i hi = _mm512_unpackhi_epi16(a, b);
+  _mm512_storeu_si512(d, _mm512_permutex2var_epi32(lo, order_lo(), hi));
+  _mm512_storeu_si512(d + 16, _mm512_permutex2var_epi32(lo, order_hi(), hi));
+}
+
 // out [J, N]: MJ rows of out from column j0, the 64 columns from n0 (`cols` of them exist):
 // four accumulators per row, 16 columns each. xw holds x's row pairs for those 64 columns
 // as dwords (x[2i, n], x[2i + 1, n]), 64 per row pair, zeros past m and N.
@@ -281,15 +293,7 @@ void window_pairs(const uint16_t* x, int64_t ldx, int64_t m, int64_t n,
     const uint16_t* r0 = x + 2 * i * ldx;
     const bool two = 2 * i + 1 < m;
     for (int64_t c = 0; c < windows * 64; c += 32) {
-      const int64_t left = n - c;
-      const __mmask32 mk = left >= 32 ? ~__mmask32{0} : (left > 0 ? (__mmask32{1} << left) - 1 : 0);
-      const __m512i a = _mm512_maskz_loadu_epi16(mk, r0 + c);
-      const __m512i b = two ? _mm512_maskz_loadu_epi16(mk, r0 + ldx + c) : _mm512_setzero_si512();
-      const __m512i lo = _mm512_unpacklo_epi16(a, b);
-      const __m512i hi = _mm512_unpackhi_epi16(a, b);
-      uint32_t* d = out.data() + ((c / 64) * mp + i) * 64 + c % 64;
-      _mm512_storeu_si512(d, _mm512_permutex2var_epi32(lo, order_lo(), hi));
-      _mm512_storeu_si512(d + 16, _mm512_permutex2var_epi32(lo, order_hi(), hi));
+      pair_chunk(r0 + c, ldx, two, n - c, out.data() + ((c / 64) * mp + i) * 64 + c % 64);
     }
   }
 }
@@ -572,16 +576,7 @@ void grad(const at::Tensor& a, const float* w, const at::Tensor& x, float s, at:
     const uint16_t* r0 = xr + 2 * i * ldx;
     const bool two = 2 * i + 1 < m;
     for (int64_t c = 0; c < n; c += 32) {
-      const int64_t left = n - c;
-      const __mmask32 mk = left >= 32 ? ~__mmask32{0} : (__mmask32{1} << left) - 1;
-      const __m512i lo_a = _mm512_maskz_loadu_epi16(mk, r0 + c);
-      const __m512i lo_b =
-          two ? _mm512_maskz_loadu_epi16(mk, r0 + ldx + c) : _mm512_setzero_si512();
-      const __m512i lo = _mm512_unpacklo_epi16(lo_a, lo_b);
-      const __m512i hi = _mm512_unpackhi_epi16(lo_a, lo_b);
-      uint32_t* d = xpairs.data() + i * npd + c;
-      _mm512_storeu_si512(d, _mm512_permutex2var_epi32(lo, order_lo(), hi));
-      _mm512_storeu_si512(d + 16, _mm512_permutex2var_epi32(lo, order_hi(), hi));
+      pair_chunk(r0 + c, ldx, two, n - c, xpairs.data() + i * npd + c);
     }
   }
   if (amx) {

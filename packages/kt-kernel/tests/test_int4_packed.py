@@ -3,9 +3,8 @@
 The layout against int4's ``q`` and group scales element by element, the products of every
 group size, and both integer packed formats' tile loaders at any offset on both ISA paths.
 Memory, row selection and fusing, and where the products run are checked with int8-packed's
-(test_int8_packed); the
-loader, products and whole op against float64 in test_bf16_packed (``PACKED``); and the
-per-format conformance suite runs it by its registration.
+(test_int8_packed); the loader, products and whole op against float64 in test_bf16_packed
+(``PACKED``); and the per-format conformance suite runs it by its registration.
 """
 
 from __future__ import annotations
