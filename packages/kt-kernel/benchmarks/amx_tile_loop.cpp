@@ -1,15 +1,24 @@
 // The AMX-BF16 tile loop alone: the ceiling of any product built from it on this CPU.
 //
-// Usage: amx_tile_loop ROW_TILES STEPS PASSES REPS TRIALS PREFETCH
+// Usage: amx_tile_loop ROW_TILES STEPS PASSES REPS TRIALS PREFETCH [MODE]
 // Each pass multiplies ROW_TILES row tiles of 32 rows (A: 32 x 32*STEPS bf16, K+32 stride as
-// the kernel's padded rows) by one pass's B tiles (STEPS pairs of 16 x 64-byte tiles, already
-// in tile layout: nothing is built), 2 x 2 C tiles per row tile (the arrangement that the 8
-// tile registers allow), C stored once per row tile. PASSES distinct B panels are read in
-// turn, so with enough of them every pass's B comes from memory, as an expert's weights do.
-// PREFETCH 1 spreads software prefetches (to L2) of the next pass's B over this pass's steps,
-// as the kernel's last row tile does; 0 leaves it to the hardware prefetchers.
+// the kernel's padded rows) by one pass's B tiles (STEPS pairs of 16 x 64-byte tiles), 2 x 2 C
+// tiles per row tile (the arrangement that the 8 tile registers allow), C stored once per row
+// tile. PASSES distinct B panels are read in turn, so with enough of them every pass's B comes
+// from memory, as an expert's weights do.
+// MODE says where B comes from:
+// - 0: straight from the panels, already in tile layout (nothing is built);
+// - 1: as the kernel's bf16-packed products: a pass's panel is two blocks (1 KiB of each per
+//   step); the first row tile loads each step's 2 KiB, shuffles it and stores it into a pass
+//   buffer just before multiplying it, and the later row tiles reuse the buffer;
+// - 2: mode 1's loads, shuffles and stores without any tile product (the weights' read alone);
+// - 3: mode 1's tile products without the build (the pass buffer is never rewritten: the
+//   arithmetic alone, on the same loop).
+// PREFETCH 1 spreads software prefetches (to L2) of the next pass's B over this pass's row
+// tiles and steps; 0 leaves it to the hardware prefetchers.
 // Prints the best of TRIALS runs as GFLOP per thread CPU second (CLOCK_THREAD_CPUTIME_ID,
-// which other processes' load disturbs least). Built by bench_amx_ceiling.py with g++.
+// which other processes' load disturbs least); mode 2 counts the FLOP it would have done.
+// Built by bench_amx_ceiling.py with g++.
 #include <immintrin.h>
 #include <sys/syscall.h>
 #include <unistd.h>
@@ -35,11 +44,14 @@ double thread_seconds() {
   return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
 }
 
-__attribute__((target("amx-tile,amx-bf16"))) double run(int row_tiles, int steps, int passes,
-                                                         int reps, bool prefetch) {
+__attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw"))) double run(
+    int row_tiles, int steps, int passes, int reps, bool prefetch, int mode) {
   const int64_t k = 32LL * steps, lda = (k + 32) * 2;  // bytes per A row
   std::vector<uint16_t> a(static_cast<size_t>(row_tiles) * 32 * lda / 2 + 64, 0x3f80);
   std::vector<uint16_t> b(static_cast<size_t>(passes) * steps * 1024 + 64, 0x3f80);
+  std::vector<uint16_t> buf(static_cast<size_t>(steps) * 1024 + 32, 0x3f80);
+  uint16_t* pb = buf.data() + (32 - reinterpret_cast<uintptr_t>(buf.data()) / 2 % 32) % 32;
+  const __m512i sh = _mm512_set4_epi32(0x0f0e0b0a, 0x0d0c0908, 0x07060302, 0x05040100);
   alignas(64) float c[4][256];
   TileConfig cfg;
   for (int t = 0; t < 8; ++t) {
@@ -47,6 +59,7 @@ __attribute__((target("amx-tile,amx-bf16"))) double run(int row_tiles, int steps
     cfg.colsb[t] = 64;
   }
   _tile_loadconfig(&cfg);
+  const bool built = mode != 0, multiply = mode != 2, read = mode == 1 || mode == 2;
   const double t0 = thread_seconds();
   for (int rep = 0; rep < reps; ++rep) {
     for (int pass = 0; pass < passes; ++pass) {
@@ -66,10 +79,27 @@ __attribute__((target("amx-tile,amx-bf16"))) double run(int row_tiles, int steps
               _mm_prefetch(next + 64 * l, _MM_HINT_T1);
             }
           }
+          const uint16_t* b0 = bt + s * 1024;
+          if (built) {
+            b0 = pb + s * 1024;
+            if (m == 0 && read) {
+              // Block 0 of the pass holds the first steps * 512 elements, block 1 the rest.
+              const uint16_t* s0 = bt + s * 512;
+              uint16_t* d = pb + s * 1024;
+              for (int r = 0; r < 16; ++r) {
+                _mm512_store_si512(d + 32 * r,
+                                   _mm512_shuffle_epi8(_mm512_loadu_si512(s0 + 32 * r), sh));
+                _mm512_store_si512(
+                    d + 512 + 32 * r,
+                    _mm512_shuffle_epi8(_mm512_loadu_si512(s0 + steps * 512 + 32 * r), sh));
+              }
+            }
+          }
+          if (!multiply) continue;
           _tile_loadd(4, a0 + 64 * s, lda);
           _tile_loadd(5, a0 + 16 * lda + 64 * s, lda);
-          _tile_loadd(6, bt + s * 1024, 64);
-          _tile_loadd(7, bt + s * 1024 + 512, 64);
+          _tile_loadd(6, b0, 64);
+          _tile_loadd(7, b0 + 512, 64);
           _tile_dpbf16ps(0, 4, 6);
           _tile_dpbf16ps(1, 4, 7);
           _tile_dpbf16ps(2, 5, 6);
@@ -91,8 +121,9 @@ __attribute__((target("amx-tile,amx-bf16"))) double run(int row_tiles, int steps
 }  // namespace
 
 int main(int argc, char** argv) {
-  if (argc != 7) {
-    std::fprintf(stderr, "usage: %s ROW_TILES STEPS PASSES REPS TRIALS PREFETCH\n", argv[0]);
+  if (argc != 7 && argc != 8) {
+    std::fprintf(stderr, "usage: %s ROW_TILES STEPS PASSES REPS TRIALS PREFETCH [MODE]\n",
+                 argv[0]);
     return 2;
   }
   // Linux hands out AMX tile state only on request (ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA).
@@ -103,9 +134,14 @@ int main(int argc, char** argv) {
   const int row_tiles = std::atoi(argv[1]), steps = std::atoi(argv[2]);
   const int passes = std::atoi(argv[3]), reps = std::atoi(argv[4]), trials = std::atoi(argv[5]);
   const bool prefetch = std::atoi(argv[6]) != 0;
+  const int mode = argc == 8 ? std::atoi(argv[7]) : 0;
+  if (mode < 0 || mode > 3) {
+    std::fprintf(stderr, "MODE must be 0-3, got %d\n", mode);
+    return 2;
+  }
   double best = 0;
   for (int t = 0; t < trials; ++t) {
-    const double v = run(row_tiles, steps, passes, reps, prefetch);
+    const double v = run(row_tiles, steps, passes, reps, prefetch, mode);
     best = v > best ? v : best;
   }
   std::printf("%.1f\n", best);
