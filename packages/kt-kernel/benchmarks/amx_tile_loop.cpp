@@ -13,7 +13,9 @@
 //   buffer just before multiplying it, and the later row tiles reuse the buffer;
 // - 2: mode 1's loads, shuffles and stores without any tile product (the weights' read alone);
 // - 3: mode 1's tile products without the build (the pass buffer is never rewritten: the
-//   arithmetic alone, on the same loop).
+//   arithmetic alone, on the same loop);
+// - 4: mode 3 on AMX-INT8 tiles (TDPBSSD: 64 int8 per tile row, twice the multiply-adds of a
+//   bf16 tile product; counted as such, so a step covers 64 of K).
 // PREFETCH 1 spreads software prefetches (to L2) of the next pass's B over this pass's row
 // tiles and steps; 0 leaves it to the hardware prefetchers.
 // Prints the best of TRIALS runs as GFLOP per thread CPU second (CLOCK_THREAD_CPUTIME_ID,
@@ -44,7 +46,7 @@ double thread_seconds() {
   return static_cast<double>(ts.tv_sec) + 1e-9 * static_cast<double>(ts.tv_nsec);
 }
 
-__attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw"))) double run(
+__attribute__((target("amx-tile,amx-bf16,amx-int8,avx512f,avx512bw"))) double run(
     int row_tiles, int steps, int passes, int reps, bool prefetch, int mode) {
   const int64_t k = 32LL * steps, lda = (k + 32) * 2;  // bytes per A row
   std::vector<uint16_t> a(static_cast<size_t>(row_tiles) * 32 * lda / 2 + 64, 0x3f80);
@@ -100,10 +102,17 @@ __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw"))) double run(
           _tile_loadd(5, a0 + 16 * lda + 64 * s, lda);
           _tile_loadd(6, b0, 64);
           _tile_loadd(7, b0 + 512, 64);
-          _tile_dpbf16ps(0, 4, 6);
-          _tile_dpbf16ps(1, 4, 7);
-          _tile_dpbf16ps(2, 5, 6);
-          _tile_dpbf16ps(3, 5, 7);
+          if (mode == 4) {
+            _tile_dpbssd(0, 4, 6);
+            _tile_dpbssd(1, 4, 7);
+            _tile_dpbssd(2, 5, 6);
+            _tile_dpbssd(3, 5, 7);
+          } else {
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+          }
         }
         _tile_stored(0, c[0], 64);
         _tile_stored(1, c[1], 64);
@@ -114,7 +123,8 @@ __attribute__((target("amx-tile,amx-bf16,avx512f,avx512bw"))) double run(
   }
   const double dt = thread_seconds() - t0;
   _tile_release();
-  const double flop = 2.0 * reps * passes * row_tiles * 32.0 * 32.0 * 32.0 * steps;
+  const double flop = (mode == 4 ? 2.0 : 1.0) * 2.0 * reps * passes * row_tiles * 32.0 * 32.0 *
+                      32.0 * steps;
   return flop / dt / 1e9;
 }
 
@@ -135,8 +145,8 @@ int main(int argc, char** argv) {
   const int passes = std::atoi(argv[3]), reps = std::atoi(argv[4]), trials = std::atoi(argv[5]);
   const bool prefetch = std::atoi(argv[6]) != 0;
   const int mode = argc == 8 ? std::atoi(argv[7]) : 0;
-  if (mode < 0 || mode > 3) {
-    std::fprintf(stderr, "MODE must be 0-3, got %d\n", mode);
+  if (mode < 0 || mode > 4) {
+    std::fprintf(stderr, "MODE must be 0-4, got %d\n", mode);
     return 2;
   }
   double best = 0;
