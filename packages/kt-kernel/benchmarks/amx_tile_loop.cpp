@@ -15,7 +15,9 @@
 // - 3: mode 1's tile products without the build (the pass buffer is never rewritten: the
 //   arithmetic alone, on the same loop);
 // - 4: mode 3 on AMX-INT8 tiles (TDPBSSD: 64 int8 per tile row, twice the multiply-adds of a
-//   bf16 tile product; counted as such, so a step covers 64 of K).
+//   bf16 tile product; counted as such, so a step covers 64 of K);
+// - 5: mode 1 on AMX-INT8 tiles: an int8 x int8 product that builds its B tiles from int8
+//   weights (a step's 2 KiB now covers 64 of K: half the bytes per multiply-add).
 // PREFETCH 1 spreads software prefetches (to L2) of the next pass's B over this pass's row
 // tiles and steps; 0 leaves it to the hardware prefetchers.
 // Prints the best of TRIALS runs as GFLOP per thread CPU second (CLOCK_THREAD_CPUTIME_ID,
@@ -61,7 +63,8 @@ __attribute__((target("amx-tile,amx-bf16,amx-int8,avx512f,avx512bw"))) double ru
     cfg.colsb[t] = 64;
   }
   _tile_loadconfig(&cfg);
-  const bool built = mode != 0, multiply = mode != 2, read = mode == 1 || mode == 2;
+  const bool built = mode != 0, multiply = mode != 2, read = mode == 1 || mode == 2 || mode == 5;
+  const bool int8 = mode == 4 || mode == 5;
   const double t0 = thread_seconds();
   for (int rep = 0; rep < reps; ++rep) {
     for (int pass = 0; pass < passes; ++pass) {
@@ -102,7 +105,7 @@ __attribute__((target("amx-tile,amx-bf16,amx-int8,avx512f,avx512bw"))) double ru
           _tile_loadd(5, a0 + 16 * lda + 64 * s, lda);
           _tile_loadd(6, b0, 64);
           _tile_loadd(7, b0 + 512, 64);
-          if (mode == 4) {
+          if (int8) {
             _tile_dpbssd(0, 4, 6);
             _tile_dpbssd(1, 4, 7);
             _tile_dpbssd(2, 5, 6);
@@ -123,7 +126,7 @@ __attribute__((target("amx-tile,amx-bf16,amx-int8,avx512f,avx512bw"))) double ru
   }
   const double dt = thread_seconds() - t0;
   _tile_release();
-  const double flop = (mode == 4 ? 2.0 : 1.0) * 2.0 * reps * passes * row_tiles * 32.0 * 32.0 *
+  const double flop = (int8 ? 2.0 : 1.0) * 2.0 * reps * passes * row_tiles * 32.0 * 32.0 *
                       32.0 * steps;
   return flop / dt / 1e9;
 }
@@ -145,8 +148,8 @@ int main(int argc, char** argv) {
   const int passes = std::atoi(argv[3]), reps = std::atoi(argv[4]), trials = std::atoi(argv[5]);
   const bool prefetch = std::atoi(argv[6]) != 0;
   const int mode = argc == 8 ? std::atoi(argv[7]) : 0;
-  if (mode < 0 || mode > 4) {
-    std::fprintf(stderr, "MODE must be 0-4, got %d\n", mode);
+  if (mode < 0 || mode > 5) {
+    std::fprintf(stderr, "MODE must be 0-5, got %d\n", mode);
     return 2;
   }
   double best = 0;

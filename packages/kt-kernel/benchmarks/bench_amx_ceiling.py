@@ -71,6 +71,7 @@ LOOPS = (
         0,
     ),
     ("built, 128 rows", T2048 + "; " + BUILT, 4, 64, 8192, 1, 0, 1),
+    ("built, 32 rows", T512 + "; " + BUILT, 1, 64, 8192, 1, 0, 1),
     (
         "built, 128 rows, prefetched",
         T2048 + "; " + BUILT + ", next pass prefetched",
@@ -110,6 +111,27 @@ LOOPS = (
         1,
         0,
         4,
+    ),
+    (
+        "built, int8 tiles, 128 rows",
+        T2048
+        + "; the built loop on AMX-INT8 tiles, int8 weights (half the bytes per multiply-add)",
+        4,
+        64,
+        8192,
+        1,
+        0,
+        5,
+    ),
+    (
+        "built, int8 tiles, 32 rows",
+        T512 + "; the built loop on AMX-INT8 tiles, int8 weights",
+        1,
+        64,
+        8192,
+        1,
+        0,
+        5,
     ),
     (
         "products alone, 128 rows, prefetching",
@@ -213,7 +235,7 @@ def run(exe: Path, rounds: int, experts: int, quick: bool) -> dict:
         reads_all.append(every)
         got = {}
         for name, _, row_tiles, steps, passes, reps, prefetch, mode in LOOPS:
-            if mode == 4 and not amx_int8():
+            if mode >= 4 and not amx_int8():
                 continue
             if quick:
                 passes, reps = min(passes, 256), max(1, reps // 10)
@@ -324,6 +346,13 @@ def write_markdown(path: Path, meta: dict, result: dict) -> None:
             "tiles' rate on the same loop: an int8 x int8 product (activations quantised) would "
             "halve the arithmetic that the weights' read does not hide."
         )
+    for m in (128, 32):
+        i8, bf = by_name.get(f"built, int8 tiles, {m} rows"), by_name.get(f"built, {m} rows")
+        if i8 is not None and bf is not None:
+            lines.append(
+                f"- Built from int8 weights onto AMX-INT8 tiles at {m} rows: {i8['gflops']:.0f} "
+                f"({i8['gflops'] / bf['gflops']:.2f}x the bf16 loop's {bf['gflops']:.0f})."
+            )
     path.write_text("\n".join(lines) + "\n")
 
 
