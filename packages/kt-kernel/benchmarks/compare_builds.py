@@ -10,12 +10,13 @@ Usage::
     cp -r src/kt_kernel /tmp/base/      # at the baseline commit
     cp -r src/kt_kernel /tmp/cand/      # at the candidate
     python benchmarks/compare_builds.py --baseline /tmp/base --candidate /tmp/cand \\
-        --out DIR [--rounds 4] [--tokens 512 2048] [--experts 128] [--rows 16 48 112 144]
+        --out DIR [--rounds 4] [--tokens 512 2048] [--experts 128] [--rows 16 48 112 144] \\
+        [--format bf16-packed]
 
 Writes ``DIR/compare_builds.{json,md}``:
-- the whole op (forward + backward, bf16-packed experts, fused bf16 LoRA r=16, policy save,
-  2 kernel threads): H=2048, I=768, E=``--experts``, k=8 (Qwen3-30B-A3B's layer), wall and
-  process CPU time per token count;
+- the whole op (forward + backward, experts in ``--format``, default bf16-packed, fused bf16
+  LoRA r=16, policy save, 2 kernel threads): H=2048, I=768, E=``--experts``, k=8
+  (Qwen3-30B-A3B's layer), wall and process CPU time per token count;
 - one thread's expert products (``x W^T`` and ``dy W`` of gate_up and down) at ``--rows``
   rows, over 32 distinct experts (weights from DRAM), GFLOP/s.
 Set ``KT_KERNEL_AMX=0`` and ``ONEDNN_MAX_CPU_ISA=AVX512_CORE_BF16`` in the environment to
@@ -36,7 +37,7 @@ from pathlib import Path
 PRODUCT_EXPERTS = 32
 
 
-def child_op(tokens: list[int], experts: int) -> dict[str, list[float]]:
+def child_op(fmt: str, tokens: list[int], experts: int) -> dict[str, list[float]]:
     """Median (wall s, process CPU s) of 3 forward + backward steps per token count."""
     import _timing as tm
     import torch
@@ -47,18 +48,19 @@ def child_op(tokens: list[int], experts: int) -> dict[str, list[float]]:
     h, i, k, r = 2048, 768, 8, 16
     spec = kk.ExpertSpec(experts, h, i)
     gate_up, down = tm.make_weights(h, i, experts, distinct=DISTINCT)
-    bases, _ = build_bases(spec, gate_up, down, DISTINCT, ("bf16", "bf16-packed"))
+    # build_bases sizes every format against bf16's (adopted, not copied)
+    bases, _ = build_bases(spec, gate_up, down, DISTINCT, tuple(dict.fromkeys(("bf16", fmt))))
     lora = tm.make_lora(spec, r)
     out = {}
     for t in tokens:
         x, ids, w, dy = tm.make_inputs(t, h, experts, k, torch.Generator().manual_seed(2))
-        tm.step(x, ids, w, dy, bases["bf16-packed"], lora)  # warm-up
-        s = [tm.step(x, ids, w, dy, bases["bf16-packed"], lora) for _ in range(3)]
+        tm.step(x, ids, w, dy, bases[fmt], lora)  # warm-up
+        s = [tm.step(x, ids, w, dy, bases[fmt], lora) for _ in range(3)]
         out[str(t)] = [statistics.median(a[0] for a in s), statistics.median(a[1] for a in s)]
     return out
 
 
-def child_products(rows: list[int]) -> dict[str, float]:
+def child_products(fmt: str, rows: list[int]) -> dict[str, float]:
     """GFLOP/s (best of 3 passes over the experts) of each product at each row count."""
     import torch
     from bench_products import PROJECTIONS, expert_bank
@@ -71,7 +73,7 @@ def child_products(rows: list[int]) -> dict[str, float]:
     out = {}
     for proj, (n, k) in PROJECTIONS.items():
         gen = torch.Generator().manual_seed(n * k)
-        name, args = expert_bank("bf16-packed", n, k, PRODUCT_EXPERTS)
+        name, args = expert_bank(fmt, n, k, PRODUCT_EXPERTS)
         for nn in (False, True):
             for m in rows:
                 x = torch.randn(m, n if nn else k, generator=gen).to(torch.bfloat16)
@@ -130,7 +132,8 @@ def write_markdown(path: Path, meta: dict, op: dict, products: dict) -> None:
     ]
     if op:
         lines += [
-            f"Whole op, forward + backward: H=2048, I=768, E={meta['experts']}, k=8, bf16-packed, "
+            f"Whole op, forward + backward: H=2048, I=768, E={meta['experts']}, k=8, "
+            f"{meta['format']}, "
             "2 kernel threads.",
             "",
             "| T | baseline wall ms | candidate wall ms | speed-up (wall) | baseline CPU ms "
@@ -146,7 +149,8 @@ def write_markdown(path: Path, meta: dict, op: dict, products: dict) -> None:
         lines.append("")
     if products:
         lines += [
-            f"One thread's products, {PRODUCT_EXPERTS} distinct experts per pass (GFLOP/s).",
+            f"One thread's {meta['format']} products, {PRODUCT_EXPERTS} distinct experts per "
+            "pass (GFLOP/s).",
             "",
             "| product | rows | baseline | candidate | speed-up |",
             "|---|---|---|---|---|",
@@ -172,13 +176,14 @@ def main() -> None:
     ap.add_argument("--tokens", type=int, nargs="*", default=[512, 2048], help="op token counts")
     ap.add_argument("--experts", type=int, default=128, help="experts E of the op (multiple of 8)")
     ap.add_argument("--rows", type=int, nargs="*", default=[16, 48, 112, 128, 144])
+    ap.add_argument("--format", default="bf16-packed", help="weight format of the experts")
     args = ap.parse_args()
     if args.child:
-        kind, values = args.child[0], [int(v) for v in args.child[1:]]
+        kind, fmt, values = args.child[0], args.child[1], [int(v) for v in args.child[2:]]
         if kind == "op":
-            res: dict = child_op(values[1:], values[0])
+            res: dict = child_op(fmt, values[1:], values[0])
         else:
-            res = child_products(values)
+            res = child_products(fmt, values)
         print(json.dumps(res))
         return
     if args.baseline is None or args.candidate is None or args.out is None:
@@ -193,12 +198,15 @@ def main() -> None:
         order = list(builds) if rnd % 2 == 0 else list(builds)[::-1]
         for b in order:
             op = (
-                _run_child(builds[b], ["--child", "op", str(args.experts), *map(str, args.tokens)])
+                _run_child(
+                    builds[b],
+                    ["--child", "op", args.format, str(args.experts), *map(str, args.tokens)],
+                )
                 if args.tokens
                 else {}
             )
             prods = (
-                _run_child(builds[b], ["--child", "products", *map(str, args.rows)])
+                _run_child(builds[b], ["--child", "products", args.format, *map(str, args.rows)])
                 if args.rows
                 else {}
             )
@@ -218,6 +226,7 @@ def main() -> None:
         "candidate": str(args.candidate),
         "rounds": args.rounds,
         "experts": args.experts,
+        "format": args.format,
         "cpus": os.cpu_count(),
         "cpu": os.uname().machine,
         "kt_kernel_amx": os.environ.get("KT_KERNEL_AMX", "unset"),
