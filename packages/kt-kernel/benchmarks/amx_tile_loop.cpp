@@ -16,8 +16,9 @@
 //   arithmetic alone, on the same loop);
 // - 4: mode 3 on AMX-INT8 tiles (TDPBSSD: 64 int8 per tile row, twice the multiply-adds of a
 //   bf16 tile product; counted as such, so a step covers 64 of K);
-// - 5: mode 1 on AMX-INT8 tiles: an int8 x int8 product that builds its B tiles from int8
-//   weights (a step's 2 KiB now covers 64 of K: half the bytes per multiply-add).
+// - 5: mode 1 on AMX-INT8 tiles: an int8 x int8 product building its B tiles from int8
+//   weights (the same loads, shuffles and stores as mode 1, but a step's 2 KiB now covers 64
+//   of K: half the bytes per multiply-add).
 // PREFETCH 1 spreads software prefetches (to L2) of the next pass's B over this pass's row
 // tiles and steps; 0 leaves it to the hardware prefetchers.
 // Prints the best of TRIALS runs as GFLOP per thread CPU second (CLOCK_THREAD_CPUTIME_ID,

@@ -15,6 +15,10 @@ feeding the tiles from memory costs. Each round measures, on one thread, in thre
   them, twice this machine's L3) at 128 rows per expert (T=2048, E=128, k=8) and at 32 (T=512);
 - the kernel's own bf16-packed ``x W^T`` (``torch.ops.kt_kernel.project``) at those rows over
   128 distinct experts (768 MiB: one Qwen3-30B-A3B layer's gate_up);
+- at 128 rows, the loop that builds B as the kernel does, its read alone and its tile products
+  alone: whether reading the weights hides behind the arithmetic;
+- where the CPU has AMX-INT8, the same tile products on int8 tiles, and the built loop over
+  int8 weights (an int8 x int8 product's ceiling);
 - one thread's memory read rate.
 Ratios to the peak are taken per round, then the median.
 """
@@ -41,7 +45,8 @@ SOURCE = Path(__file__).with_name("amx_tile_loop.cpp")
 N, K = 1536, 2048  # gate_up of Qwen3-30B-A3B
 # (name, what it stands for, row tiles, steps, passes, reps, prefetch, mode): `steps` 64 is
 # K=2048; `mode` as in amx_tile_loop.cpp (0: B straight from memory; 1: built as the kernel
-# does; 2: the build's reads alone; 3: the tile products alone).
+# does; 2: the build's reads alone; 3: the tile products alone; 4: 3 on AMX-INT8 tiles; 5: 1 on
+# AMX-INT8 tiles, from int8 weights).
 T2048 = "gate_up x W^T at T=2048 (E=128), weights from memory"
 T512 = "gate_up x W^T at T=512 (E=128), weights from memory"
 BUILT = "B tiles built from the weights by the first row tile and reused, as the kernel does"
