@@ -59,33 +59,44 @@ inline __mmask16 first_lanes(int64_t count) {
 
 // C tiles 0-3 of a 32 x 32 block += [A rows 0-15; A rows 16-31] x [B columns 0-15, 16-31]: one
 // step of 32 over the reduced dimension (row strides in bytes; a stride of 0 repeats one row,
-// e.g. of a zero buffer).
-__attribute__((target("amx-tile,amx-bf16"))) inline void tile_step(const void* a0, int64_t sa0,
-                                                                    const void* a1, int64_t sa1,
-                                                                    const void* b0, const void* b1,
-                                                                    int64_t sb) {
+// e.g. of a zero buffer). With I8, int8 tiles (TDPBSSD: 64 of the reduced dimension per step,
+// int32 C).
+template <bool I8 = false>
+__attribute__((target("amx-tile,amx-bf16,amx-int8"))) inline void tile_step(
+    const void* a0, int64_t sa0, const void* a1, int64_t sa1, const void* b0, const void* b1,
+    int64_t sb) {
   _tile_loadd(4, a0, sa0);
   _tile_loadd(5, a1, sa1);
   _tile_loadd(6, b0, sb);
   _tile_loadd(7, b1, sb);
-  _tile_dpbf16ps(0, 4, 6);
-  _tile_dpbf16ps(1, 4, 7);
-  _tile_dpbf16ps(2, 5, 6);
-  _tile_dpbf16ps(3, 5, 7);
+  if constexpr (I8) {
+    _tile_dpbssd(0, 4, 6);
+    _tile_dpbssd(1, 4, 7);
+    _tile_dpbssd(2, 5, 6);
+    _tile_dpbssd(3, 5, 7);
+  } else {
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+    _tile_dpbf16ps(2, 5, 6);
+    _tile_dpbf16ps(3, 5, 7);
+  }
 }
 
 // C tiles 0-1 += A rows 0-15 x [B columns 0-15, 16-31]: tile_step for a last row tile of 16
 // rows, which would otherwise multiply a tile of padding zeros.
-__attribute__((target("amx-tile,amx-bf16"))) inline void tile_step_half(const void* a0,
-                                                                         int64_t sa0,
-                                                                         const void* b0,
-                                                                         const void* b1,
-                                                                         int64_t sb) {
+template <bool I8 = false>
+__attribute__((target("amx-tile,amx-bf16,amx-int8"))) inline void tile_step_half(
+    const void* a0, int64_t sa0, const void* b0, const void* b1, int64_t sb) {
   _tile_loadd(4, a0, sa0);
   _tile_loadd(6, b0, sb);
   _tile_loadd(7, b1, sb);
-  _tile_dpbf16ps(0, 4, 6);
-  _tile_dpbf16ps(1, 4, 7);
+  if constexpr (I8) {
+    _tile_dpbssd(0, 4, 6);
+    _tile_dpbssd(1, 4, 7);
+  } else {
+    _tile_dpbf16ps(0, 4, 6);
+    _tile_dpbf16ps(1, 4, 7);
+  }
 }
 
 __attribute__((target("amx-tile"))) inline void tiles_zero() {
@@ -187,7 +198,7 @@ inline uint16_t* pass_buffer(int64_t steps) {
 // int4_packed through amx_packed_ints.h) and the LoRA products.
 #if defined(__x86_64__) && defined(__GNUC__)
 #pragma GCC push_options
-#pragma GCC target("amx-tile,amx-bf16,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")
+#pragma GCC target("amx-tile,amx-bf16,amx-int8,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")
 // The 16 x 16 dwords r[l][j] -> r[j][l] (rows become the columns), in place.
 inline void transpose16(__m512i (&r)[16]) {
   __m512i t[16], u[16];
@@ -229,19 +240,22 @@ constexpr int64_t kAhead = 6;
 // here). Building all of a pass's pairs before its first row tile left DRAM idle while the
 // tiles multiplied, and the products streamed 7-9 GB/s at 16-32 rows; this way, 9.5-13
 // (benchmarks/results/history.md, "bf16-packed streams its weights").
-template <class Build, class Fetch>
-void pass_tiles(const uint16_t* a, int64_t ld, int64_t rows, int64_t m, uint16_t* bt,
-                int64_t steps, int64_t c0, int64_t n, uint16_t* out, int64_t ldo,
-                const Build& build, const Fetch& fetch) {
+// pass_tiles_to hands row tile m0's 4 C tiles (16 x 16 each: fp32, or int32 bits with I8) to
+// `store(c, m0)`; pass_tiles rounds them into bf16 `out`. With I8 the steps run on int8 tiles:
+// a step is 64 of the reduced dimension, and `a` holds int8 rows addressed as bf16 pairs (ld
+// in units of 2 bytes).
+template <bool I8, class Build, class Fetch, class Store>
+void pass_tiles_to(const uint16_t* a, int64_t ld, int64_t rows, int64_t m, uint16_t* bt,
+                   int64_t steps, const Build& build, const Fetch& fetch, const Store& store) {
   alignas(64) float c[4][256];
   // A last row tile of at most 16 rows takes one A tile: padding it to 32 rows multiplied 11%
   // zeros on average at 100-150 rows per expert (T=2048, E=128), 40% at 17-45 (T=512).
   const bool half = (m + 15) / 16 % 2 == 1;
   const auto step = [&](const uint16_t* a0, const uint16_t* b, bool h) {
     if (h) {
-      tile_step_half(a0, ld * 2, b, b + kTile, 64);
+      tile_step_half<I8>(a0, ld * 2, b, b + kTile, 64);
     } else {
-      tile_step(a0, ld * 2, a0 + 16 * ld, ld * 2, b, b + kTile, 64);
+      tile_step<I8>(a0, ld * 2, a0 + 16 * ld, ld * 2, b, b + kTile, 64);
     }
   };
   if (rows == 32) {  // one row tile reuses no pair: each is built in L1 and used at once
@@ -257,7 +271,7 @@ void pass_tiles(const uint16_t* a, int64_t ld, int64_t rows, int64_t m, uint16_t
       step(a + 32 * s, one, half);
     }
     tiles_store(c);
-    store_c_tiles<false>(c, 0, m, c0, n, out, ldo, 1.0f);
+    store(c, int64_t{0});
     return;
   }
   for (int64_t m0 = 0; m0 < rows; m0 += 32) {
@@ -276,8 +290,18 @@ void pass_tiles(const uint16_t* a, int64_t ld, int64_t rows, int64_t m, uint16_t
       step(a0 + 32 * s, b, h);
     }
     tiles_store(c);
-    store_c_tiles<false>(c, m0, m, c0, n, out, ldo, 1.0f);
+    store(c, m0);
   }
+}
+
+template <class Build, class Fetch>
+void pass_tiles(const uint16_t* a, int64_t ld, int64_t rows, int64_t m, uint16_t* bt,
+                int64_t steps, int64_t c0, int64_t n, uint16_t* out, int64_t ldo,
+                const Build& build, const Fetch& fetch) {
+  pass_tiles_to<false>(a, ld, rows, m, bt, steps, build, fetch,
+                       [&](const float (&c)[4][256], int64_t m0) {
+                         store_c_tiles<false>(c, m0, m, c0, n, out, ldo, 1.0f);
+                       });
 }
 
 #pragma GCC pop_options
