@@ -43,7 +43,17 @@ import kt_kernel as kk
 # (name, H, I, E, k, r, token counts); MEDIUM is the shape the targets are stated for.
 MEDIUM = ("medium", 2048, 768, 64, 8, 16, (64, 512, 2048))
 QUICK = ("quick", 1024, 384, 32, 8, 16, (64, 512))
-FORMATS = ("bf16", "bf16-packed", "int8", "int8-packed", "int4", "int4-packed", "fp8", "mxfp4")
+FORMATS = (
+    "bf16",
+    "bf16-packed",
+    "int8",
+    "int8-packed",
+    "int8-packed-a8",
+    "int4",
+    "int4-packed",
+    "fp8",
+    "mxfp4",
+)
 DISTINCT = 8  # experts with their own random values; the rest repeat them (own memory)
 CLAMPED = "bf16_clamped_swiglu"  # the bf16 base with GPT-OSS's activation
 CLAMPED_ACT = kk.ClampedSwiGLU(alpha=1.702, limit=7.0)

@@ -33,6 +33,7 @@ EXPECTED_ALL = {
     "Bf16Packed",
     "Int4Packed",
     "Int8Packed",
+    "Int8PackedA8",
     "Mxfp4",
     "SwiGLU",
     "SwiGLULimit",

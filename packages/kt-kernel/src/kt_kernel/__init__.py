@@ -39,7 +39,7 @@ from kt_kernel.formats_bf16_packed import Bf16Packed
 from kt_kernel.formats_fp8 import Fp8Block
 from kt_kernel.formats_int4 import Int4Grouped
 from kt_kernel.formats_int4_packed import Int4Packed
-from kt_kernel.formats_int8_packed import Int8Packed
+from kt_kernel.formats_int8_packed import Int8Packed, Int8PackedA8
 from kt_kernel.formats_mxfp4 import Mxfp4
 from kt_kernel.logit_rows import LOGIT_ROWS_DTYPES, LogitRows, logit_rows
 from kt_kernel.lora import FUSED_NAMES, SPLIT_NAMES, LoraBuffers, LoraLayout, lora_shapes
@@ -86,6 +86,7 @@ __all__ = [
     "Int4Grouped",
     "Int4Packed",
     "Int8Packed",
+    "Int8PackedA8",
     "Int8PerChannel",
     "KernelDTypeError",
     "KernelInputError",
