@@ -152,14 +152,6 @@ LOOPS = (
 OURS_ROWS = (128, 32)
 
 
-def amx_int8() -> bool:
-    """Whether Linux lists AMX-INT8 among this CPU's flags."""
-    try:
-        return "amx_int8" in Path("/proc/cpuinfo").read_text().split()
-    except OSError:
-        return False
-
-
 def build(tmp: Path) -> tuple[Path | None, str]:
     """The compiled loop, or ``None`` and why not."""
     gxx = shutil.which("g++")
@@ -240,7 +232,7 @@ def run(exe: Path, rounds: int, experts: int, quick: bool) -> dict:
         reads_all.append(every)
         got = {}
         for name, _, row_tiles, steps, passes, reps, prefetch, mode in LOOPS:
-            if mode >= 4 and not amx_int8():
+            if mode >= 4 and not torch.ops.kt_kernel.amx_int8():
                 continue
             if quick:
                 passes, reps = min(passes, 256), max(1, reps // 10)

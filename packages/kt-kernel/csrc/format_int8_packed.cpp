@@ -25,10 +25,6 @@
 #include "amx_packed_ints.h"
 #include "formats.h"
 
-#if defined(__x86_64__) && defined(__GNUC__)
-#include <cpuid.h>
-#endif
-
 namespace kt_kernel {
 namespace formats {
 namespace {
@@ -132,15 +128,6 @@ bool gemv_int8_packed(const ExpertView& w, bool nn_product, const void* in, int6
 //   (two vpermt2q and a vshufi64x2), each qword's bytes reordered from (row, column) to
 //   (column, row) (vpshufb).
 #if defined(__x86_64__) && defined(__GNUC__)
-bool has_amx_int8() {
-  static const bool v = [] {
-    if (!has_amx()) return false;
-    unsigned a = 0, b = 0, c = 0, d = 0;
-    return __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d & (1u << 25)) != 0;  // AMX-INT8
-  }();
-  return v;
-}
-
 #pragma GCC push_options
 #pragma GCC target("amx-tile,amx-bf16,amx-int8,avx512f,avx512bw,avx512vl,avx512dq,avx512bf16")
 namespace a8 {
@@ -155,7 +142,9 @@ const int8_t* quantised_rows(const uint16_t* in, int64_t ldi, int64_t m, int64_t
   thread_local std::vector<float> sbuf;
   ldq = ceil_div(cols, 64) * 64 + 64;
   rows = ceil_div(m, 32) * 32;
-  buf.assign(static_cast<size_t>(rows * ldq), int8_t{0});
+  // Each row is written whole below (its quantised columns, then zeros), so the buffer needs
+  // no clearing first.
+  buf.resize(static_cast<size_t>(rows * ldq));
   sbuf.assign(static_cast<size_t>(rows), 0.0f);
   const auto value = [&](const uint16_t* row, int64_t c, __mmask16 mask) {
     const __m512 v = _mm512_castsi512_ps(
@@ -165,24 +154,29 @@ const int8_t* quantised_rows(const uint16_t* in, int64_t ldi, int64_t m, int64_t
   const __m512 sign = _mm512_castsi512_ps(_mm512_set1_epi32(0x7fffffff));
   for (int64_t r = 0; r < m; ++r) {
     const uint16_t* row = in + r * ldi;
+    int8_t* dst = buf.data() + r * ldq;
     __m512 amax = _mm512_setzero_ps();
     for (int64_t c = 0; c < cols; c += 16) {
       const __mmask16 mask = first_lanes(cols - c);
       amax = _mm512_max_ps(amax, _mm512_and_ps(value(row, c, mask), sign));
     }
     const float a = _mm512_reduce_max_ps(amax);
-    if (a == 0.0f) continue;
-    const __m512 inv = _mm512_set1_ps(127.0f / a);
-    sbuf[r] = a / 127.0f;
-    int8_t* dst = buf.data() + r * ldq;
-    const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
-    for (int64_t c = 0; c < cols; c += 16) {
-      const __mmask16 mask = first_lanes(cols - c);
-      __m512i qv = _mm512_cvtps_epi32(_mm512_mul_ps(value(row, c, mask), inv));
-      qv = _mm512_min_epi32(_mm512_max_epi32(qv, lo), hi);
-      _mm_mask_storeu_epi8(dst + c, mask, _mm512_cvtepi32_epi8(qv));
+    int64_t done = 0;
+    if (a != 0.0f) {
+      const __m512 inv = _mm512_set1_ps(127.0f / a);
+      sbuf[r] = a / 127.0f;
+      const __m512i lo = _mm512_set1_epi32(-127), hi = _mm512_set1_epi32(127);
+      for (int64_t c = 0; c < cols; c += 16) {
+        const __mmask16 mask = first_lanes(cols - c);
+        __m512i qv = _mm512_cvtps_epi32(_mm512_mul_ps(value(row, c, mask), inv));
+        qv = _mm512_min_epi32(_mm512_max_epi32(qv, lo), hi);
+        _mm_mask_storeu_epi8(dst + c, mask, _mm512_cvtepi32_epi8(qv));
+      }
+      done = cols;
     }
+    std::memset(dst + done, 0, static_cast<size_t>(ldq - done));
   }
+  std::memset(buf.data() + m * ldq, 0, static_cast<size_t>((rows - m) * ldq));
   scale = sbuf.data();
   return buf.data();
 }
@@ -297,8 +291,7 @@ void nn(const ExpertView& w, const uint16_t* dy_in, int64_t ldi, int64_t m, uint
     const auto fetch = [&](int64_t ahead, int64_t t, bool near) {
       if (c0 + 32 * ahead >= k) return;
       for (int64_t h = 0; h < 4 && 4 * t + h < blocks; ++h) {
-        const uint8_t* p = q + (4 * t + h) * bb + 32 * (p0 + 16 * ahead);
-        for (int l = 0; l < 8; ++l) _mm_prefetch(reinterpret_cast<const char*>(p + 64 * l), near ? _MM_HINT_T0 : _MM_HINT_T1);
+        amx_ints::prefetch_lines<8>(q + (4 * t + h) * bb + 32 * (p0 + 16 * ahead), near);
       }
     };
     pass_tiles_to<true>(reinterpret_cast<const uint16_t*>(vq), ldq / 2, rows, m, bt0, steps,

@@ -103,6 +103,19 @@ bool has_amx() {
 #endif
 }
 
+bool has_amx_int8() {
+#if defined(__x86_64__) && defined(__GNUC__)
+  static const bool v = [] {
+    if (!has_amx()) return false;
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    return __get_cpuid_count(7, 0, &a, &b, &c, &d) && (d & (1u << 25)) != 0;  // AMX-INT8
+  }();
+  return v;
+#else
+  return false;
+#endif
+}
+
 const char* isa_name(Isa isa) {
   switch (isa) {
     case Isa::kAvx512:

@@ -45,6 +45,8 @@ bool has_avx512_bf16();
 // (XCR0 bits 17-18) and this process may use it (Linux arch_prctl); KT_KERNEL_AMX=0 turns it
 // off. Read once.
 bool has_amx();
+// True when has_amx() and the CPU has AMX-INT8 (TDPBSSD); KT_KERNEL_AMX=0 turns it off too.
+bool has_amx_int8();
 // "avx512", "avx2" or "scalar".
 const char* isa_name(Isa isa);
 

@@ -778,6 +778,7 @@ TORCH_LIBRARY(kt_kernel, m) {
   m.def("int8_isa", []() { return kt_kernel::formats::int8_isa(); });
   // Whether the kernel's own AMX-BF16 tile products run here (KT_KERNEL_AMX=0 turns them off).
   m.def("amx", []() { return kt_kernel::has_amx(); });
+  m.def("amx_int8", []() { return kt_kernel::has_amx_int8(); });
   m.def("formats", []() { return kt_kernel::formats::format_names(); });
   m.def("activations", []() { return kt_kernel::activation_names(); });
   m.def("cpu_features", []() { return kt_kernel::cpu_features(); });

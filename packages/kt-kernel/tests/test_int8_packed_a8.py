@@ -9,8 +9,6 @@ runs it in the per-format conformance suite by its registration.
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import pytest
 import torch
 
@@ -18,13 +16,8 @@ import kt_kernel as kk
 
 
 def _amx_int8() -> bool:
-    """Whether the kernel runs AMX tiles here and Linux lists AMX-INT8."""
-    if kk.backend_info().active != "native" or not torch.ops.kt_kernel.amx():
-        return False
-    try:
-        return "amx_int8" in Path("/proc/cpuinfo").read_text().split()
-    except OSError:
-        return False
+    """Whether the kernel runs AMX-INT8 tiles here."""
+    return kk.Int8PackedA8.own_products_here()
 
 
 needs_amx_int8 = pytest.mark.skipif(not _amx_int8(), reason="no AMX-INT8 tiles here")

@@ -140,8 +140,8 @@ class Int8Packed(StackedFormat):
         return packed, torch.cat([gate[1], up[1]], dim=-1).contiguous(), shape
 
     def __repr__(self) -> str:
-        """Class name."""
-        return "Int8Packed()"
+        """Class name (the W8A8 subclass's too)."""
+        return f"{type(self).__name__}()"
 
 
 register_format("int8-packed", Int8Packed)
@@ -167,19 +167,10 @@ class Int8PackedA8(Int8Packed):
 
     @classmethod
     def own_products_here(cls) -> bool:
-        """Whether the native extension runs AMX tiles here and the CPU has AMX-INT8."""
-        from pathlib import Path
+        """Whether the native extension runs AMX-INT8 tiles here (the W8A8 products')."""
+        from kt_kernel._native import native_module
 
-        if not Int8Packed.own_products_here():
-            return False
-        try:
-            return "amx_int8" in Path("/proc/cpuinfo").read_text().split()
-        except OSError:
-            return False
-
-    def __repr__(self) -> str:
-        """Class name."""
-        return "Int8PackedA8()"
+        return native_module() is not None and bool(torch.ops.kt_kernel.amx_int8())
 
 
 register_format("int8-packed-a8", Int8PackedA8)
